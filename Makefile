@@ -1,0 +1,27 @@
+PYTHON ?= python3
+PIP ?= $(PYTHON) -m pip
+NPROC ?= 4
+
+.PHONY: install test test-gpu bench demo lint
+
+install:
+	$(PIP) install -q -e '.[test]'
+
+# The CPU suite: every test that does not need a GPU (gpu tests skip with a reason).
+test: install
+	$(PYTHON) -m pytest -q
+
+# On a machine with a GPU: the gpu-marked tests only.
+test-gpu: install
+	$(PYTHON) -m pytest -q -m gpu
+
+demo: install
+	nccl-pg run --nproc $(NPROC) -m nccl_pg.demo
+
+bench: install
+	$(PIP) install -q torch==2.13.0
+	$(PYTHON) tools/bench_store.py
+
+lint:
+	$(PIP) install -q 'ruff>=0.6'
+	$(PYTHON) -m ruff check .

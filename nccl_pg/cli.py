@@ -1,0 +1,66 @@
+"""The `nccl-pg` command: `nccl-pg run` (the launcher) and `nccl-pg store`
+(a standalone rendezvous store server)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from collections.abc import Sequence
+
+from . import env, launcher
+from .errors import DistError
+from .store import TCPStoreServer
+
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="nccl-pg", description="Process groups over NCCL, without PyTorch.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run_parser = commands.add_parser(
+        "run", help="start N local ranks with the env:// variables set",
+        description="Start N local ranks of a Python script or module with RANK, WORLD_SIZE, MASTER_ADDR, ... "
+                    "set, host their rendezvous store, prefix their output with [rankN]:, forward SIGINT, SIGTERM and "
+                    "SIGHUP, and stop them all when one fails.",
+        epilog=launcher.EXIT_STATUS_HELP)
+    launcher.add_arguments(run_parser)
+
+    store_parser = commands.add_parser(
+        "store", help="run a TCPStore server in the foreground",
+        description=f"Serve a TCPStore until SIGINT or SIGTERM. Clients must present the secret in "
+                    f"{env.STORE_SECRET.name} when it is set.")
+    store_parser.add_argument("--host", default="0.0.0.0", help="address to bind (default: 0.0.0.0)")
+    store_parser.add_argument("--port", type=launcher.port_arg, default=29500,
+                              help="port to bind, 0 for a free one (default: 29500)")
+
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        return launcher.launch(launcher.config_from_args(args, run_parser))
+    return serve_store(args.host, args.port)
+
+
+def serve_store(host: str, port: int) -> int:
+    secret = env.STORE_SECRET.get()
+    # Blocked before the server starts its threads, which inherit the mask:
+    # the stop signals then reach only sigwait below.
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        server = TCPStoreServer(host, port, secret=secret)
+        server.start()
+    except (OSError, DistError) as exc:
+        print(f"nccl-pg store: {exc}", file=sys.stderr)  # exc names the address
+        return 1
+    try:
+        auth = f"on ({env.STORE_SECRET.name})" if secret else "off"
+        print(f"nccl-pg store: listening on {host}:{server.port}, authentication {auth}", flush=True)
+        signum = signal.sigwait(STOP_SIGNALS)
+        print(f"nccl-pg store: received {signal.Signals(signum).name}, stopping", flush=True)
+    finally:
+        server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""The Communicator contract between the process-group core and its backends.
+
+Everything above this file is backend-agnostic: it receives a Communicator
+(NCCL over nccl4py, or the host backend over TCP) and drives it only through
+the methods here. Operations are asynchronous: they are enqueued on a Stream
+and return at once; completion is observed through Events, failures through
+``async_error()``.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..reduce_op import ReduceOp
+
+
+class CommState(enum.Enum):
+    INITIALIZING = "initializing"
+    READY = "ready"
+    ERROR = "error"
+    ABORTED = "aborted"
+    DESTROYED = "destroyed"
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    """Communicator settings. ``blocking=False`` makes init and split return
+    at once (poll ``state``/``wait_ready``); ``timeout`` is the deadline of
+    init, split and finalize. The NCCL-only fields pass through to
+    ncclConfig_t; the host backend ignores them."""
+
+    blocking: bool = True
+    timeout: float = 600.0
+    comm_name: str | None = None
+    high_priority_stream: bool = False
+    cga_cluster_size: int | None = None
+    min_ctas: int | None = None
+    max_ctas: int | None = None
+    net_name: str | None = None
+    split_share: bool | None = None
+
+
+class Event(ABC):
+    """A marker in a stream: complete once everything enqueued before it is."""
+
+    @abstractmethod
+    def query(self) -> bool:
+        """True when complete; never blocks."""
+
+    @abstractmethod
+    def synchronize(self, timeout: float | None = None) -> bool:
+        """Block until complete or ``timeout`` seconds; False on timeout.
+        Returns early (True) when the stream's communicator is aborted."""
+
+    @abstractmethod
+    def elapsed_ms(self, end: Event) -> float:
+        """Milliseconds between this event and a later one (both complete)."""
+
+
+class Stream(ABC):
+    """An in-order queue of operations."""
+
+    @abstractmethod
+    def record(self, event: Event | None = None) -> Event: ...
+
+    @abstractmethod
+    def wait_event(self, event: Event) -> None:
+        """Later work on this stream starts only after ``event`` completes."""
+
+    @abstractmethod
+    def query(self) -> bool: ...
+
+    @abstractmethod
+    def synchronize(self, timeout: float | None = None) -> bool: ...
+
+
+class Communicator(ABC):
+    """One rank's endpoint of a group of ``nranks`` ranks."""
+
+    rank: int
+    nranks: int
+
+    # --- lifecycle ------------------------------------------------------------
+
+    @property
+    @abstractmethod
+    def state(self) -> CommState: ...
+
+    @abstractmethod
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until init finished (nonblocking mode); raises the init error
+        or DistBackendError on timeout."""
+
+    @abstractmethod
+    def async_error(self) -> BaseException | None:
+        """The error that broke this communicator (peer lost, aborted, ...)."""
+
+    @abstractmethod
+    def split(self, color: int | None, key: int, config: CommConfig | None = None) -> Communicator | None:
+        """Collective over this communicator: ranks with the same color form
+        a child ordered by (key, rank); ``color=None`` gets None."""
+
+    @property
+    @abstractmethod
+    def split_count(self) -> int: ...
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Fail every pending and future operation; bounded, never hangs."""
+
+    @abstractmethod
+    def finalize(self, timeout: float | None = None) -> None:
+        """Wait for every enqueued operation (bounded); raises on timeout."""
+
+    @abstractmethod
+    def destroy(self) -> None:
+        """Release resources; call after finalize or abort."""
+
+    @abstractmethod
+    def new_stream(self, high_priority: bool = False) -> Stream: ...
+
+    @abstractmethod
+    def new_event(self, timing: bool = False) -> Event: ...
+
+    # --- operations (arrays are flat, contiguous, of one dtype) -----------------
+
+    @abstractmethod
+    def all_reduce(self, send: Any, recv: Any, op: ReduceOp, stream: Stream, scale: float | None = None) -> None: ...
+
+    @abstractmethod
+    def broadcast(self, send: Any, recv: Any, root: int, stream: Stream) -> None: ...
+
+    @abstractmethod
+    def reduce(self, send: Any, recv: Any, op: ReduceOp, root: int, stream: Stream,
+               scale: float | None = None) -> None: ...
+
+    @abstractmethod
+    def all_gather(self, send: Any, recv: Any, stream: Stream) -> None: ...
+
+    @abstractmethod
+    def reduce_scatter(self, send: Any, recv: Any, op: ReduceOp, stream: Stream, scale: float | None = None) -> None: ...
+
+    @abstractmethod
+    def all_to_all(self, send: Any, recv: Any, stream: Stream, send_counts: Sequence[int] | None = None,
+                   recv_counts: Sequence[int] | None = None) -> None:
+        """Equal blocks when counts are None; else element counts per peer,
+        blocks packed contiguously in rank order."""
+
+    @abstractmethod
+    def gather(self, send: Any, recv: Any, root: int, stream: Stream) -> None: ...
+
+    @abstractmethod
+    def scatter(self, send: Any, recv: Any, root: int, stream: Stream) -> None: ...
+
+    @abstractmethod
+    def send(self, buf: Any, peer: int, stream: Stream) -> None: ...
+
+    @abstractmethod
+    def recv(self, buf: Any, peer: int, stream: Stream) -> None: ...
+
+    @abstractmethod
+    def group_start(self) -> None: ...
+
+    @abstractmethod
+    def group_end(self) -> None: ...

@@ -1,0 +1,298 @@
+"""Collectives on numpy arrays over a Mesh.
+
+Small messages take one round (every rank sends its data where it is needed
+and reduces locally); large ones take a ring (reduce-scatter then all-gather,
+each step split in chunks that are reduced as they arrive, while the kernel
+buffers the next) or a pipelined chain (broadcast). Reductions combine inputs
+in a fixed order that does not depend on the receiving rank, so every rank
+ends with bit-identical results, as with NCCL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from ...reduce_op import ReduceOp
+from .transport import Mesh, Recv, Send
+
+# Kinds of operation, sent in every message header (names for error messages).
+OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter",
+       "send/recv", "split")
+KIND = {name: i for i, name in enumerate(OPS)}
+
+SMALL_BYTES = 64 * 1024  # below this, one-round algorithms win on latency
+CHUNK_BYTES = 1 << 20  # ring/chain chunk
+
+
+def u8(a: np.ndarray) -> memoryview:
+    """A flat byte view of a contiguous array (works for ml_dtypes types too)."""
+    return memoryview(a.reshape(-1).view(np.uint8))
+
+
+def segments(count: int, n: int) -> list[tuple[int, int]]:
+    """Split ``count`` elements into ``n`` contiguous (start, stop) parts."""
+    base, extra = divmod(count, n)
+    out, start = [], 0
+    for i in range(n):
+        stop = start + base + (1 if i < extra else 0)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
+def chunks(start: int, stop: int, itemsize: int) -> list[tuple[int, int]]:
+    step = max(1, CHUNK_BYTES // max(itemsize, 1))
+    return [(s, min(s + step, stop)) for s in range(start, stop, step)] or [(start, stop)]
+
+
+# --- reduction ----------------------------------------------------------------------
+
+
+def combiner(op: ReduceOp, dtype: np.dtype) -> Callable[[np.ndarray, np.ndarray], None]:
+    """acc <- acc (op) x, in place. SUM/AVG/PREMUL_SUM all add here; AVG
+    divides and PREMUL_SUM scales around the reduction."""
+    if dtype == np.bool_:
+        fn = {ReduceOp.SUM: np.logical_or, ReduceOp.PRODUCT: np.logical_and, ReduceOp.MIN: np.logical_and,
+              ReduceOp.MAX: np.logical_or}[op]
+    else:
+        fn = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PREMUL_SUM: np.add, ReduceOp.PRODUCT: np.multiply,
+              ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}[op]
+
+    def combine(acc: np.ndarray, x: np.ndarray) -> None:
+        fn(acc, x, out=acc)
+
+    return combine
+
+
+def prescale(data: np.ndarray, op: ReduceOp, scale: float | None) -> np.ndarray:
+    """The local contribution: PREMUL_SUM multiplies it by ``scale`` first."""
+    if op is ReduceOp.PREMUL_SUM:
+        return (data * np.asarray(scale).astype(data.dtype)).astype(data.dtype, copy=False)
+    return data
+
+
+def finish(acc: np.ndarray, op: ReduceOp, nranks: int) -> None:
+    """AVG: divide the sum by the number of ranks (integers truncate, as NCCL)."""
+    if op is not ReduceOp.AVG:
+        return
+    if np.issubdtype(acc.dtype, np.integer):
+        # Round toward zero without abs(), which overflows on the most negative value.
+        q = acc // nranks
+        if acc.dtype.kind == "i":
+            q += ((acc < 0) & (acc % nranks != 0)).astype(acc.dtype)
+        np.copyto(acc, q)
+    elif acc.dtype.kind == "c":  # like NCCL on the real view: each component divided on its own
+        real = acc.view(acc.real.dtype)
+        np.divide(real, np.asarray(nranks).astype(real.dtype), out=real)
+    else:
+        np.divide(acc, np.asarray(nranks).astype(acc.dtype), out=acc)
+
+
+def _reduce_in_rank_order(parts: Sequence[np.ndarray], out: np.ndarray, combine: Callable) -> None:
+    np.copyto(out, parts[0])
+    for p in parts[1:]:
+        combine(out, p)
+
+
+# --- collectives ----------------------------------------------------------------------
+
+
+def all_reduce(mesh: Mesh, send: np.ndarray, recv: np.ndarray, op: ReduceOp, scale: float | None) -> None:
+    n, me = mesh.nranks, mesh.rank
+    mine = prescale(send, op, scale)
+    combine = combiner(op, send.dtype)
+    if n == 1 or send.nbytes <= SMALL_BYTES * max(1, n // 2):
+        parts = _all_gather_small(mesh, KIND["all_reduce"], mine)
+        _reduce_in_rank_order(parts, recv, combine)
+    else:
+        if mine is not recv:
+            np.copyto(recv, mine)
+        _ring_reduce_scatter(mesh, KIND["all_reduce"], recv, segments(recv.size, n), combine)
+        _ring_all_gather(mesh, KIND["all_reduce"], recv, segments(recv.size, n), owner_shift=1)
+    finish(recv, op, n)
+    del me
+
+
+def _all_gather_small(mesh: Mesh, kind: int, mine: np.ndarray) -> list[np.ndarray]:
+    """Everyone's array, in rank order, in one round."""
+    n, me = mesh.nranks, mesh.rank
+    theirs = np.empty((n, mine.size), dtype=mine.dtype)
+    peers = [p for p in range(n) if p != me]
+    mesh.exchange(kind, [(p, u8(mine)) for p in peers], [(p, u8(theirs[p]), None) for p in peers])
+    theirs[me] = mine
+    return list(theirs)
+
+
+def _ring_reduce_scatter(mesh: Mesh, kind: int, buf: np.ndarray, segs: list[tuple[int, int]],
+                         combine: Callable) -> None:
+    """After n-1 steps, rank r holds the full reduction of segment (r+1) % n.
+    Each step: send the segment reduced so far to the next rank, receive the
+    previous rank's into scratch, combine chunk by chunk as chunks land."""
+    n, me = mesh.nranks, mesh.rank
+    nxt, prv = (me + 1) % n, (me - 1) % n
+    # The transport fills receives one after the other and runs each on_done before it reads
+    # the next byte, so one chunk of scratch serves every chunk (no segment-sized allocation).
+    scratch = np.empty(min(max(b - a for a, b in segs), max(1, CHUNK_BYTES // buf.itemsize)), dtype=buf.dtype)
+    for step in range(n - 1):
+        s_lo, s_hi = segs[(me - step) % n]
+        r_lo, r_hi = segs[(me - step - 1) % n]
+        recvs: list[Recv] = []
+        for c_lo, c_hi in chunks(r_lo, r_hi, buf.itemsize):
+            view = scratch[:c_hi - c_lo]
+            recvs.append((prv, u8(view), lambda v=view, lo=c_lo, hi=c_hi: combine(buf[lo:hi], v)))
+        sends: list[Send] = [(nxt, u8(buf[a:b])) for a, b in chunks(s_lo, s_hi, buf.itemsize)]
+        mesh.exchange(kind, sends, recvs)
+
+
+def _ring_all_gather(mesh: Mesh, kind: int, buf: np.ndarray, segs: list[tuple[int, int]], owner_shift: int) -> None:
+    """Rank r starts owning segment (r + owner_shift) % n; each step forwards
+    the segment received last to the next rank."""
+    n, me = mesh.nranks, mesh.rank
+    nxt, prv = (me + 1) % n, (me - 1) % n
+    for step in range(n - 1):
+        s_lo, s_hi = segs[(me + owner_shift - step) % n]
+        r_lo, r_hi = segs[(me + owner_shift - step - 1) % n]
+        sends: list[Send] = [(nxt, u8(buf[a:b])) for a, b in chunks(s_lo, s_hi, buf.itemsize)]
+        recvs: list[Recv] = [(prv, u8(buf[a:b]), None) for a, b in chunks(r_lo, r_hi, buf.itemsize)]
+        mesh.exchange(kind, sends, recvs)
+
+
+def broadcast(mesh: Mesh, send: np.ndarray, recv: np.ndarray, root: int) -> None:
+    n, me = mesh.nranks, mesh.rank
+    kind = KIND["broadcast"]
+    if me == root and send is not recv:
+        np.copyto(recv, send)
+    if n == 1:
+        return
+    if recv.nbytes <= SMALL_BYTES:
+        if me == root:
+            mesh.exchange(kind, [(p, u8(recv)) for p in range(n) if p != root], [])
+        else:
+            mesh.exchange(kind, [], [(root, u8(recv), None)])
+        return
+    # A chain root -> root+1 -> ...: while receiving chunk k, forward chunk k-1. The root only
+    # sends and the last rank only receives, so each posts all its chunks in one exchange.
+    pos = (me - root) % n
+    nxt, prv = (me + 1) % n, (me - 1) % n
+    parts = chunks(0, recv.size, recv.itemsize)
+    if pos == 0:
+        mesh.exchange(kind, [(nxt, u8(recv[a:b])) for a, b in parts], [])
+        return
+    if pos == n - 1:
+        mesh.exchange(kind, [], [(prv, u8(recv[a:b]), None) for a, b in parts])
+        return
+    for k in range(len(parts) + 1):
+        sends: list[Send] = [(nxt, u8(recv[slice(*parts[k - 1])]))] if k > 0 else []
+        recvs: list[Recv] = [(prv, u8(recv[slice(*parts[k])]), None)] if k < len(parts) else []
+        mesh.exchange(kind, sends, recvs)
+
+
+def reduce(mesh: Mesh, send: np.ndarray, recv: np.ndarray | None, op: ReduceOp, root: int,
+           scale: float | None) -> None:
+    """``recv`` is only written on the root."""
+    n, me = mesh.nranks, mesh.rank
+    kind = KIND["reduce"]
+    mine = prescale(send, op, scale)
+    combine = combiner(op, send.dtype)
+    if n == 1 or send.nbytes <= SMALL_BYTES:
+        if me != root:
+            mesh.exchange(kind, [(root, u8(mine))], [])
+            return
+        theirs = np.empty((n, send.size), dtype=send.dtype)
+        peers = [p for p in range(n) if p != root]
+        mesh.exchange(kind, [], [(p, u8(theirs[p]), None) for p in peers])
+        theirs[root] = mine
+        assert recv is not None
+        _reduce_in_rank_order(list(theirs), recv, combine)
+        finish(recv, op, n)
+        return
+    # Large: ring reduce-scatter in scratch, then every owner sends its segment to the root.
+    work = np.array(mine, copy=True)
+    segs = segments(work.size, n)
+    _ring_reduce_scatter(mesh, kind, work, segs, combine)
+    own = (me + 1) % n
+    if me != root:
+        mesh.exchange(kind, [(root, u8(work[segs[own][0]:segs[own][1]]))], [])
+        return
+    assert recv is not None
+    np.copyto(recv[segs[own][0]:segs[own][1]], work[segs[own][0]:segs[own][1]])
+    owners = [((p + 1) % n, p) for p in range(n) if p != root]
+    mesh.exchange(kind, [], [(p, u8(recv[segs[s][0]:segs[s][1]]), None) for s, p in owners])
+    finish(recv, op, n)
+
+
+def all_gather(mesh: Mesh, send: np.ndarray, recv: np.ndarray) -> None:
+    """``recv`` holds n blocks of send.size, in rank order."""
+    n, me = mesh.nranks, mesh.rank
+    kind = KIND["all_gather"]
+    blocks = recv.reshape(n, send.size)
+    if blocks[me].ctypes.data != send.ctypes.data:
+        np.copyto(blocks[me], send)
+    if n == 1:
+        return
+    if send.nbytes <= SMALL_BYTES:
+        peers = [p for p in range(n) if p != me]
+        mesh.exchange(kind, [(p, u8(send)) for p in peers], [(p, u8(blocks[p]), None) for p in peers])
+        return
+    segs = [(i * send.size, (i + 1) * send.size) for i in range(n)]
+    _ring_all_gather(mesh, kind, recv, segs, owner_shift=0)
+
+
+def reduce_scatter(mesh: Mesh, send: np.ndarray, recv: np.ndarray, op: ReduceOp, scale: float | None) -> None:
+    """``send`` holds n blocks of recv.size; rank r gets the reduction of block r."""
+    n, me = mesh.nranks, mesh.rank
+    kind = KIND["reduce_scatter"]
+    combine = combiner(op, send.dtype)
+    mine = prescale(send, op, scale).reshape(n, recv.size)
+    if n == 1 or recv.nbytes <= SMALL_BYTES:
+        theirs = np.empty((n, recv.size), dtype=recv.dtype)
+        peers = [p for p in range(n) if p != me]
+        mesh.exchange(kind, [(p, u8(mine[p])) for p in peers], [(p, u8(theirs[p]), None) for p in peers])
+        theirs[me] = mine[me]
+        _reduce_in_rank_order(list(theirs), recv, combine)
+    else:
+        # Ring with segment i = block (i+1) % n so that rank r ends owning block r.
+        work = np.array(mine, copy=True).reshape(-1)
+        order = [(me_b - 1) % n for me_b in range(n)]
+        segs = [(order[i] * recv.size, (order[i] + 1) * recv.size) for i in range(n)]
+        _ring_reduce_scatter(mesh, kind, work, segs, combine)
+        np.copyto(recv, work[me * recv.size:(me + 1) * recv.size])
+    finish(recv, op, n)
+
+
+def all_to_all(mesh: Mesh, send: np.ndarray, recv: np.ndarray, send_counts: Sequence[int],
+               recv_counts: Sequence[int]) -> None:
+    n, me = mesh.nranks, mesh.rank
+    if np.may_share_memory(send, recv):  # in place: a block may be received before it has been sent
+        send = send.copy()
+    s_off = np.concatenate([[0], np.cumsum(send_counts)]).astype(int)
+    r_off = np.concatenate([[0], np.cumsum(recv_counts)]).astype(int)
+    if recv[r_off[me]:r_off[me + 1]].ctypes.data != send[s_off[me]:s_off[me + 1]].ctypes.data:
+        np.copyto(recv[r_off[me]:r_off[me + 1]], send[s_off[me]:s_off[me + 1]])
+    peers = [p for p in range(n) if p != me]
+    mesh.exchange(KIND["all_to_all"], [(p, u8(send[s_off[p]:s_off[p + 1]])) for p in peers],
+                  [(p, u8(recv[r_off[p]:r_off[p + 1]]), None) for p in peers])
+
+
+def gather(mesh: Mesh, send: np.ndarray, recv: np.ndarray | None, root: int) -> None:
+    n, me = mesh.nranks, mesh.rank
+    if me != root:
+        mesh.exchange(KIND["gather"], [(root, u8(send))], [])
+        return
+    assert recv is not None
+    blocks = recv.reshape(n, send.size)
+    np.copyto(blocks[me], send)
+    mesh.exchange(KIND["gather"], [], [(p, u8(blocks[p]), None) for p in range(n) if p != me])
+
+
+def scatter(mesh: Mesh, send: np.ndarray | None, recv: np.ndarray, root: int) -> None:
+    n, me = mesh.nranks, mesh.rank
+    if me != root:
+        mesh.exchange(KIND["scatter"], [], [(root, u8(recv), None)])
+        return
+    assert send is not None
+    blocks = send.reshape(n, recv.size)
+    np.copyto(recv, blocks[me])
+    mesh.exchange(KIND["scatter"], [(p, u8(blocks[p])) for p in range(n) if p != me], [])

@@ -1,0 +1,104 @@
+"""Every environment variable nccl_pg reads is declared and parsed here.
+
+Each variable has an ``NCCL_PG_*`` name; where PyTorch has an equivalent, the
+``TORCH_*`` name is accepted as well (ours wins when both are set). A value
+that does not parse raises ``ValueError`` naming the variable, so a typo fails
+at start-up instead of silently selecting a default.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Var(Generic[T]):
+    name: str
+    parse: Callable[[str], T]
+    default: T
+    doc: str
+    aliases: tuple[str, ...] = ()
+
+    def get(self, environ: Mapping[str, str] | None = None) -> T:
+        environ = os.environ if environ is None else environ
+        for key in (self.name, *self.aliases):
+            raw = environ.get(key)
+            if raw is not None and raw.strip() != "":
+                try:
+                    return self.parse(raw.strip())
+                except ValueError as exc:
+                    raise ValueError(f"invalid value {raw!r} for environment variable {key}: {exc}") from None
+        return self.default
+
+
+def parse_bool(raw: str) -> bool:
+    low = raw.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
+
+
+def parse_int(lo: int | None = None, hi: int | None = None) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        try:
+            value = int(raw, 10)
+        except ValueError:
+            raise ValueError("expected an integer") from None
+        if lo is not None and value < lo:
+            raise ValueError(f"must be >= {lo}")
+        if hi is not None and value > hi:
+            raise ValueError(f"must be <= {hi}")
+        return value
+
+    return parse
+
+
+def parse_seconds(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError("expected a number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise ValueError("must be a finite number of seconds > 0")
+    return value
+
+
+def parse_str(raw: str) -> str:
+    return raw
+
+
+# --- store -----------------------------------------------------------------
+STORE_SECRET: Var[str | None] = Var(
+    "NCCL_PG_STORE_SECRET", parse_str, None,
+    "Shared secret for TCPStore authentication (HMAC challenge-response); unset: no authentication.")
+STORE_TIMEOUT: Var[float] = Var(
+    "NCCL_PG_STORE_TIMEOUT", parse_seconds, 300.0,
+    "Default deadline in seconds of blocking store calls (connect, get, wait).")
+STORE_MAX_VALUE_SIZE: Var[int] = Var(
+    "NCCL_PG_STORE_MAX_VALUE_SIZE", parse_int(1, 2**31 - 1), 64 * 2**20,
+    "Largest value (bytes) a TCPStore server accepts.")
+USE_AGENT_STORE: Var[bool] = Var(
+    "NCCL_PG_USE_AGENT_STORE", parse_bool, False,
+    "Set by `nccl-pg run`: the launcher hosts the TCPStore, so rank 0 connects as a client.",
+    aliases=("TORCHELASTIC_USE_AGENT_STORE",))
+
+# --- host backend ----------------------------------------------------------
+HOST_ADDR: Var[str | None] = Var(
+    "NCCL_PG_HOST_ADDR", parse_str, None,
+    "Address the host backend listens on and publishes to peers; default: the local address of the "
+    "connection to the TCPStore, else 127.0.0.1.")
+
+ALL: tuple[Var, ...] = (STORE_SECRET, STORE_TIMEOUT, STORE_MAX_VALUE_SIZE, USE_AGENT_STORE, HOST_ADDR)
+
+
+def validate_all(environ: Mapping[str, str] | None = None) -> None:
+    """Parse every declared variable; raises on the first invalid one."""
+    for var in ALL:
+        var.get(environ)

@@ -1,0 +1,386 @@
+"""`nccl-pg run`: start N local ranks with the env:// variables set.
+
+The launcher hosts the rendezvous TCPStore itself, so that rank 0 dying does
+not take the store down for the others. Each rank runs in its own session, so
+that signalling its process group reaches everything it started. One
+single-threaded loop multiplexes the ranks' output pipes, signals (through a
+wakeup pipe) and deadlines; nothing else touches the ranks, so there are no
+races between threads over who reaps or kills what.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from . import env
+from .errors import DistError
+from .store import TCPStoreServer
+
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+EXIT_STATUS_HELP = ("exit status: 0 when every rank exits 0; otherwise that of the first rank to fail (128+N for "
+                    "a rank killed by signal N), 128+N when nccl-pg run itself receives signal N, or 124 when "
+                    "--max-time expires")
+EXIT_MAX_TIME = 124  # as timeout(1)
+READ_SIZE = 65536
+MAX_LINE = 1 << 20  # a longer line without a newline is written out in pieces
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    nproc: int
+    command: list[str]  # one rank's argv
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: an ephemeral port chosen by the store server
+    grace_period: float = 5.0
+    max_time: float | None = None
+    prefix: bool = True
+
+
+# --- command line ------------------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc", "--nproc-per-node", type=_positive_int, default=1, metavar="N",
+                        help="number of ranks to start on this machine (default: 1)")
+    parser.add_argument("--master-addr", default="127.0.0.1", metavar="ADDR",
+                        help="address the rendezvous store binds to and ranks connect to (default: 127.0.0.1)")
+    parser.add_argument("--master-port", type=port_arg, default=0, metavar="PORT",
+                        help="port of the rendezvous store (default: a free port)")
+    parser.add_argument("--grace-period", type=_seconds, default=5.0, metavar="S",
+                        help="seconds between SIGTERM and SIGKILL when stopping ranks (default: 5)")
+    parser.add_argument("--max-time", type=_seconds, default=None, metavar="S",
+                        help="stop the whole job after S seconds and exit 124")
+    parser.add_argument("--no-prefix", dest="prefix", action="store_false",
+                        help="let ranks write straight to the terminal instead of prefixing lines with [rankN]:")
+    parser.add_argument("-m", dest="module", action="store_true",
+                        help="run TARGET as a module, as `python -m TARGET`")
+    parser.add_argument("target", metavar="TARGET", help="script.py, or a module name with -m")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to every rank")
+
+
+def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> LaunchConfig:
+    if args.module:
+        command = [sys.executable, "-m", args.target, *args.args]
+    elif os.path.isfile(args.target):
+        command = [sys.executable, args.target, *args.args]
+    else:
+        parser.error(f"script not found: {args.target} (use -m to run a module)")
+    return LaunchConfig(nproc=args.nproc, command=command, master_addr=args.master_addr,
+                        master_port=args.master_port, grace_period=args.grace_period,
+                        max_time=args.max_time, prefix=args.prefix)
+
+
+def _positive_int(raw: str) -> int:
+    value = _int(raw)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def port_arg(raw: str) -> int:
+    value = _int(raw)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in 0..65535, got {value}")
+    return value
+
+
+def _int(raw: str) -> int:
+    try:
+        return int(raw, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {raw!r}") from None
+
+
+def _seconds(raw: str) -> float:
+    try:
+        return env.parse_seconds(raw)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}, got {raw!r}") from None
+
+
+# --- the job -----------------------------------------------------------------
+
+def launch(config: LaunchConfig) -> int:
+    """Run the job to the end; returns the launcher's exit status."""
+    return _Job(config).run()
+
+
+def exit_status(returncode: int) -> int:
+    """A shell-style status: Popen reports death by signal N as -N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def describe(returncode: int) -> str:
+    if returncode < 0:
+        return f"was killed by signal {_signame(-returncode)} ({-returncode})"
+    return f"exited with code {returncode}"
+
+
+def _signame(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _log(message: str) -> None:
+    print(f"nccl-pg run: {message}", file=sys.stderr, flush=True)
+
+
+class _LineWriter:
+    """Writes a rank's output line by line with a prefix, so that lines of
+    different ranks never interleave mid-line."""
+
+    def __init__(self, prefix: bytes, out: BinaryIO) -> None:
+        self.prefix = prefix
+        self.out = out
+        self.partial = b""
+
+    def feed(self, data: bytes) -> None:
+        lines = (self.partial + data).split(b"\n")
+        self.partial = lines.pop()
+        if len(self.partial) >= MAX_LINE:
+            lines.append(self.partial)
+            self.partial = b""
+        self._write(lines)
+
+    def finish(self) -> None:
+        if self.partial:
+            self._write([self.partial])
+            self.partial = b""
+
+    def _write(self, lines: list[bytes]) -> None:
+        if lines:
+            self.out.write(b"".join(self.prefix + line + b"\n" for line in lines))
+            self.out.flush()
+
+
+class _Stream:
+    """One output pipe of a rank and where its lines go."""
+
+    def __init__(self, pipe: BinaryIO, writer: _LineWriter) -> None:
+        self.pipe = pipe
+        self.writer = writer
+
+    def read(self) -> bool:
+        """Pass on what is available; False at end of file."""
+        data = os.read(self.pipe.fileno(), READ_SIZE)
+        self.writer.feed(data)
+        return bool(data)
+
+    def close(self) -> None:
+        self.writer.finish()
+        self.pipe.close()
+
+
+@dataclass
+class _Rank:
+    rank: int
+    proc: subprocess.Popen[bytes]
+    returncode: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def signal_group(self, signum: int) -> None:
+        """Signal the rank and everything it started (its session's group).
+        Only called before the rank is reaped: until then its pid, which is
+        also the group id, cannot be reused."""
+        try:
+            os.killpg(self.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    def exited(self) -> bool:
+        """True once the rank has exited; it is left unreaped (a zombie)."""
+        return os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+    def reap(self) -> int:
+        self.signal_group(signal.SIGKILL)  # leftovers of the rank, before the group id can be reused
+        self.returncode = self.proc.wait()
+        return self.returncode
+
+
+class _Job:
+    def __init__(self, config: LaunchConfig) -> None:
+        self.config = config
+        self.ranks: list[_Rank] = []
+        self.selector = selectors.DefaultSelector()
+        self.streams: dict[int, _Stream] = {}  # by file descriptor
+        self.wake_r, self.wake_w = os.pipe()  # signal wakeup pipe
+        self.pending_signals: list[int] = []
+        self.exit_code: int | None = None  # set when the job starts stopping
+        started = time.monotonic()
+        self.max_time_at = None if config.max_time is None else started + config.max_time
+        self.kill_at: float | None = None  # SIGKILL what is still running then
+        self.drain_until: float | None = None  # bound on output after the last rank exits
+
+    def run(self) -> int:
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
+        old_wakeup = signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
+        old_handlers = {s: signal.signal(s, self._on_signal) for s in FORWARDED_SIGNALS}
+        old_handlers[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, lambda *_: None)  # only to wake select
+        self.selector.register(self.wake_r, selectors.EVENT_READ)
+        server = None
+        try:
+            secret = env.STORE_SECRET.get() or secrets.token_hex(16)
+            server = _start_store(self.config, secret)
+            if server is None:
+                return 1
+            self._spawn_all(server.port, secret)
+            self._supervise()
+        finally:
+            self._kill_remaining()
+            for stream in self.streams.values():  # left open only when leaving on an exception
+                stream.pipe.close()
+            if server is not None:
+                server.stop()
+            for signum, handler in old_handlers.items():
+                signal.signal(signum, handler)
+            signal.set_wakeup_fd(old_wakeup)
+            self.selector.close()
+            os.close(self.wake_r)
+            os.close(self.wake_w)
+        return self.exit_code or 0
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.pending_signals.append(signum)  # handled by the loop, outside the handler
+
+    # -- starting ---------------------------------------------------------
+
+    def _spawn_all(self, port: int, secret: str) -> None:
+        cfg = self.config
+        common = {
+            **os.environ,
+            "WORLD_SIZE": str(cfg.nproc),
+            "LOCAL_WORLD_SIZE": str(cfg.nproc),
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": cfg.master_addr,
+            "MASTER_PORT": str(port),
+            env.USE_AGENT_STORE.name: "1",
+            env.STORE_SECRET.name: secret,
+            "PYTHONUNBUFFERED": "1",
+        }
+        for rank in range(cfg.nproc):
+            self._spawn(rank, {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+
+    def _spawn(self, rank: int, rank_env: dict[str, str]) -> None:
+        pipe = subprocess.PIPE if self.config.prefix else None
+        proc = subprocess.Popen(self.config.command, env=rank_env, stdin=subprocess.DEVNULL,
+                                stdout=pipe, stderr=pipe, start_new_session=True)
+        self.ranks.append(_Rank(rank, proc))
+        if self.config.prefix:
+            prefix = f"[rank{rank}]: ".encode()
+            self._watch(proc.stdout, _LineWriter(prefix, sys.stdout.buffer))
+            self._watch(proc.stderr, _LineWriter(prefix, sys.stderr.buffer))
+
+    def _watch(self, pipe: BinaryIO | None, writer: _LineWriter) -> None:
+        assert pipe is not None
+        self.streams[pipe.fileno()] = _Stream(pipe, writer)
+        self.selector.register(pipe.fileno(), selectors.EVENT_READ)
+
+    def _close_stream(self, fd: int) -> None:
+        self.selector.unregister(fd)
+        self.streams.pop(fd).close()
+
+    # -- supervising ------------------------------------------------------
+
+    def _live(self) -> list[_Rank]:
+        return [r for r in self.ranks if r.returncode is None]
+
+    def _supervise(self) -> None:
+        while self._live() or self.streams:
+            for key, _ in self.selector.select(self._timeout()):
+                if key.fd == self.wake_r:
+                    _drain(self.wake_r)
+                elif not self.streams[key.fd].read():
+                    self._close_stream(key.fd)
+            self._handle_signals()
+            self._reap()
+            self._check_deadlines()
+
+    def _timeout(self) -> float | None:
+        deadlines = [t for t in (self.max_time_at, self.kill_at, self.drain_until) if t is not None]
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+
+    def _handle_signals(self) -> None:
+        while self.pending_signals:
+            signum = self.pending_signals.pop(0)
+            self._stop(signum, 128 + signum, f"received {_signame(signum)}")
+
+    def _reap(self) -> None:
+        for rank in self._live():
+            if not rank.exited():
+                continue
+            returncode = rank.reap()
+            if returncode != 0 and self.exit_code is None:
+                self._stop(signal.SIGTERM, exit_status(returncode),
+                           f"rank {rank.rank} (pid {rank.pid}) {describe(returncode)}")
+        if not self._live() and self.streams and self.drain_until is None:
+            self.drain_until = time.monotonic() + self.config.grace_period
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        if self.max_time_at is not None and now >= self.max_time_at:
+            self.max_time_at = None
+            if self.exit_code is None and self._live():
+                self._stop(signal.SIGTERM, EXIT_MAX_TIME, f"--max-time {self.config.max_time:g} s expired")
+        if self.kill_at is not None and now >= self.kill_at:
+            self.kill_at = None
+            for rank in self._live():
+                _log(f"rank {rank.rank} (pid {rank.pid}) still running after the "
+                     f"{self.config.grace_period:g} s grace period; sending SIGKILL")
+                rank.signal_group(signal.SIGKILL)
+        if self.drain_until is not None and now >= self.drain_until:
+            # Only a process that left its rank's session can still hold a pipe open.
+            for fd in list(self.streams):
+                self._close_stream(fd)
+
+    def _stop(self, signum: int, exit_code: int, reason: str) -> None:
+        """Start stopping the job (or forward a further signal while stopping);
+        the first reason decides the exit status."""
+        if self.exit_code is None:
+            self.exit_code = exit_code
+        live = self._live()
+        if not live:
+            _log(reason)
+            return
+        _log(f"{reason}; sending {_signame(signum)} to {len(live)} running rank(s), "
+             f"SIGKILL after {self.config.grace_period:g} s")
+        for rank in live:
+            rank.signal_group(signum)
+        if self.kill_at is None:
+            self.kill_at = time.monotonic() + self.config.grace_period
+
+    def _kill_remaining(self) -> None:
+        """Last resort on every path out, an exception included: no rank survives the launcher."""
+        for rank in self._live():
+            rank.reap()
+
+
+def _start_store(config: LaunchConfig, secret: str) -> TCPStoreServer | None:
+    try:
+        server = TCPStoreServer(config.master_addr, config.master_port, secret=secret)
+        server.start()
+    except (OSError, DistError) as exc:
+        _log(f"cannot start the rendezvous store: {exc}")  # exc names the address
+        return None
+    return server
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, READ_SIZE):
+            pass
+    except BlockingIOError:
+        pass

@@ -1,0 +1,68 @@
+"""PrefixStore: a namespace inside another store (e.g. one per process group)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .base import Store, Timeout, Value, check_key, check_keys
+
+
+class PrefixStore(Store):
+    def __init__(self, prefix: str, store: Store) -> None:
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be str, got {type(prefix).__name__}")
+        if not isinstance(store, Store):
+            raise TypeError(f"store must be a Store, got {type(store).__name__}")
+        super().__init__(store.timeout)
+        self.prefix = prefix
+        self.underlying_store = store
+
+    def __repr__(self) -> str:
+        return f"PrefixStore({self.prefix!r}, {self.underlying_store!r})"
+
+    @property
+    def timeout(self) -> float:
+        return self.underlying_store.timeout
+
+    def set_timeout(self, timeout: Timeout) -> None:
+        self.underlying_store.set_timeout(timeout)
+
+    def _k(self, key: str) -> str:
+        return f"{self.prefix}/{check_key(key)}"
+
+    def _ks(self, keys: Sequence[str]) -> list[str]:
+        return [self._k(k) for k in check_keys(keys)]
+
+    def set(self, key: str, value: Value) -> None:
+        self.underlying_store.set(self._k(key), value)
+
+    def get(self, key: str) -> bytes:
+        return self.underlying_store.get(self._k(key))
+
+    def add(self, key: str, amount: int) -> int:
+        return self.underlying_store.add(self._k(key), amount)
+
+    def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:
+        return self.underlying_store.compare_set(self._k(key), expected, desired)
+
+    def wait(self, keys: Sequence[str], timeout: Timeout | None = None) -> None:
+        self.underlying_store.wait(self._ks(keys), timeout)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        return self.underlying_store.check(self._ks(keys))
+
+    def delete_key(self, key: str) -> bool:
+        return self.underlying_store.delete_key(self._k(key))
+
+    def num_keys(self) -> int:
+        """Keys in the whole underlying store, as in torch.distributed."""
+        return self.underlying_store.num_keys()
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        return self.underlying_store.multi_get(self._ks(keys))
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
+        self.underlying_store.multi_set(self._ks(keys), values)
+
+    def append(self, key: str, value: Value) -> None:
+        self.underlying_store.append(self._k(key), value)

@@ -1,0 +1,41 @@
+"""Shared fixtures."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+
+import pytest
+
+Spawn = Callable[..., subprocess.Popen]
+
+
+@pytest.fixture
+def clean_store_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Store tests set secrets and limits explicitly; the environment must not (children inherit this)."""
+    for name in ("NCCL_PG_STORE_SECRET", "NCCL_PG_STORE_MAX_VALUE_SIZE", "NCCL_PG_STORE_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def spawn() -> Iterator[Spawn]:
+    """Start ``python -c code *args`` with text pipes for stdin/stdout; children still alive at teardown are killed."""
+    procs: list[subprocess.Popen] = []
+
+    def start(code: str, *args: object) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, *map(str, args)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()

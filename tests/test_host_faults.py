@@ -1,0 +1,121 @@
+"""Host backend faults with real processes, sockets and signals: a peer
+killed (SIGKILL) or frozen (SIGSTOP) mid-collective, abort() from another
+thread, abort during init, destroy() with work pending. The child side of
+each scenario is in host_harness.py (SCENARIOS); the parent synchronises on
+store keys and measures against its own clock (CLOCK_MONOTONIC is shared by
+all processes of the machine)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import host_harness as H
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+BOUND = 1.0  # seconds: the contract's bound for failures to surface and for abort
+
+
+@pytest.fixture(autouse=True)
+def no_children_left() -> Iterator[None]:
+    """Every test ends with no child process of ours alive."""
+    yield
+    deadline = time.monotonic() + 5
+    while H.live_children() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert H.live_children() == []
+
+
+@pytest.mark.parametrize("n, victim", [(4, 1), (3, 0)])
+def test_sigkill_during_all_reduce(n: int, victim: int) -> None:
+    """Every survivor's async_error() appears, and its stream drains, within
+    1 s of the kill; later ops raise at once; destroy() is prompt."""
+    args = {"size": 1 << 21, "count": 400, "victim": victim}  # 8 MiB all_reduces: the ring path, many seconds' worth
+    with H.ProcWorld(n, "killed_peer", args) as w:
+        for r in range(n):
+            w.wait_key(f"progress/{r}")  # everyone is inside the stream of all_reduces
+        t_kill = time.monotonic()
+        os.kill(w.procs[victim].pid, signal.SIGKILL)
+        w.procs[victim].wait(10)
+        survivors = [r for r in range(n) if r != victim]
+        results = w.join(timeout=30, ranks=survivors)
+    assert w.procs[victim].returncode == -signal.SIGKILL
+    for r in survivors:
+        res = results[r]
+        assert res["t_err"] is not None and res["t_drain"] is not None, res
+        assert res["t_drain"] > t_kill, "the stream had finished before the kill; nothing was tested"
+        assert res["t_err"] - t_kill < BOUND, (r, res["t_err"] - t_kill, res["err"])
+        assert res["t_drain"] - t_kill < BOUND, (r, res["t_drain"] - t_kill)
+        assert res["err_is_backend_error"], res["err"]
+        assert "rank" in res["err"] and res["state"] == "error", res
+        assert res["raised_after"] is not None and res["raise_s"] < BOUND, res
+        assert res["destroy_s"] < BOUND, res
+
+
+def test_sigstop_peer_then_abort_unblocks_survivors() -> None:
+    """A frozen peer gives no EOF: the survivors block (as NCCL would) until
+    they abort; abort from another thread drains their streams within 1 s."""
+    n, victim = 3, 2
+    with H.ProcWorld(n, "hung_peer", {"size": 1 << 21, "count": 400, "victim": victim}) as w:
+        for r in range(n):
+            w.wait_key(f"progress/{r}")
+        os.kill(w.procs[victim].pid, signal.SIGSTOP)
+        w.store.set("stopped", b"1")
+        try:
+            results = w.join(timeout=30, ranks=[0, 1])
+        finally:
+            os.kill(w.procs[victim].pid, signal.SIGKILL)
+            w.procs[victim].wait(10)
+    for r in (0, 1):
+        res = results[r]
+        assert res["stuck"], res
+        assert res["drained"] and res["drain_s"] < BOUND, res
+        assert "aborted" in res["err"] and res["state"] == "aborted", res
+        assert res["destroy_s"] < BOUND, res
+
+
+def test_abort_from_another_thread_unblocks_recv() -> None:
+    """Rank 1's recv waits for a send that never comes; abort() from another
+    thread ends it within 1 s; later ops fail with "aborted"; rank 0 sees
+    the aborted peer as a lost connection."""
+    with H.ProcWorld(2, "abort_blocked_recv") as w:
+        results = w.join(timeout=30)
+    res = results[1]
+    assert res["blocked"], "the recv completed without a sender"
+    assert res["abort_s"] < BOUND and res["drained"] and res["drain_s"] < BOUND, res
+    assert "aborted" in res["err"] and res["state"] == "aborted", res
+    for what, raised in res["later"].items():
+        assert raised is not None and "aborted" in raised, (what, raised)
+    assert res["stream_query"] and res["sync_after"], res
+    assert res["destroy_s"] < BOUND, res
+    assert results[0]["peer_drained"] and "rank 1" in results[0]["peer_err"], results[0]
+
+
+@pytest.mark.parametrize("n, rank", [(2, 0), (3, 2)], ids=["accepting", "waiting-for-addresses"])
+def test_abort_during_nonblocking_init(n: int, rank: int) -> None:
+    """Only ``rank`` starts, so its nonblocking init can never finish: abort()
+    returns within 1 s, wait_ready raises "aborted", no thread is left."""
+    t0 = time.monotonic()
+    with H.ProcWorld(n, "abort_during_init", ranks=[rank]) as w:
+        results = w.join(timeout=20)
+    res = results[rank]
+    assert res["state0"] == "initializing", res
+    assert res["abort_s"] < BOUND and res["wait_s"] < BOUND and res["destroy_s"] < BOUND, res
+    assert res["ready_err"] and "aborted" in res["ready_err"], res
+    assert res["state"] == "destroyed" and res["threads_left"] == [], res
+    assert time.monotonic() - t0 < 15  # and the process exits promptly
+
+
+def test_destroy_with_pending_ops() -> None:
+    """destroy() with a recv that is never matched, collectives queued behind
+    it and a second stream waiting on the first: prompt, and every stream drains."""
+    with H.ProcWorld(2, "destroy_pending") as w:
+        results = w.join(timeout=30)
+    res = results[0]
+    assert res["pending"], res
+    assert res["destroy_s"] < BOUND and res["drained"], res
+    assert res["state"] == "destroyed" and "destroyed" in res["err"], res
