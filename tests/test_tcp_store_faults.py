@@ -52,9 +52,9 @@ def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
         time.sleep(0.005)
 
 
-def blocked_on(srv: TCPStoreServer, key: str, count: int = 1) -> Callable[[], bool]:
-    """Readiness probe: ``count`` requests are blocked in the server waiting for ``key``."""
-    return lambda: len(srv._waiting.get(key, ())) >= count
+def blocked_on(srv: TCPStoreServer, count: int = 1) -> Callable[[], bool]:
+    """Readiness probe: ``count`` requests are blocked in the server."""
+    return lambda: srv.num_waiters >= count
 
 
 def assert_works(client: TCPStore) -> None:
@@ -90,8 +90,9 @@ def raw_connect(port: int, proof: bytes = b"") -> socket.socket:
     return sock
 
 
-def error_message(body: bytes) -> str:
-    assert body[0] == P.Status.ERROR, body
+def error_message(body: bytes, status: P.Status = P.Status.ERROR) -> str:
+    """The message of an error answer; FATAL ones announce that the server closes the connection."""
+    assert body[0] == status, body
     return P.Reader(body, 1).str()
 
 
@@ -184,7 +185,7 @@ print("released", flush=True)
 """
     victim, bystander = spawn(code, server.port), spawn(code, server.port)
     assert victim.stdout.readline() == bystander.stdout.readline() == "connected\n"
-    wait_until(blocked_on(server, "go", 2))
+    wait_until(blocked_on(server, 2))
     assert server.num_connections == 3
     victim.kill()
     assert victim.wait(10) == -9
@@ -210,7 +211,7 @@ import sys, time
 from nccl_pg.store import TCPStoreServer
 srv = TCPStoreServer("127.0.0.1", 0).start()
 print(srv.port, flush=True)
-while "k" not in srv._waiting:  # readiness probe: a client is blocked on "k"
+while srv.num_waiters < 1:  # readiness probe: a client is blocked on "k"
     time.sleep(0.005)
 print("blocked", flush=True)
 sys.stdin.readline()
@@ -270,7 +271,7 @@ GARBAGE_FRAMES = {
 def test_garbage_frame_after_handshake(server: TCPStoreServer, client: TCPStore, body: bytes) -> None:
     sock = raw_connect(server.port)
     sock.sendall(P.frame(body))
-    assert "malformed request" in error_message(recv_frame(sock))
+    assert "malformed request" in error_message(recv_frame(sock), P.Status.FATAL)
     assert_closed_by_server(sock)
     sock.close()
     assert_works(client)
@@ -292,7 +293,7 @@ def test_random_frames_do_not_kill_server(server: TCPStoreServer, client: TCPSto
 def test_oversized_frame_length(client: TCPStore, server: TCPStoreServer) -> None:
     sock = raw_connect(server.port)
     sock.sendall(struct.pack("<I", 0xFFFFFFFF) + b"x" * 64)
-    assert "exceeds the limit" in error_message(recv_frame(sock))
+    assert "exceeds the limit" in error_message(recv_frame(sock), P.Status.FATAL)
     assert_closed_by_server(sock)
     sock.close()
     assert_works(client)
@@ -344,7 +345,7 @@ def test_server_checks_client_proof(secure_server: TCPStoreServer) -> None:
     _, flags, _, _ = P.SERVER_HELLO.unpack(recv_frame(sock))
     assert flags & P.FLAG_AUTH
     sock.sendall(P.frame(bytes(P.PROOF_SIZE)))
-    assert "authentication failed (wrong secret)" in error_message(recv_frame(sock))
+    assert "authentication failed (wrong secret)" in error_message(recv_frame(sock), P.Status.FATAL)
     assert_closed_by_server(sock)
     sock.close()
 
@@ -492,7 +493,7 @@ def test_blocked_thread_does_not_block_others(server: TCPStoreServer, client: TC
 
     t = threading.Thread(target=waiter, daemon=True)
     t.start()
-    wait_until(blocked_on(server, "k"))
+    wait_until(blocked_on(server))
     start = time.monotonic()
     client.set("other", b"1")
     assert client.get("other") == b"1"
@@ -515,10 +516,41 @@ def test_close_unblocks_waiting_thread(server: TCPStoreServer) -> None:
 
     t = threading.Thread(target=waiter, daemon=True)
     t.start()
-    wait_until(blocked_on(server, "never"))
+    wait_until(blocked_on(server))
     store.close()
     t.join(5)
     assert not t.is_alive(), "close() left a thread blocked in wait()"
     assert "closed during wait" in str(results[0])
     with pytest.raises(DistStoreError, match="closed"):
         store.set("k", b"v")
+
+
+def test_dead_waiter_is_forgotten(server: TCPStoreServer) -> None:
+    """A client that dies while waiting leaves no waiter behind on the server."""
+    sock = raw_connect(server.port)
+    sock.sendall(P.frame(bytes([P.Op.WAIT]) + P.pack_list([b"never-set"]) + P.F64.pack(300.0)))
+    wait_until(blocked_on(server))
+    sock.close()
+    wait_until(lambda: server.num_waiters == 0 and server.num_connections == 0)
+
+
+def test_stop_before_start_releases_the_port() -> None:
+    srv = TCPStoreServer(HOST, 0)
+    port = srv.port
+    start = time.monotonic()
+    srv.stop()
+    assert time.monotonic() - start < 1
+    with socket.socket() as s:  # the port is free again
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((HOST, port))
+
+
+def test_fatal_answer_drops_the_connection(server: TCPStoreServer) -> None:
+    """After a FATAL answer the client opens a new connection instead of reusing the closed one."""
+    with TCPStore(HOST, server.port, timeout=5) as store:
+        store.set("k", "v")
+        conn = store._conn()
+        with pytest.raises(DistStoreError, match="malformed request"):
+            store._call(bytes([P.Op.PING]) + b"junk", "ping", [])
+        assert store._conn() is not conn
+        assert store.get("k") == b"v"

@@ -199,10 +199,15 @@ class FileStore(Store):
     def close(self) -> None:
         if self._fd is None:
             return
-        try:
-            users = self._update(lambda: [(_USERS_KEY, str(self._state.add(_USERS_KEY, -1)).encode())])
-            if int(users[0]) <= 0:
+        def leave() -> list[tuple[str, bytes | None]]:
+            users = self._state.add(_USERS_KEY, -1)
+            if users <= 0:  # under the lock, so nobody joins a file about to vanish
                 os.unlink(self.path)
+                return []
+            return [(_USERS_KEY, str(users).encode())]
+
+        try:
+            self._update(leave)
         except (OSError, DistStoreError):
             pass  # the file is already gone or unreadable: nothing left to release
         finally:

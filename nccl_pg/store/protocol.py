@@ -53,6 +53,7 @@ class Status(IntEnum):
     OK = 0
     TIMEOUT = 1  # field: the keys still missing
     ERROR = 2    # field: a message
+    FATAL = 3    # field: a message; the server closes the connection after it
 
 
 def proof(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:

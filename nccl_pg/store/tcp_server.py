@@ -112,6 +112,7 @@ class TCPStoreServer:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._stopping = False
+        self._serving = False
         self._thread: threading.Thread | None = None
         self._finished = threading.Event()
 
@@ -122,7 +123,13 @@ class TCPStoreServer:
     def num_connections(self) -> int:
         return len(self._conns)
 
+    @property
+    def num_waiters(self) -> int:
+        """Blocked get/wait/multi_get requests not yet answered."""
+        return len({w for ws in self._waiting.values() for w in ws if not w.done})
+
     def start(self) -> TCPStoreServer:
+        self._serving = True
         self._thread = threading.Thread(target=self.serve_forever, name="nccl_pg-store-server", daemon=True)
         self._thread.start()
         return self
@@ -138,7 +145,11 @@ class TCPStoreServer:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 log.warning("%r: server thread did not stop within %.1f s", self, timeout)
-        elif self._thread is None and not self._finished.is_set():
+        elif self._thread is None and not self._serving:  # never started: nothing else will close it
+            self._listener.close()
+            self._wake_r.close()
+            self._wake_w.close()
+        elif self._thread is None:
             self._finished.wait(timeout)
 
     def __enter__(self) -> TCPStoreServer:
@@ -150,6 +161,7 @@ class TCPStoreServer:
     # --- the loop -----------------------------------------------------------
 
     def serve_forever(self) -> None:
+        self._serving = True
         self._sel.register(self._listener, selectors.EVENT_READ, "listen")
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         next_sweep = time.monotonic() + 1.0
@@ -419,9 +431,9 @@ class TCPStoreServer:
         conn.out += payload
 
     def _fail(self, conn: _Conn, message: str) -> None:
-        """Send an error and close once it is written."""
+        """Send a fatal error and close once it is written."""
         log.debug("%r: closing %s: %s", self, conn.peer, message)
-        self._reply(conn, P.Status.ERROR, P.pack_bytes(message.encode()))
+        self._reply(conn, P.Status.FATAL, P.pack_bytes(message.encode()))
         conn.phase = "closing"
 
     def _flush(self, conn: _Conn) -> None:
@@ -449,8 +461,15 @@ class TCPStoreServer:
         if conn.closed:
             return
         conn.closed = True
-        if conn.waiter is not None:
-            conn.waiter.done = True  # lazily dropped from _waiting and _deadlines
+        w = conn.waiter
+        if w is not None:  # forget it now: a dead client's keys may never be set
+            w.done = True
+            for key in w.keys:
+                waiters = self._waiting.get(key)
+                if waiters is not None:
+                    waiters.discard(w)
+                    if not waiters:
+                        del self._waiting[key]
         self._conns.discard(conn)
         try:
             self._sel.unregister(conn.sock)

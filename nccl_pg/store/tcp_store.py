@@ -164,6 +164,8 @@ class _Connection:
         if status == P.Status.TIMEOUT:
             raise timeout_error(f"{self.store!r}.{op}", keys, r.str_list(), waited)
         message = r.str() if len(body) > 1 else "malformed answer"
+        if status == P.Status.FATAL:  # the server is closing this connection: do not reuse it
+            self.store._drop(self)
         raise DistStoreError(f"store server {self.store.address} refused {op}: {message}")
 
 
