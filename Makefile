@@ -21,6 +21,7 @@ demo: install
 bench: install
 	$(PIP) install -q torch==2.13.0
 	$(PYTHON) tools/bench_store.py
+	$(PYTHON) tools/bench_host.py
 
 lint:
 	$(PIP) install -q 'ruff>=0.6'

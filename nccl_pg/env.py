@@ -74,6 +74,15 @@ def parse_str(raw: str) -> str:
     return raw
 
 
+def parse_choice(*choices: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        if raw.lower() not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}")
+        return raw.lower()
+
+    return parse
+
+
 # --- store -----------------------------------------------------------------
 STORE_SECRET: Var[str | None] = Var(
     "NCCL_PG_STORE_SECRET", parse_str, None,
@@ -95,7 +104,13 @@ HOST_ADDR: Var[str | None] = Var(
     "Address the host backend listens on and publishes to peers; default: the local address of the "
     "connection to the TCPStore, else 127.0.0.1.")
 
-ALL: tuple[Var, ...] = (STORE_SECRET, STORE_TIMEOUT, STORE_MAX_VALUE_SIZE, USE_AGENT_STORE, HOST_ADDR)
+HOST_BROADCAST: Var[str] = Var(
+    "NCCL_PG_HOST_BROADCAST", parse_choice("auto", "chain", "tree"), "auto",
+    "Large-broadcast algorithm of the host backend: a pipelined chain, a binomial tree, or auto (the tree "
+    "when a host runs more ranks of the communicator than it has CPUs).")
+
+ALL: tuple[Var, ...] = (STORE_SECRET, STORE_TIMEOUT, STORE_MAX_VALUE_SIZE, USE_AGENT_STORE, HOST_ADDR,
+                        HOST_BROADCAST)
 
 
 def validate_all(environ: Mapping[str, str] | None = None) -> None:

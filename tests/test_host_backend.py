@@ -112,6 +112,29 @@ def test_multichunk_paths_threads(worlds: Callable[[int], H.ThreadWorld], n: int
     assert worlds(n).run_cases(H.huge_cases(n)) == []
 
 
+@pytest.mark.parametrize("algo", ["chain", "tree"])
+def test_large_broadcast_algorithms(monkeypatch: pytest.MonkeyPatch, algo: str) -> None:
+    """Both large-broadcast algorithms, forced (auto picks the tree when ranks
+    outnumber CPUs, as on a 2-core CI machine), from every root, multi-chunk."""
+    monkeypatch.setenv("NCCL_PG_HOST_BROADCAST", algo)
+    n = 4
+    w = H.ThreadWorld(n)
+    try:
+        assert all(c._mesh.tree_broadcast is (algo == "tree") for c in w.comms)
+        big = (H.CHUNK_BYTES * 2 + 13) // 8
+        cases = [H.Case("broadcast", "float64", big + root, root % 2 == 0, None, root, "exact", 50 + root)
+                 for root in range(n)]
+        assert w.run_cases(cases) == []
+    finally:
+        w.close()
+
+
+def test_invalid_broadcast_algorithm_fails_fast(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NCCL_PG_HOST_BROADCAST", "star")
+    with pytest.raises(DistBackendError, match="NCCL_PG_HOST_BROADCAST"):
+        H.ThreadWorld(2)
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("n", [3, 5])
 def test_collectives_match_numpy_processes(n: int) -> None:

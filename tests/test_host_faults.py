@@ -74,7 +74,9 @@ def test_sigstop_peer_then_abort_unblocks_survivors() -> None:
         res = results[r]
         assert res["stuck"], res
         assert res["drained"] and res["drain_s"] < BOUND, res
-        assert "aborted" in res["err"] and res["state"] == "aborted", res
+        # Both survivors abort at about the same time: the first cause is either
+        # this rank's abort or the other survivor's abort closing its sockets.
+        assert ("aborted" in res["err"] or "lost the connection" in res["err"]) and res["state"] == "aborted", res
         assert res["destroy_s"] < BOUND, res
 
 

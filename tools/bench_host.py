@@ -43,6 +43,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from multiprocessing.connection import Connection, wait
 from multiprocessing.synchronize import Barrier
@@ -183,6 +184,8 @@ def _worker(rank: int, n: int, store_port: int, torch_port: int, plan: list[tupl
                 case.issue()  # warmup op 1, on fresh data: its result is the one checked
                 case.wait_all()
                 case.check(base)
+                if op == "all_reduce":  # repeated in-place sums would grow to inf: keep the data finite
+                    case.recv.fill(0)
                 for _ in range(warmup - 1):
                     case.issue()
                 case.wait_all()
@@ -229,7 +232,7 @@ def _gather(conns: list[Connection], procs: list[Any], timeout: float) -> list[f
     return [got[i] for i in range(len(conns))]
 
 
-def _run_nproc(n: int, args: argparse.Namespace, emit: Any) -> list[dict[str, Any]]:
+def _run_nproc(n: int, args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
     from nccl_pg.store import TCPStoreServer
@@ -307,7 +310,8 @@ def _machine() -> dict[str, Any]:
 
     cpu = platform.processor()
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
     return {"nproc": os.cpu_count(), "cpu": cpu, "python": platform.python_version(), "numpy": np.__version__,

@@ -172,6 +172,9 @@ def broadcast(mesh: Mesh, send: np.ndarray, recv: np.ndarray, root: int) -> None
         else:
             mesh.exchange(kind, [], [(root, u8(recv), None)])
         return
+    if mesh.tree_broadcast:
+        _tree_broadcast(mesh, kind, recv, root)
+        return
     # A chain root -> root+1 -> ...: while receiving chunk k, forward chunk k-1. The root only
     # sends and the last rank only receives, so each posts all its chunks in one exchange.
     pos = (me - root) % n
@@ -187,6 +190,21 @@ def broadcast(mesh: Mesh, send: np.ndarray, recv: np.ndarray, root: int) -> None
         sends: list[Send] = [(nxt, u8(recv[slice(*parts[k - 1])]))] if k > 0 else []
         recvs: list[Recv] = [(prv, u8(recv[slice(*parts[k])]), None)] if k < len(parts) else []
         mesh.exchange(kind, sends, recvs)
+
+
+def _tree_broadcast(mesh: Mesh, kind: int, buf: np.ndarray, root: int) -> None:
+    """Binomial tree, whole buffer per step: ceil(log2 n) steps. Slower than
+    the chain when every rank has its own core, but when a host's ranks
+    outnumber its CPUs the chain's many handoffs between time-sliced ranks
+    cost more than the extra steps (measured in docs/BENCHMARKS.md)."""
+    n, v = mesh.nranks, (mesh.rank - root) % mesh.nranks
+    mask = 1
+    while mask < n:
+        if v < mask and v + mask < n:
+            mesh.exchange(kind, [((v + mask + root) % n, u8(buf))], [])
+        elif mask <= v < 2 * mask:
+            mesh.exchange(kind, [], [((v - mask + root) % n, u8(buf), None)])
+        mask <<= 1
 
 
 def reduce(mesh: Mesh, send: np.ndarray, recv: np.ndarray | None, op: ReduceOp, root: int,

@@ -223,7 +223,12 @@ class HostCommunicator(Communicator):
             mesh.fail(error)
 
     def abort(self) -> None:
+        """The state becomes ABORTED; async_error() keeps the first cause
+        (e.g. a lost peer seen just before)."""
         self._fail(DistBackendError(f"{self.name}: communicator aborted on rank {self.rank}"), CommState.ABORTED)
+        with self._lock:
+            if self._state is not CommState.DESTROYED:
+                self._state = CommState.ABORTED
         for s in self._streams:
             s.aborted = True  # unblock streams waiting on events that will never come
 
