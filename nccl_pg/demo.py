@@ -15,7 +15,13 @@ import socket
 import time
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
+from .comm import CommConfig
+from .comm.host import HostCommunicator
+from .reduce_op import ReduceOp
 from .rendezvous import Rendezvous, rendezvous
+from .store import PrefixStore
 
 PREFIX = "nccl_pg.demo/"
 
@@ -39,6 +45,7 @@ def main() -> None:
     rdv = rendezvous("env://")
     peers = introduce(rdv, (time.monotonic() - start) * 1e3)
     report(rdv, peers)
+    communicate(rdv)
     leave(rdv)
     if rdv.rank == 0:
         print(summary(peers), flush=True)
@@ -76,6 +83,26 @@ def leave(rdv: Rendezvous) -> None:
         rdv.store.set(f"{PREFIX}left/{rdv.rank}", b"1")
     elif rdv.world_size > 1:
         rdv.store.wait([f"{PREFIX}left/{i}" for i in range(1, rdv.world_size)])
+
+
+def communicate(rdv: Rendezvous) -> None:
+    """An all_reduce over a communicator built on the rendezvous: the host
+    backend (CPU, numpy). The NCCL backend takes its place on GPUs once built."""
+    comm = HostCommunicator.create(PrefixStore(f"{PREFIX}comm", rdv.store), rdv.world_size, rdv.rank,
+                                   CommConfig(timeout=60))
+    stream = comm.new_stream()
+    x = np.full(1 << 20, rdv.rank + 1, dtype=np.float32)
+    start = time.monotonic()
+    comm.all_reduce(x, x, ReduceOp.SUM, stream)
+    if not stream.synchronize(60) or comm.async_error() is not None:
+        raise SystemExit(f"rank {rdv.rank}: all_reduce failed: {comm.async_error() or 'timeout after 60 s'}")
+    ms = (time.monotonic() - start) * 1e3
+    want = rdv.world_size * (rdv.world_size + 1) / 2
+    verdict = "correct" if bool((x == want).all()) else f"WRONG (expected {want}, got {x[:4]}...)"
+    print(f"rank {rdv.rank}: all_reduce(SUM) of 4 MiB over the host backend took {ms:.1f} ms: "
+          f"every element is {x[0]:g}, {verdict}", flush=True)
+    comm.finalize(60)
+    comm.destroy()
 
 
 def summary(peers: list[Peer]) -> str:

@@ -352,7 +352,10 @@ def test_demo_with_four_ranks(tmp_path: Path, start) -> None:
         assert text.startswith(f"rank {rank}/4 (local rank {rank}, pid {pids[rank]}")
         for peer in set(pids) - {rank}:
             assert f"{peer}=" in text and str(pids[peer]) in text
-    table = lines[0][1:]
+    for rank, got in lines.items():  # then an all_reduce over the host backend: 1+2+3+4
+        assert re.match(rf"rank {rank}: all_reduce\(SUM\) of 4 MiB over the host backend took [\d.]+ ms: "
+                        r"every element is 10, correct$", got[1]), got[1]
+    table = lines[0][2:]
     assert table[0] == "all 4 ranks met:"
     rows = [row.split() for row in table[2:]]
     assert [(cells[0], cells[3]) for cells in rows] == [(str(r), str(pids[r])) for r in range(4)]
