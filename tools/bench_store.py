@@ -9,14 +9,17 @@ Measures, for both stores with the same harness:
 
 Each store's server runs in a process of its own; clients run in a pool of
 worker processes, so the orchestrating process never competes for a core
-while a measurement runs. Repeats alternate which store goes first, and the
-median is reported. Rates count only ops the server has applied: torch's set()
-does not wait for an answer, so every timed loop ends with one round trip.
+while a measurement runs. By default servers are pinned to the first CPU and
+clients to the others (``--pin``). Repeats alternate which store goes first,
+and the median is reported. Rates count only ops the server has applied:
+torch's set() does not wait for an answer, so every timed loop ends with one
+round trip.
 
 torch formats every peer address with getnameinfo(), i.e. a reverse DNS
-lookup per connect and per accept. By default the worker processes preload a
-shim that makes those lookups numeric, so a slow or flaky resolver does not
-distort torch's rendezvous times (``--torch-dns system`` keeps them).
+lookup per connect and per accept. By default the server and worker
+processes preload a shim that makes those lookups numeric, so a slow or flaky
+resolver does not distort torch's rendezvous times (``--torch-dns system``
+keeps them).
 
     python3 tools/bench_store.py [--quick] [--json out.json]
 """
@@ -407,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="split: servers on the first CPU, clients on the others")
     args = parser.parse_args(argv)
     if args.quick:
-        args.reps, args.duration, args.agg_reps, args.agg_duration, args.rdv_reps, args.warmup = 3, 0.2, 2, 0.5, 2, 0.05
+        args.reps, args.duration, args.agg_reps, args.agg_duration, args.rdv_reps, args.warmup = 3, 0.15, 2, 0.4, 2, 0.05
     else:
         args.reps, args.duration, args.agg_reps, args.agg_duration, args.rdv_reps, args.warmup = 5, 0.4, 3, 1.0, 5, 0.1
     if args.procs < 1 or min(args.clients) < 1:
@@ -424,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         busy0, own0, t0 = _busy_cpu_s(), _own_cpu_s(), time.monotonic()
         res = bench(args)
         wall = time.monotonic() - t0
-        # What other work took from the machine while we measured: our verdict's noise floor.
+        # CPU that other work on this (shared) machine took while we measured.
         other_cores = max(_busy_cpu_s() - busy0 - (_own_cpu_s() - own0), 0.0) / wall
     meta = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
