@@ -11,9 +11,10 @@ install:
 test: install
 	$(PYTHON) -m pytest -q
 
-# On a machine with a GPU: the gpu-marked tests only.
+# On a machine with a GPU: the gpu-marked tests only (pytest exits 5 when none are collected).
 test-gpu: install
-	$(PYTHON) -m pytest -q -m gpu
+	$(PYTHON) -m pytest -q -m gpu; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "test-gpu: no gpu-marked tests collected (none exist yet)"; exit 0; fi; exit $$rc
 
 demo: install
 	nccl-pg run --nproc $(NPROC) -m nccl_pg.demo
