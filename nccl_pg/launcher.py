@@ -276,7 +276,8 @@ class _Job:
 
     def _spawn(self, rank: int, rank_env: dict[str, str]) -> None:
         pipe = subprocess.PIPE if self.config.prefix else None
-        proc = subprocess.Popen(self.config.command, env=rank_env, stdin=subprocess.DEVNULL,
+        command = [sys.executable, "-m", "nccl_pg._rank_guard", str(os.getpid()), *self.config.command]
+        proc = subprocess.Popen(command, env=rank_env, stdin=subprocess.DEVNULL,
                                 stdout=pipe, stderr=pipe, start_new_session=True)
         self.ranks.append(_Rank(rank, proc))
         if self.config.prefix:

@@ -270,6 +270,29 @@ def test_rank_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path: Path, 
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.timeout(30)
+def test_ranks_die_with_a_sigkilled_launcher(tmp_path: Path, start) -> None:
+    """A launcher killed outright cannot forward anything; the kernel's
+    parent-death signal still takes its ranks down, so none is orphaned."""
+    write_job(tmp_path, '''
+        ready()
+        time.sleep(1000)
+    ''')
+    proc = start("--nproc", "2", "job.py")
+    pids = wait_ready(tmp_path, [0, 1], proc)
+    proc.kill()
+    proc.wait(10)
+    assert_gone(pids)
+
+
+def test_rank_guard_refuses_when_the_launcher_is_already_gone(tmp_path: Path) -> None:
+    """The guard's own check covers the launcher dying before prctl takes effect."""
+    result = subprocess.run([sys.executable, "-m", "nccl_pg._rank_guard", "1", sys.executable, "-c", "print('ran')"],
+                            capture_output=True, text=True, timeout=20)
+    assert result.returncode == 1 and "ran" not in result.stdout
+    assert "launcher exited before this rank started" in result.stderr
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
 def test_signal_is_forwarded_and_no_process_is_left(tmp_path: Path, start, signum: signal.Signals) -> None:
     # Each rank starts a child that ignores the signal (SIG_IGN survives
