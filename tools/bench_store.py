@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="split: servers on the first CPU, clients on the others")
     args = parser.parse_args(argv)
     if args.quick:
-        args.reps, args.duration, args.agg_reps, args.agg_duration, args.rdv_reps, args.warmup = 3, 0.15, 2, 0.4, 2, 0.05
+        args.reps, args.duration, args.agg_reps, args.agg_duration, args.rdv_reps, args.warmup = 3, 0.1, 2, 0.3, 2, 0.05
     else:
         args.reps, args.duration, args.agg_reps, args.agg_duration, args.rdv_reps, args.warmup = 5, 0.4, 3, 1.0, 5, 0.1
     if args.procs < 1 or min(args.clients) < 1:
