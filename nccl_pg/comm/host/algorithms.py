@@ -19,7 +19,7 @@ from .transport import Mesh, Recv, Send
 
 # Kinds of operation, sent in every message header (names for error messages).
 OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter",
-       "send/recv", "split")
+       "send/recv")
 KIND = {name: i for i, name in enumerate(OPS)}
 
 SMALL_BYTES = 64 * 1024  # below this, one-round algorithms win on latency

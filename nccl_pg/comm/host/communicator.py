@@ -127,6 +127,7 @@ class HostCommunicator(Communicator):
             except MeshTimeoutError as exc:
                 raise self._explain(exc, store) from None
             mesh = Mesh(self.rank, self.nranks, socks, self.name, alg.OPS)
+            mesh.tree_broadcast = self._agree_on_tree_broadcast(mesh)
             with self._lock:
                 if self._error is not None:  # aborted while connecting
                     mesh.close()
@@ -143,6 +144,16 @@ class HostCommunicator(Communicator):
                     self._state = CommState.ERROR
         finally:
             self._ready.set()
+
+    def _agree_on_tree_broadcast(self, mesh: Mesh) -> bool:
+        """Every rank must run the same broadcast algorithm, but each one's
+        preference depends on its own host (ranks vs CPUs) and environment:
+        take the tree when any rank wants it."""
+        algo = env.HOST_BROADCAST.get()
+        mine = algo == "tree" or (algo == "auto" and mesh.local_ranks > len(os.sched_getaffinity(0)))
+        votes = np.empty(self.nranks, dtype=np.uint8)
+        alg.all_gather(mesh, np.array([mine], dtype=np.uint8), votes)
+        return bool(votes.any())
 
     def _explain(self, exc: MeshTimeoutError, store: Store | None) -> DistBackendError:
         """Tell the ranks that never joined from those that joined but wait,

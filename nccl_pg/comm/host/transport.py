@@ -27,7 +27,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ... import env
 from ...errors import DistBackendError, DistNetworkError
 
 HEADER = struct.Struct("<QB3xQ")  # per-peer seq, op kind, payload bytes
@@ -75,9 +74,8 @@ class Mesh:
         self._socks = socks
         self._fd_peer = {s.fileno(): p for p, s in socks.items()}
         # Ranks of this mesh on this host (peers reached at our own address), us included.
-        local_ranks = 1 + sum(s.getpeername()[0] == s.getsockname()[0] for s in socks.values())
-        algo = env.HOST_BROADCAST.get()
-        self.tree_broadcast = algo == "tree" or (algo == "auto" and local_ranks > len(os.sched_getaffinity(0)))
+        self.local_ranks = 1 + sum(s.getpeername()[0] == s.getsockname()[0] for s in socks.values())
+        self.tree_broadcast = False  # agreed on by all ranks at init (see HostCommunicator)
         for s in socks.values():
             s.setblocking(False)
         self._send_seq = [0] * nranks
