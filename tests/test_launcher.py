@@ -204,7 +204,10 @@ def test_output_is_prefixed_by_rank_in_whole_lines(tmp_path: Path, start) -> Non
 
 @pytest.mark.timeout(30)
 def test_no_prefix_passes_output_through(tmp_path: Path, start) -> None:
-    write_job(tmp_path, 'print(f"plain {RANK}")\n')
+    # One write per line: unprefixed output is passed through untouched, so two
+    # ranks' lines are whole only if each rank writes each line at once (an
+    # unbuffered print() writes the text and the newline separately).
+    write_job(tmp_path, 'os.write(1, f"plain {RANK}\\n".encode())\n')
     code, out, err = finish(start("--nproc", "2", "--no-prefix", "job.py"))
     assert code == 0, err
     assert sorted(out.splitlines()) == ["plain 0", "plain 1"]
