@@ -876,6 +876,10 @@ def hung_peer(ctx: Ctx) -> dict:
         return {}
     ctx.store.wait(["stopped"], timeout=30)
     stuck = not end.synchronize(0.5) and comm.async_error() is None
+    # No survivor aborts before every survivor has checked: an early abort
+    # would close sockets and give the other a "lost connection" instead.
+    ctx.store.set(f"checked/{ctx.rank}", b"1")
+    ctx.store.wait([f"checked/{r}" for r in range(ctx.n) if r != ctx.args["victim"]], timeout=30)
     t0 = time.monotonic()
     aborter = threading.Thread(target=comm.abort)
     aborter.start()
