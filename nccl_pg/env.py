@@ -109,8 +109,27 @@ HOST_BROADCAST: Var[str] = Var(
     "Large-broadcast algorithm of the host backend: a pipelined chain, a binomial tree, or auto (the tree "
     "when a host runs more ranks of the communicator than it has CPUs).")
 
+# --- process groups --------------------------------------------------------
+USE_COMM_NONBLOCKING: Var[bool] = Var(
+    "NCCL_PG_USE_COMM_NONBLOCKING", parse_bool, False,
+    "Create communicators in nonblocking mode: init and split return at once and operations wait for "
+    "them (bounded by the group timeout).",
+    aliases=("TORCH_NCCL_USE_COMM_NONBLOCKING",))
+ENABLE_TIMING: Var[bool] = Var(
+    "NCCL_PG_ENABLE_TIMING", parse_bool, False,
+    "Record a start event for every operation so Works report their duration (on by itself once a "
+    "completion hook is registered).",
+    aliases=("TORCH_NCCL_ENABLE_TIMING",))
+WATCHDOG_INTERVAL: Var[float] = Var(
+    "NCCL_PG_WATCHDOG_INTERVAL", parse_seconds, 0.1,
+    "Seconds between two polls of pending operations by the watchdog thread.")
+DEBUG: Var[str] = Var(
+    "NCCL_PG_DEBUG", parse_choice("off", "info", "detail"), "off",
+    "Debug level: off, info (log group creation), detail (also log every operation issued).",
+    aliases=("TORCH_DISTRIBUTED_DEBUG",))
+
 ALL: tuple[Var, ...] = (STORE_SECRET, STORE_TIMEOUT, STORE_MAX_VALUE_SIZE, USE_AGENT_STORE, HOST_ADDR,
-                        HOST_BROADCAST)
+                        HOST_BROADCAST, USE_COMM_NONBLOCKING, ENABLE_TIMING, WATCHDOG_INTERVAL, DEBUG)
 
 
 def validate_all(environ: Mapping[str, str] | None = None) -> None:

@@ -15,3 +15,31 @@ class ReduceOp(enum.Enum):
 
     def __repr__(self) -> str:
         return f"ReduceOp.{self.name}"
+
+
+class PremulSum:
+    """PREMUL_SUM with its factor: every input is multiplied by ``factor``
+    before the sum (``_make_nccl_premul_sum(factor)`` in torch)."""
+
+    __slots__ = ("factor",)
+
+    def __init__(self, factor: float) -> None:
+        self.factor = float(factor)
+
+    def __repr__(self) -> str:
+        return f"PremulSum({self.factor})"
+
+
+def make_premul_sum(factor: float) -> PremulSum:
+    return PremulSum(factor)
+
+
+def resolve(op: ReduceOp | PremulSum) -> tuple[ReduceOp, float | None]:
+    """The operator and its scale factor; raises for anything else."""
+    if isinstance(op, PremulSum):
+        return ReduceOp.PREMUL_SUM, op.factor
+    if op is ReduceOp.PREMUL_SUM:
+        raise ValueError("ReduceOp.PREMUL_SUM needs a factor: use make_premul_sum(factor)")
+    if not isinstance(op, ReduceOp):
+        raise TypeError(f"op must be a ReduceOp or make_premul_sum(factor), got {op!r}")
+    return op, None

@@ -167,3 +167,57 @@ class Communicator(ABC):
 
     @abstractmethod
     def group_end(self) -> None: ...
+
+
+class Backend(ABC):
+    """What the process-group core needs from a backend besides its
+    Communicator: how to create one, and how to view, allocate and copy the
+    arrays it works on. One instance per backend kind ("host", "nccl")."""
+
+    name: str
+
+    @abstractmethod
+    def create(self, store: Any, nranks: int, rank: int, config: CommConfig, device: Any = None) -> Communicator:
+        """A new communicator bootstrapped through ``store`` (keys private to it)."""
+
+    @abstractmethod
+    def flat(self, array: Any, what: str) -> Any:
+        """A flat view sharing memory with ``array``; raises TypeError/ValueError
+        naming ``what`` for an array this backend cannot use (wrong device,
+        not contiguous)."""
+
+    @abstractmethod
+    def dtype(self, array: Any) -> Any:
+        """The numpy dtype of ``array``."""
+
+    @abstractmethod
+    def empty(self, count: int, dtype: Any, device: Any = None) -> Any:
+        """A new flat array of ``count`` elements on the backend's device."""
+
+    @abstractmethod
+    def copy(self, dst: Any, src: Any, stream: Stream) -> None:
+        """Enqueue ``dst[...] = src`` (flat arrays, same size and dtype) on ``stream``."""
+
+    @abstractmethod
+    def from_host(self, data: Any, device: Any = None) -> Any:
+        """A device array holding the numpy array ``data`` (object collectives)."""
+
+    @abstractmethod
+    def to_host(self, array: Any) -> Any:
+        """A numpy copy of ``array``; call after the operation writing it completed."""
+
+    @abstractmethod
+    def wait_for_caller(self, stream: Stream, device: Any = None) -> None:
+        """Make ``stream`` wait for the work the caller enqueued so far (its
+        current device stream); nothing to do where the caller is the CPU."""
+
+    @property
+    @abstractmethod
+    def blocking_wait(self) -> bool:
+        """True when ``Work.wait()`` must block the CPU until the operation
+        completes (the host backend: the caller reads its arrays next)."""
+
+    @abstractmethod
+    def make_caller_wait(self, event: Event, device: Any = None) -> None:
+        """Make the caller's current device stream wait for ``event`` (used
+        when ``blocking_wait`` is False)."""

@@ -1,0 +1,567 @@
+"""ProcessGroup: one rank's view of a group of processes, over a backend.
+
+It owns (lazily, or eagerly on request) one communicator and one stream,
+numbers its operations, checks arguments, turns list-shaped arguments into
+the flat buffers the Communicator contract takes (copies run on the same
+stream), and hands out Works watched by the process-wide watchdog.
+Ranks here are group ranks; distributed.py maps global ranks onto them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+
+from . import env, watchdog
+from .backends import get_backend
+from .comm.base import Backend, CommConfig, CommState, Communicator, Stream
+from .errors import DistBackendError
+from .reduce_op import PremulSum, ReduceOp, resolve
+from .store import PrefixStore, Store
+from .work import OpType, Work, WorkInfo
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+Op = ReduceOp | PremulSum
+Enqueue = Callable[[Communicator, Stream], None]
+
+
+def seconds(timeout: timedelta | float | int) -> float:
+    value = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if not value > 0:
+        raise ValueError(f"timeout must be positive, got {timeout!r}")
+    return value
+
+
+@dataclass
+class NCCLConfig:
+    """Communicator settings passed through to ncclConfig_t (the host backend
+    keeps but ignores the NCCL-only ones). ``blocking=None``: from
+    ``NCCL_PG_USE_COMM_NONBLOCKING``."""
+
+    blocking: bool | None = None
+    cga_cluster_size: int | None = None
+    min_ctas: int | None = None
+    max_ctas: int | None = None
+    net_name: str | None = None
+    comm_name: str | None = None
+    split_share: bool | None = None
+
+
+@dataclass
+class Options:
+    """Per-group options (``ProcessGroupNCCL.Options`` in torch)."""
+
+    timeout: float = DEFAULT_TIMEOUT.total_seconds()
+    is_high_priority_stream: bool = False
+    config: NCCLConfig = field(default_factory=NCCLConfig)
+
+    @property
+    def _timeout(self) -> timedelta:
+        return timedelta(seconds=self.timeout)
+
+    @_timeout.setter
+    def _timeout(self, value: timedelta | float) -> None:
+        self.timeout = seconds(value)
+
+
+def _real(dtype: np.dtype) -> np.dtype:
+    """Complex arrays travel as their real view (NCCL has no complex type)."""
+    return np.empty(0, dtype).real.dtype if np.issubdtype(dtype, np.complexfloating) else dtype
+
+
+class ProcessGroup:
+    """A group of ``size`` ranks; this process is ``rank``."""
+
+    def __init__(self, store: Store, rank: int, size: int, options: Options | None = None, *,
+                 backend: str | Backend = "host", device_id: Any = None, group_name: str = "0",
+                 group_desc: str = "undefined", uid: int = 0) -> None:
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"world size must be a positive int, got {size!r}")
+        if not isinstance(rank, int) or not 0 <= rank < size:
+            raise ValueError(f"rank {rank!r} out of range for world size {size}")
+        self._backend = get_backend(backend) if isinstance(backend, str) else backend
+        self._store = store
+        self._rank, self._size = rank, size
+        self.options = options or Options()
+        self._timeout = self.options.timeout
+        self._device = device_id
+        self.group_name, self.group_desc, self.uid = group_name, group_desc, uid
+        self._blocking_wait = False
+        self._lock = threading.RLock()
+        self._comm: Communicator | None = None
+        self._stream: Stream | None = None
+        self._split_from: ProcessGroup | None = None  # lazy: split this parent's communicator at first use
+        self._seq = 0
+        self._seq_p2p = 0
+        self._hooks: list[Callable[[WorkInfo], None]] = []
+        self._timing = env.ENABLE_TIMING.get()
+        self._pending: set[Work] = set()
+        self._coalescing: list[Callable[[], None]] | None = None  # copy-outs deferred to the group's end
+        self._coalesced_outputs: list[Any] = []
+        self._closed: str | None = None  # "destroyed" / "aborted"
+        self._nonblocking = (self.options.config.blocking is False) or (
+            self.options.config.blocking is None and env.USE_COMM_NONBLOCKING.get())
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(uid={self.uid}, desc={self.group_desc!r}, rank={self._rank}, "
+                f"size={self._size}, backend={self._backend.name})")
+
+    # --- identity ---------------------------------------------------------------------
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def backend_name(self) -> str:
+        return self._backend.name
+
+    def _get_sequence_number_for_group(self) -> int:
+        """Sequence number of the last collective issued (0: none yet)."""
+        return self._seq
+
+    def _set_default_timeout(self, timeout: timedelta | float) -> None:
+        """Timeout of operations issued from now on."""
+        self._timeout = seconds(timeout)
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(seconds=self._timeout)
+
+    def _set_blocking_wait(self, on: bool) -> None:
+        self._blocking_wait = on
+
+    # --- communicator -------------------------------------------------------------------
+
+    def _comm_config(self) -> CommConfig:
+        c = self.options.config
+        return CommConfig(blocking=not self._nonblocking, timeout=self._timeout,
+                          comm_name=c.comm_name or f"pg{self.uid}:{self.group_desc}",
+                          high_priority_stream=self.options.is_high_priority_stream,
+                          cga_cluster_size=c.cga_cluster_size, min_ctas=c.min_ctas, max_ctas=c.max_ctas,
+                          net_name=c.net_name, split_share=c.split_share)
+
+    def _check_open(self) -> None:
+        if self._closed is not None:
+            raise DistBackendError(f"process group {self.uid} ({self.group_desc!r}) on rank {self._rank} was "
+                                   f"{self._closed}; it cannot be used any more")
+
+    def _ready(self) -> tuple[Communicator, Stream]:
+        with self._lock:
+            self._check_open()
+            if self._comm is None:
+                self._set_comm(self._create_comm())
+            assert self._comm is not None and self._stream is not None
+            return self._comm, self._stream
+
+    def _create_comm(self) -> Communicator:
+        parent = self._split_from
+        if parent is not None and parent._comm is not None and parent._closed is None:
+            child = parent._comm.split(0, self._rank, self._comm_config())
+            assert child is not None
+            return child
+        store = PrefixStore(f"{self.group_name}/comm", self._store)
+        return self._backend.create(store, self._size, self._rank, self._comm_config(), self._device)
+
+    def _set_comm(self, comm: Communicator) -> None:
+        self._comm = comm
+        self._stream = comm.new_stream(self.options.is_high_priority_stream)
+        if self._device is not None and not self._nonblocking:
+            comm.wait_ready(self._timeout)
+
+    def _eager_init(self) -> None:
+        """Create the communicator now (``device_id`` given)."""
+        self._ready()
+
+    def _split_for(self, color: int | None, key: int, options: Options) -> Communicator | None:
+        """Collective over this group: split its communicator for a subgroup
+        (``color=None``: this rank is not a member)."""
+        comm, _ = self._ready()
+        cfg = CommConfig(**{**self._comm_config().__dict__, "timeout": options.timeout,
+                            "high_priority_stream": options.is_high_priority_stream})
+        return comm.split(color, key, cfg)
+
+    def comm_split_count(self) -> int:
+        """How many times this group's communicator was split."""
+        return 0 if self._comm is None else self._comm.split_count
+
+    def _comm_error(self) -> BaseException | None:
+        comm = self._comm
+        return None if comm is None else comm.async_error()
+
+    # --- works and hooks ----------------------------------------------------------------
+
+    def _register_on_completion_hook(self, hook: Callable[[WorkInfo], None]) -> None:
+        """``hook(WorkInfo)`` runs on the watchdog thread after each Work of
+        this group finishes; turns timing on."""
+        self._hooks.append(hook)
+        self._timing = True
+
+    def _work_finished(self, work: Work, error: BaseException | None) -> None:
+        with self._lock:
+            self._pending.discard(work)
+        if self._hooks:
+            hooks = list(self._hooks)
+            watchdog.get().call_soon(self, lambda: [h(work._info()) for h in hooks])
+        if error is not None and str(error).startswith("timeout") and self._comm is not None:
+            # A timed-out collective leaves its peers' streams stuck: abort so every waiter is released.
+            self._comm.abort()
+
+    def _wait_for_pending_works(self, timeout: float | None = None) -> bool:
+        return watchdog.get().drain(self, lambda: list(self._pending), self._timeout if timeout is None else timeout)
+
+    def _issue(self, op_type: OpType, outputs: list[Any], enqueue: Enqueue, p2p: bool = False,
+               after: Callable[[Stream], None] | None = None) -> Work | None:
+        """Enqueue one operation; ``after`` enqueues copy-outs behind it."""
+        comm, stream = self._ready()
+        self._backend.wait_for_caller(stream, self._device)
+        if self._coalescing is not None:
+            enqueue(comm, stream)
+            self._coalesced_outputs.extend(outputs)
+            if after is not None:
+                self._coalescing.append(lambda: after(stream))
+            return None
+        if p2p:
+            self._seq_p2p += 1
+        else:
+            self._seq += 1
+        start = stream.record(comm.new_event(timing=True)) if self._timing else None
+        enqueue(comm, stream)
+        if after is not None:
+            after(stream)
+        return self._watch(op_type, self._seq_p2p if p2p else self._seq, outputs, start, stream)
+
+    def _watch(self, op_type: OpType, seq: int, outputs: list[Any], start: Any, stream: Stream) -> Work:
+        work = Work(self, op_type, seq, outputs, stream.record(), start, self._timeout)
+        with self._lock:
+            self._pending.add(work)
+        watchdog.get().watch(work)
+        if log.isEnabledFor(logging.DEBUG) or env.DEBUG.get() == "detail":
+            log.info("pg %d rank %d: issued %s seq %d", self.uid, self._rank, op_type.name, seq)
+        return work
+
+    # --- coalescing ------------------------------------------------------------------------
+
+    def _start_coalescing(self) -> None:
+        comm, stream = self._ready()
+        if self._coalescing is not None:
+            raise RuntimeError("coalescing already started on this group")
+        self._coalescing, self._coalesced_outputs = [], []
+        self._seq += 1
+        self._coalesce_start = stream.record(comm.new_event(timing=True)) if self._timing else None
+        comm.group_start()
+
+    def _end_coalescing(self, op_type: OpType = OpType.COALESCED) -> Work:
+        if self._coalescing is None:
+            raise RuntimeError("_end_coalescing() without _start_coalescing()")
+        comm, stream = self._ready()
+        copies, self._coalescing = self._coalescing, None
+        try:
+            comm.group_end()
+        finally:
+            for copy in copies:
+                copy()
+        return self._watch(op_type, self._seq, self._coalesced_outputs, self._coalesce_start, stream)
+
+    # --- argument helpers -------------------------------------------------------------------
+
+    def _flat(self, array: Any, what: str) -> Any:
+        return self._backend.flat(array, what)
+
+    def _same_dtype(self, flats: Sequence[Any], what: str) -> None:
+        dtypes = {_real(self._backend.dtype(f)) for f in flats}
+        if len(dtypes) > 1:
+            a, b = sorted(str(d) for d in dtypes)[:2]
+            raise ValueError(f"{what}: invalid usage of tensors with different dtypes: found {a} and {b}")
+
+    def _moved(self, flat: Any) -> Any:
+        """The real view of a complex array (data movement only)."""
+        dt = self._backend.dtype(flat)
+        return flat.view(_real(dt)) if np.issubdtype(dt, np.complexfloating) else flat
+
+    def _group_rank(self, r: int, what: str) -> int:
+        if not isinstance(r, (int, np.integer)) or not 0 <= r < self._size:
+            raise ValueError(f"{what} {r!r} out of range for a group of {self._size} ranks")
+        return int(r)
+
+    def _list(self, arrays: Sequence[Any], what: str, like: Any) -> list[Any]:
+        if len(arrays) != self._size:
+            raise ValueError(f"{what}: expected {self._size} arrays (one per rank), got {len(arrays)}")
+        flats = [self._flat(a, f"{what}[{i}]") for i, a in enumerate(arrays)]
+        self._same_dtype([like, *flats], what)
+        for i, f in enumerate(flats):
+            if f.size * f.itemsize != like.size * like.itemsize:
+                raise ValueError(f"{what}[{i}] has {f.size} elements; expected {like.size} like the input")
+        return [self._moved(f) for f in flats]
+
+    def _gathered(self, outs: list[Any], like: Any) -> tuple[Any, Callable[[Stream], None]]:
+        """A flat buffer for size x ``like`` and the copy-out into ``outs``."""
+        tmp = self._backend.empty(like.size * self._size, like.dtype, self._device)
+        n = like.size
+
+        def copy_out(stream: Stream) -> None:
+            for i, o in enumerate(outs):
+                self._backend.copy(o, tmp[i * n:(i + 1) * n], stream)
+
+        return tmp, copy_out
+
+    def _packed(self, ins: list[Any], like: Any, stream: Stream) -> Any:
+        """``ins`` copied (on ``stream``) into one flat buffer."""
+        tmp = self._backend.empty(sum(i.size for i in ins), like.dtype, self._device)
+        at = 0
+        for i in ins:
+            self._backend.copy(tmp[at:at + i.size], i, stream)
+            at += i.size
+        return tmp
+
+    # --- collectives (group ranks; in place where torch is) ----------------------------------
+
+    def allreduce(self, tensor: Any, op: Op = ReduceOp.SUM) -> Work | None:
+        t = self._flat(_one(tensor), "all_reduce tensor")
+        rop, scale = resolve(op)
+        return self._issue(OpType.ALLREDUCE, [tensor], lambda c, s: c.all_reduce(t, t, rop, s, scale))
+
+    def allreduce_coalesced(self, tensors: Sequence[Any], op: Op = ReduceOp.SUM) -> Work:
+        flats = [self._flat(t, f"all_reduce_coalesced tensors[{i}]") for i, t in enumerate(tensors)]
+        self._same_dtype(flats, "all_reduce_coalesced")
+        rop, scale = resolve(op)
+        self._start_coalescing()
+        try:
+            for f in flats:
+                self._issue(OpType.ALLREDUCE, [], lambda c, s, f=f: c.all_reduce(f, f, rop, s, scale))
+            self._coalesced_outputs = list(tensors)
+        except BaseException:
+            self._abandon_coalescing()
+            raise
+        return self._end_coalescing(OpType.ALLREDUCE_COALESCED)
+
+    def _abandon_coalescing(self) -> None:
+        """Close a coalescing group that failed while being built (argument
+        errors are raised before anything is enqueued)."""
+        if self._coalescing is not None and self._comm is not None:
+            self._coalescing = None
+            self._comm.group_end()
+
+    def broadcast(self, tensor: Any, root: int = 0) -> Work | None:
+        t = self._moved(self._flat(_one(tensor), "broadcast tensor"))
+        root = self._group_rank(root, "broadcast root")
+        return self._issue(OpType.BROADCAST, [tensor], lambda c, s: c.broadcast(t, t, root, s))
+
+    def reduce(self, tensor: Any, root: int = 0, op: Op = ReduceOp.SUM) -> Work | None:
+        t = self._flat(_one(tensor), "reduce tensor")
+        root = self._group_rank(root, "reduce root")
+        rop, scale = resolve(op)
+        return self._issue(OpType.REDUCE, [tensor], lambda c, s: c.reduce(t, t, rop, root, s, scale))
+
+    def allgather(self, output_list: Sequence[Any], tensor: Any) -> Work | None:
+        inp = self._flat(_one(tensor), "all_gather input")
+        outs = self._list(_one_list(output_list), "all_gather output list", inp)
+        inp = self._moved(inp)
+        tmp, copy_out = self._gathered(outs, inp)
+        return self._issue(OpType.ALLGATHER, list(output_list), lambda c, s: c.all_gather(inp, tmp, s),
+                           after=copy_out)
+
+    def _allgather_base(self, output: Any, tensor: Any) -> Work | None:
+        inp, out = self._flat(tensor, "all_gather_into_tensor input"), self._flat(output, "all_gather_into_tensor output")
+        self._same_dtype([inp, out], "all_gather_into_tensor")
+        if out.size != inp.size * self._size:
+            raise ValueError(f"all_gather_into_tensor: output has {out.size} elements; expected "
+                             f"{self._size} x {inp.size}")
+        inp, out = self._moved(inp), self._moved(out)
+        return self._issue(OpType._ALLGATHER_BASE, [output], lambda c, s: c.all_gather(inp, out, s))
+
+    def reduce_scatter(self, output: Any, input_list: Sequence[Any], op: Op = ReduceOp.SUM) -> Work | None:
+        out = self._flat(_one(output), "reduce_scatter output")
+        ins = self._list(_one_list(input_list), "reduce_scatter input list", out)
+        rop, scale = resolve(op)
+        _, stream = self._ready()
+        tmp = self._packed(ins, out, stream)
+        return self._issue(OpType.REDUCE_SCATTER, [output],
+                           lambda c, s: c.reduce_scatter(tmp, out, rop, s, scale))
+
+    def _reduce_scatter_base(self, output: Any, tensor: Any, op: Op = ReduceOp.SUM) -> Work | None:
+        out, inp = self._flat(output, "reduce_scatter_tensor output"), self._flat(tensor, "reduce_scatter_tensor input")
+        self._same_dtype([inp, out], "reduce_scatter_tensor")
+        if inp.size != out.size * self._size:
+            raise ValueError(f"reduce_scatter_tensor: input has {inp.size} elements; expected "
+                             f"{self._size} x {out.size}")
+        rop, scale = resolve(op)
+        return self._issue(OpType._REDUCE_SCATTER_BASE, [output],
+                           lambda c, s: c.reduce_scatter(inp, out, rop, s, scale))
+
+    def alltoall_base(self, output: Any, tensor: Any, output_split_sizes: Sequence[int] | None = None,
+                      input_split_sizes: Sequence[int] | None = None) -> Work | None:
+        out, inp = self._flat(output, "all_to_all_single output"), self._flat(tensor, "all_to_all_single input")
+        self._same_dtype([inp, out], "all_to_all_single")
+        sc = self._counts(tensor, inp, input_split_sizes, "input_split_sizes")
+        rc = self._counts(output, out, output_split_sizes, "output_split_sizes")
+        k = 2 if np.issubdtype(self._backend.dtype(inp), np.complexfloating) else 1  # complex: 2 reals each
+        out, inp = self._moved(out), self._moved(inp)
+        sc, rc = [c * k for c in sc], [c * k for c in rc]
+        return self._issue(OpType.ALLTOALL_BASE, [output], lambda c, s: c.all_to_all(inp, out, s, sc, rc))
+
+    def _counts(self, array: Any, flat: Any, splits: Sequence[int] | None, what: str) -> list[int]:
+        """Element counts per peer from split sizes along the first dimension."""
+        rows = array.shape[0] if getattr(array, "shape", ()) else flat.size
+        per_row = flat.size // rows if rows else 0
+        if splits is None or len(splits) == 0:
+            if rows % self._size:
+                raise ValueError(f"all_to_all_single: {rows} rows do not split evenly over {self._size} ranks")
+            return [rows // self._size * per_row] * self._size
+        sizes = [int(x) for x in (splits.tolist() if hasattr(splits, "tolist") else splits)]
+        if len(sizes) != self._size or min(sizes) < 0 or sum(sizes) != rows:
+            raise ValueError(f"all_to_all_single: {what} {sizes} must be {self._size} non-negative numbers "
+                             f"summing to the {rows} rows of the array")
+        return [x * per_row for x in sizes]
+
+    def alltoall(self, output_list: Sequence[Any], input_list: Sequence[Any]) -> Work | None:
+        if len(output_list) != self._size or len(input_list) != self._size:
+            raise ValueError(f"all_to_all: expected {self._size} input and output arrays, got "
+                             f"{len(input_list)} and {len(output_list)}")
+        outs = [self._flat(a, f"all_to_all output[{i}]") for i, a in enumerate(output_list)]
+        ins = [self._flat(a, f"all_to_all input[{i}]") for i, a in enumerate(input_list)]
+        self._same_dtype(outs + ins, "all_to_all")
+        outs, ins = [self._moved(o) for o in outs], [self._moved(i) for i in ins]
+        _, stream = self._ready()
+        tmp_in = self._packed(ins, ins[0], stream)
+        tmp_out = self._backend.empty(sum(o.size for o in outs), outs[0].dtype, self._device)
+        sc, rc = [i.size for i in ins], [o.size for o in outs]
+
+        def copy_out(s: Stream) -> None:
+            at = 0
+            for o in outs:
+                self._backend.copy(o, tmp_out[at:at + o.size], s)
+                at += o.size
+
+        return self._issue(OpType.ALLTOALL, list(output_list),
+                           lambda c, s: c.all_to_all(tmp_in, tmp_out, s, sc, rc), after=copy_out)
+
+    def gather(self, tensor: Any, gather_list: Sequence[Any] | None, root: int = 0) -> Work | None:
+        inp = self._flat(tensor, "gather input")
+        root = self._group_rank(root, "gather dst")
+        if self._rank == root:
+            if gather_list is None:
+                raise ValueError("gather: the destination rank must pass gather_list")
+            outs = self._list(gather_list, "gather gather_list", inp)
+            inp = self._moved(inp)
+            tmp, copy_out = self._gathered(outs, inp)
+            return self._issue(OpType.GATHER, list(gather_list), lambda c, s: c.gather(inp, tmp, root, s),
+                               after=copy_out)
+        if gather_list:
+            raise ValueError("gather: gather_list must be given on the destination rank only")
+        inp = self._moved(inp)
+        return self._issue(OpType.GATHER, [], lambda c, s: c.gather(inp, None, root, s))
+
+    def scatter(self, tensor: Any, scatter_list: Sequence[Any] | None, root: int = 0) -> Work | None:
+        out = self._flat(tensor, "scatter output")
+        root = self._group_rank(root, "scatter src")
+        if self._rank == root:
+            if scatter_list is None:
+                raise ValueError("scatter: the source rank must pass scatter_list")
+            ins = self._list(scatter_list, "scatter scatter_list", out)
+            out = self._moved(out)
+            _, stream = self._ready()
+            tmp = self._packed(ins, out, stream)
+            return self._issue(OpType.SCATTER, [tensor], lambda c, s: c.scatter(tmp, out, root, s))
+        if scatter_list:
+            raise ValueError("scatter: scatter_list must be given on the source rank only")
+        out = self._moved(out)
+        return self._issue(OpType.SCATTER, [tensor], lambda c, s: c.scatter(None, out, root, s))
+
+    def send(self, tensor: Any, dst: int, tag: int = 0) -> Work | None:
+        t = self._moved(self._flat(_one(tensor), "send tensor"))
+        dst = self._peer(dst, "send dst")
+        return self._issue(OpType.SEND, [tensor], lambda c, s: c.send(t, dst, s), p2p=True)
+
+    def recv(self, tensor: Any, src: int, tag: int = 0) -> Work | None:
+        t = self._moved(self._flat(_one(tensor), "recv tensor"))
+        src = self._peer(src, "recv src")
+        return self._issue(OpType.RECV, [tensor], lambda c, s: c.recv(t, src, s), p2p=True)
+
+    def _peer(self, peer: int, what: str) -> int:
+        peer = self._group_rank(peer, what)
+        if peer == self._rank:
+            raise ValueError(f"{what}: rank {peer} is this rank; send/recv need another rank")
+        return peer
+
+    def barrier(self) -> Work | None:
+        """An all_reduce of one byte: complete once every rank has issued it."""
+        buf = self._backend.from_host(np.zeros(1, np.uint8), self._device)
+        return self._issue(OpType.BARRIER, [], lambda c, s: c.all_reduce(buf, buf, ReduceOp.SUM, s))
+
+    # --- teardown ------------------------------------------------------------------------------
+
+    def abort(self) -> None:
+        """Fail every pending and later operation at once; never blocks."""
+        with self._lock:
+            if self._closed is None:
+                self._closed = "aborted"
+            comm = self._comm
+        if comm is not None:
+            comm.abort()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Flush pending operations (bounded by ``timeout``, default the group
+        timeout) and their hooks, then free the communicator; on timeout,
+        abort instead of waiting longer."""
+        with self._lock:
+            if self._closed == "destroyed":
+                return
+            comm = self._comm
+        limit = self._timeout if timeout is None else timeout
+        if comm is not None and self._closed is None and not self._wait_for_pending_works(limit):
+            warnings.warn(f"{self!r}: pending operations did not finish within {limit:.1f} s at shutdown; "
+                          "aborting them", RuntimeWarning, stacklevel=2)
+            comm.abort()
+            watchdog.get().drain(self, lambda: list(self._pending), 1.0)
+        with self._lock:
+            self._closed = "destroyed"
+        if comm is not None:
+            if comm.state is CommState.INITIALIZING:
+                comm.abort()  # a nonblocking init still waiting for peers would hold destroy up
+            comm.destroy()
+
+
+def _one(x: Any) -> Any:
+    """torch's ProcessGroup methods take a list with one tensor per device;
+    a process here drives one device."""
+    if isinstance(x, (list, tuple)):
+        if len(x) != 1:
+            raise ValueError(f"expected one array (one device per process), got {len(x)}")
+        return x[0]
+    return x
+
+
+def _one_list(x: Sequence[Any]) -> Sequence[Any]:
+    """``[[t0, t1, ...]]`` (torch's per-device nesting) or ``[t0, t1, ...]``."""
+    if len(x) == 1 and isinstance(x[0], (list, tuple)):
+        return x[0]
+    return x
+
+
+class ProcessGroupHost(ProcessGroup):
+    """The CPU backend's group (numpy arrays, TCP between ranks)."""
+
+    def __init__(self, store: Store, rank: int, size: int, options: Options | None = None, **kwargs: Any) -> None:
+        super().__init__(store, rank, size, options, backend="host", **kwargs)
+
+
+class ProcessGroupNCCL(ProcessGroup):
+    """The NCCL backend's group; raises ValueError where no GPU exists."""
+
+    Options = Options
+
+    def __init__(self, store: Store, rank: int, size: int, options: Options | None = None, **kwargs: Any) -> None:
+        super().__init__(store, rank, size, options, backend="nccl", **kwargs)

@@ -1,0 +1,245 @@
+"""Work, Future and WorkInfo: the handle a collective returns.
+
+A Work is complete when the stream event recorded after its operation has
+fired, or failed when its communicator reports an error or its timeout
+passes. Completion is observed by whoever looks first: ``wait()`` in the
+caller's thread or the process-wide watchdog thread (watchdog.py), which also
+runs completion hooks, so un-waited Works complete too.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import enum
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from .errors import DistBackendError
+
+if TYPE_CHECKING:
+    from .comm.base import Event
+    from .process_group import ProcessGroup
+
+# Longest slice wait() blocks on an event before re-checking errors and deadlines.
+_WAIT_SLICE = 0.05
+
+
+class OpType(enum.Enum):
+    """The operation a Work stands for (names as in torch.distributed)."""
+
+    BROADCAST = "broadcast"
+    ALLREDUCE = "allreduce"
+    ALLREDUCE_COALESCED = "allreduce_coalesced"
+    REDUCE = "reduce"
+    ALLGATHER = "allgather"
+    _ALLGATHER_BASE = "_allgather_base"
+    GATHER = "gather"
+    SCATTER = "scatter"
+    REDUCE_SCATTER = "reduce_scatter"
+    _REDUCE_SCATTER_BASE = "_reduce_scatter_base"
+    ALLTOALL_BASE = "alltoall_base"
+    ALLTOALL = "alltoall"
+    SEND = "send"
+    RECV = "recv"
+    BARRIER = "barrier"
+    COALESCED = "coalesced"
+
+    def __repr__(self) -> str:
+        return f"OpType.{self.name}"
+
+
+@dataclass(frozen=True)
+class WorkInfo:
+    """What a completion hook receives. Times are None unless timing is on
+    (``NCCL_PG_ENABLE_TIMING`` or a registered hook)."""
+
+    op_type: OpType
+    seq: int
+    time_started: datetime | None
+    time_finished: datetime | None
+    active_duration: timedelta | None
+
+
+class Future:
+    """The result of a Work as a future (value: the Work's output arrays)."""
+
+    def __init__(self, inner: concurrent.futures.Future | None = None) -> None:
+        self._f: concurrent.futures.Future = inner or concurrent.futures.Future()
+
+    def done(self) -> bool:
+        return self._f.done()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until set (or ``timeout`` seconds: TimeoutError); returns the
+        value or raises the error."""
+        try:
+            return self._f.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"Future not completed after {timeout} s") from None
+
+    def value(self) -> Any:
+        if not self._f.done():
+            raise RuntimeError("Future.value() called before the future completed")
+        return self._f.result()
+
+    def add_done_callback(self, callback: Callable[[Future], None]) -> None:
+        self._f.add_done_callback(lambda _: callback(self))
+
+    def then(self, callback: Callable[[Future], Any]) -> Future:
+        """A new future holding ``callback(self)`` (or its exception)."""
+        out = Future()
+
+        def chain(_: Future) -> None:
+            try:
+                out.set_result(callback(self))
+            except BaseException as exc:
+                out.set_exception(exc)
+
+        self.add_done_callback(chain)
+        return out
+
+    def set_result(self, value: Any) -> None:
+        self._f.set_result(value)
+
+    def set_exception(self, error: BaseException) -> None:
+        self._f.set_exception(error)
+
+
+class Work:
+    """One issued operation (or one coalesced group of them)."""
+
+    def __init__(self, group: ProcessGroup, op_type: OpType, seq: int, outputs: list[Any], end: Event,
+                 start: Event | None, timeout: float) -> None:
+        self._group = group
+        self.op_type = op_type
+        self._seq = seq
+        self._outputs = outputs
+        self._end = end
+        self._start = start
+        self._timeout = timeout
+        self._issued_mono = time.monotonic()
+        self._issued_wall = time.time()
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._finished_wall: float | None = None
+        self._future: Future | None = None
+
+    def __repr__(self) -> str:
+        state = "pending" if not self._done.is_set() else ("failed" if self._error else "completed")
+        return f"Work({self.op_type.name}, seq={self._seq}, group={self._group.group_name!r}, {state})"
+
+    # --- completion ----------------------------------------------------------------
+
+    def _poll(self) -> bool:
+        """Observe the operation without blocking; True once it has finished
+        (successfully or not)."""
+        if self._done.is_set():
+            return True
+        error = self._group._comm_error()
+        if self._end.query():
+            self._finish(self._describe(error) if error else None)
+        elif error is not None:
+            self._finish(self._describe(error))
+        elif time.monotonic() - self._issued_mono > self._timeout:
+            self._finish(self._timed_out())
+        return self._done.is_set()
+
+    def _describe(self, error: BaseException) -> DistBackendError:
+        return DistBackendError(f"{self._where()} failed: {error}")
+
+    def _where(self) -> str:
+        g = self._group
+        return (f"process group {g.uid} ({g.group_desc!r}), rank {g.rank()} of {g.size()}: "
+                f"{self.op_type.name} (seq {self._seq})")
+
+    def _timed_out(self) -> DistBackendError:
+        elapsed = time.monotonic() - self._issued_mono
+        return DistBackendError(f"timeout: {self._where()} ran for {elapsed:.3f} s, past its "
+                                f"timeout of {self._timeout:.3f} s")
+
+    def _finish(self, error: BaseException | None) -> None:
+        with self._lock:
+            if self._done.is_set():
+                return
+            self._error = error
+            self._finished_wall = time.time()
+            self._done.set()
+            future = self._future
+        if future is not None:
+            self._settle(future)
+        self._group._work_finished(self, error)
+
+    def _settle(self, future: Future) -> None:
+        if self._error is not None:
+            future.set_exception(self._error)
+        else:
+            future.set_result(self._outputs)
+
+    # --- public API -------------------------------------------------------------------
+
+    @property
+    def seq(self) -> int:
+        return self._seq
+
+    def is_completed(self) -> bool:
+        return self._poll()
+
+    def is_success(self) -> bool:
+        return self._poll() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        self._poll()
+        return self._error
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the operation completes and its outputs can be read;
+        raise DistBackendError if it failed, timed out (group timeout), or is
+        still running after ``timeout`` seconds."""
+        limit = None if timeout is None else time.monotonic() + timeout
+        backend = self._group._backend
+        if backend.blocking_wait or self._group._blocking_wait:
+            while not self._poll():
+                now = time.monotonic()
+                if limit is not None and now >= limit:
+                    raise DistBackendError(f"timeout: {self._where()} not complete after wait({timeout})")
+                left = _WAIT_SLICE if limit is None else min(_WAIT_SLICE, limit - now)
+                self._end.synchronize(max(left, 0.0))
+        else:
+            backend.make_caller_wait(self._end, self._group._device)
+            self._poll()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def get_future(self) -> Future:
+        with self._lock:
+            if self._future is None:
+                self._future = Future()
+                if self._done.is_set():
+                    self._settle(self._future)
+            return self._future
+
+    def result(self) -> list[Any]:
+        return self._outputs
+
+    def _get_duration(self) -> float:
+        """Milliseconds the operation ran on its stream (timing must be on)."""
+        if self._start is None:
+            raise RuntimeError("Work duration needs timing: set NCCL_PG_ENABLE_TIMING=1 or register a "
+                               "completion hook before issuing the operation")
+        if not self._poll():
+            raise RuntimeError(f"{self!r}: duration asked before completion")
+        return self._start.elapsed_ms(self._end)
+
+    def _info(self) -> WorkInfo:
+        started = finished = active = None
+        if self._start is not None and self._error is None:
+            active = timedelta(milliseconds=self._start.elapsed_ms(self._end))
+            started = datetime.fromtimestamp(self._issued_wall)
+            finished = datetime.fromtimestamp(self._finished_wall or time.time())
+        return WorkInfo(self.op_type, self._seq, started, finished, active)
