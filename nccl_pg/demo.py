@@ -1,10 +1,11 @@
-"""The main job: rendezvous through env://, then say what each rank learned.
+"""The main job: rendezvous through env://, then every collective of the
+API on 4 ranks, each result checked, and a table of what ran.
 
     nccl-pg run --nproc 4 -m nccl_pg.demo
 
 Any launcher that sets the env:// variables works too (torchrun, srun,
-mpirun). Each step is a function of the Rendezvous, so that later steps
-(collectives) slot into main() between report() and leave().
+mpirun). The host backend runs it on CPUs; the NCCL backend takes its place
+on GPU machines once it exists (issue 7).
 """
 
 from __future__ import annotations
@@ -13,15 +14,15 @@ import json
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .comm import CommConfig
-from .comm.host import HostCommunicator
+from . import distributed as dist
+from .objects import all_gather_object, broadcast_object_list
 from .reduce_op import ReduceOp
 from .rendezvous import Rendezvous, rendezvous
-from .store import PrefixStore
 
 PREFIX = "nccl_pg.demo/"
 
@@ -45,11 +46,21 @@ def main() -> None:
     rdv = rendezvous("env://")
     peers = introduce(rdv, (time.monotonic() - start) * 1e3)
     report(rdv, peers)
-    communicate(rdv)
+    dist.init_process_group(store=rdv.store, rank=rdv.rank, world_size=rdv.world_size, timeout=60)
+    results = run_collectives(rdv.rank, rdv.world_size)
+    ok = sum(r[3] for r in results)
+    print(f"rank {rdv.rank}: {ok}/{len(results)} collectives correct on the {dist.get_backend()} backend",
+          flush=True)
+    everyone: list = [None] * rdv.world_size
+    all_gather_object(everyone, results)
+    dist.destroy_process_group()
     leave(rdv)
     if rdv.rank == 0:
         print(summary(peers), flush=True)
+        print(collective_table(everyone), flush=True)
     rdv.store.close()
+    if ok != len(results):
+        raise SystemExit(1)
 
 
 def introduce(rdv: Rendezvous, rendezvous_ms: float) -> list[Peer]:
@@ -85,24 +96,109 @@ def leave(rdv: Rendezvous) -> None:
         rdv.store.wait([f"{PREFIX}left/{i}" for i in range(1, rdv.world_size)])
 
 
-def communicate(rdv: Rendezvous) -> None:
-    """An all_reduce over a communicator built on the rendezvous: the host
-    backend (CPU, numpy). The NCCL backend takes its place on GPUs once built."""
-    comm = HostCommunicator.create(PrefixStore(f"{PREFIX}comm", rdv.store), rdv.world_size, rdv.rank,
-                                   CommConfig(timeout=60))
-    stream = comm.new_stream()
-    x = np.full(1 << 20, rdv.rank + 1, dtype=np.float32)
-    start = time.monotonic()
-    comm.all_reduce(x, x, ReduceOp.SUM, stream)
-    if not stream.synchronize(60) or comm.async_error() is not None:
-        raise SystemExit(f"rank {rdv.rank}: all_reduce failed: {comm.async_error() or 'timeout after 60 s'}")
-    ms = (time.monotonic() - start) * 1e3
-    want = rdv.world_size * (rdv.world_size + 1) / 2
-    verdict = "correct" if bool((x == want).all()) else f"WRONG (expected {want}, got {x[:4]}...)"
-    print(f"rank {rdv.rank}: all_reduce(SUM) of 4 MiB over the host backend took {ms:.1f} ms: "
-          f"every element is {x[0]:g}, {verdict}", flush=True)
-    comm.finalize(60)
-    comm.destroy()
+Check = Callable[[int, int], tuple[int, bool]]  # (rank, world size) -> (elements, correct)
+
+
+def run_collectives(rank: int, n: int) -> list[tuple[str, int, float, bool]]:
+    """Run each check on this rank: (name, elements, milliseconds, correct)."""
+    out = []
+    for name, check in CHECKS.items():
+        dist.barrier()  # time each collective alone, not behind a slower rank's previous one
+        t0 = time.monotonic()
+        elements, correct = check(rank, n)
+        out.append((name, elements, (time.monotonic() - t0) * 1e3, correct))
+    return out
+
+
+def _all_reduce(rank: int, n: int) -> tuple[int, bool]:
+    x = np.full(1 << 20, rank + 1, np.float32)
+    dist.all_reduce(x, ReduceOp.SUM)
+    return x.size, bool((x == n * (n + 1) / 2).all())
+
+
+def _broadcast(rank: int, n: int) -> tuple[int, bool]:
+    x = np.full(1 << 18, rank, np.float64)
+    dist.broadcast(x, src=n - 1)
+    return x.size, bool((x == n - 1).all())
+
+
+def _reduce(rank: int, n: int) -> tuple[int, bool]:
+    x = np.full(1 << 16, rank, np.int64)
+    dist.reduce(x, dst=0, op=ReduceOp.MAX)
+    return x.size, rank != 0 or bool((x == n - 1).all())
+
+
+def _all_gather(rank: int, n: int) -> tuple[int, bool]:
+    outs = [np.empty(1 << 16, np.int32) for _ in range(n)]
+    dist.all_gather(outs, np.full(1 << 16, rank, np.int32))
+    return outs[0].size, all(bool((o == r).all()) for r, o in enumerate(outs))
+
+
+def _reduce_scatter(rank: int, n: int) -> tuple[int, bool]:
+    out = np.empty(1 << 16, np.float32)
+    dist.reduce_scatter_tensor(out, np.full(n << 16, rank, np.float32))
+    return out.size, bool((out == n * (n - 1) / 2).all())
+
+
+def _all_to_all(rank: int, n: int) -> tuple[int, bool]:
+    send = np.repeat(np.arange(n, dtype=np.int64) * 100 + rank, 1 << 12)
+    out = np.empty_like(send)
+    dist.all_to_all_single(out, send)
+    want = np.repeat(rank * 100 + np.arange(n, dtype=np.int64), 1 << 12)
+    return send.size, bool((out == want).all())
+
+
+def _gather_scatter(rank: int, n: int) -> tuple[int, bool]:
+    got = [np.empty(1024, np.float32) for _ in range(n)] if rank == 0 else None
+    dist.gather(np.full(1024, rank, np.float32), got, dst=0)
+    part = np.empty(1024, np.float32)
+    dist.scatter(part, [g * 2 for g in got] if got else None, src=0)
+    return 1024, bool((part == 2 * rank).all())
+
+
+def _send_recv(rank: int, n: int) -> tuple[int, bool]:
+    """A ring: each rank sends to the next and receives from the previous, as one batch."""
+    mine, got = np.full(4096, rank, np.int32), np.empty(4096, np.int32)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, (rank + 1) % n),
+                                    dist.P2POp(dist.irecv, got, (rank - 1) % n)])
+    for w in works:
+        w.wait()
+    return mine.size, bool((got == (rank - 1) % n).all())
+
+
+def _objects(rank: int, n: int) -> tuple[int, bool]:
+    objs: list = [{"from": 0, "config": [1, 2, 3]} if rank == 0 else None]
+    broadcast_object_list(objs, src=0)
+    return 1, objs[0] == {"from": 0, "config": [1, 2, 3]}
+
+
+def _async_subgroups(rank: int, n: int) -> tuple[int, bool]:
+    """Two groups (even and odd ranks), all_reduces issued async on both, then waited."""
+    evens, odds = dist.new_group(list(range(0, n, 2))), dist.new_group(list(range(1, n, 2)))
+    mine = evens if rank % 2 == 0 else odds
+    x = np.full(1 << 16, 1.0, np.float32)
+    work = dist.all_reduce(x, group=mine, async_op=True)
+    assert work is not None
+    work.wait()
+    size = len(range(rank % 2, n, 2))
+    return x.size, bool((x == size).all())
+
+
+CHECKS: dict[str, Check] = {
+    "all_reduce": _all_reduce, "broadcast": _broadcast, "reduce": _reduce, "all_gather": _all_gather,
+    "reduce_scatter": _reduce_scatter, "all_to_all": _all_to_all, "gather+scatter": _gather_scatter,
+    "send/recv": _send_recv, "objects": _objects, "subgroups async": _async_subgroups,
+}
+
+
+def collective_table(everyone: list[list[tuple[str, int, float, bool]]]) -> str:
+    rows = [("collective", "elements", "max ms", "result")]
+    for i, (name, elements, _, _) in enumerate(everyone[0]):
+        slowest = max(r[i][2] for r in everyone)
+        wrong = [rank for rank, r in enumerate(everyone) if not r[i][3]]
+        verdict = "correct on every rank" if not wrong else f"WRONG on ranks {wrong}"
+        rows.append((name, str(elements), f"{slowest:.1f}", verdict))
+    return _table(f"{len(everyone[0])} collectives on {len(everyone)} ranks:", rows)
 
 
 def summary(peers: list[Peer]) -> str:
@@ -110,9 +206,13 @@ def summary(peers: list[Peer]) -> str:
     rows = [("rank", "local", "host", "pid", "rendezvous ms", "joined +ms")]
     rows += [(str(p.rank), p.local, p.host, str(p.pid), f"{p.rendezvous_ms:.1f}",
               f"{(p.joined - first) * 1e3:.1f}") for p in peers]
+    return _table(f"all {len(peers)} ranks met:", rows)
+
+
+def _table(title: str, rows: list[tuple[str, ...]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
-    return "\n".join([f"all {len(peers)} ranks met:", *lines])
+    return "\n".join([title, *lines])
 
 
 if __name__ == "__main__":
