@@ -156,6 +156,22 @@ def destroy_process_group(group: Group = None) -> None:
     del w.groups[group]
 
 
+def abort_process_group(group: Group = None) -> None:
+    """Abort one group, or with None every group of this process's world:
+    pending and later operations fail with "aborted" at once (bounded, never
+    waits for peers). Destroy them afterwards to free resources."""
+    w = _world()
+    if group is NON_GROUP_MEMBER:
+        return
+    targets = list(w.groups) if group is None or group is w.default_pg else [group]
+    for pg in targets:
+        if isinstance(pg, ProcessGroup):
+            pg.abort()
+
+
+_abort_process_group = abort_process_group  # torch's private name
+
+
 def new_group(ranks: Sequence[int] | None = None, timeout: timedelta | float | None = None,
               backend: str | None = None, pg_options: Options | None = None,
               use_local_synchronization: bool = False, group_desc: str | None = None) -> ProcessGroup | _NonGroupMember:
@@ -196,6 +212,7 @@ def new_group(ranks: Sequence[int] | None = None, timeout: timedelta | float | N
     assert w.store is not None
     pg = ProcessGroup(w.store, members.index(me), len(members), options, backend=parent._backend,
                       device_id=parent._device, group_name=name, group_desc=group_desc or "undefined", uid=uid)
+    pg._global_ranks = members
     if child is not None:
         pg._set_comm(child)
     elif len(members) == n and not use_local_synchronization:

@@ -128,8 +128,41 @@ DEBUG: Var[str] = Var(
     "Debug level: off, info (log group creation), detail (also log every operation issued).",
     aliases=("TORCH_DISTRIBUTED_DEBUG",))
 
+# --- failure handling --------------------------------------------------------
+ASYNC_ERROR_HANDLING: Var[int] = Var(
+    "NCCL_PG_ASYNC_ERROR_HANDLING", parse_int(0, 3), 2,
+    "What a failed or timed-out operation does besides failing its Work: 0 nothing more, 1 abort the "
+    "group's communicator and end the process (SIGABRT), 2 abort the communicator so every waiter is "
+    "released and wait() raises, 3 end the process without aborting.",
+    aliases=("TORCH_NCCL_ASYNC_ERROR_HANDLING",))
+BLOCKING_WAIT: Var[bool] = Var(
+    "NCCL_PG_BLOCKING_WAIT", parse_bool, False,
+    "Work.wait() blocks the calling thread until the operation completes, polling for errors and the "
+    "timeout (the host backend always does).",
+    aliases=("TORCH_NCCL_BLOCKING_WAIT",))
+HEARTBEAT_TIMEOUT: Var[float] = Var(
+    "NCCL_PG_HEARTBEAT_TIMEOUT", parse_seconds, 480.0,
+    "Seconds the watchdog thread may go without completing a poll before the monitor writes a dump "
+    "and ends the process with SIGABRT.",
+    aliases=("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC",))
+ENABLE_MONITORING: Var[bool] = Var(
+    "NCCL_PG_ENABLE_MONITORING", parse_bool, True,
+    "Run the heartbeat monitor of the watchdog thread.",
+    aliases=("TORCH_NCCL_ENABLE_MONITORING",))
+DUMP_ON_TIMEOUT: Var[bool] = Var(
+    "NCCL_PG_DUMP_ON_TIMEOUT", parse_bool, True,
+    "On a timeout, write a debug dump on this rank and signal every rank (through the store) to write "
+    "theirs.",
+    aliases=("TORCH_NCCL_DUMP_ON_TIMEOUT",))
+DUMP_FILE: Var[str] = Var(
+    "NCCL_PG_DEBUG_INFO_TEMP_FILE", parse_str, "/tmp/nccl_pg_trace_rank_",
+    "Path prefix of debug dumps; the rank number is appended.",
+    aliases=("TORCH_NCCL_DEBUG_INFO_TEMP_FILE",))
+
 ALL: tuple[Var, ...] = (STORE_SECRET, STORE_TIMEOUT, STORE_MAX_VALUE_SIZE, USE_AGENT_STORE, HOST_ADDR,
-                        HOST_BROADCAST, USE_COMM_NONBLOCKING, ENABLE_TIMING, WATCHDOG_INTERVAL, DEBUG)
+                        HOST_BROADCAST, USE_COMM_NONBLOCKING, ENABLE_TIMING, WATCHDOG_INTERVAL, DEBUG,
+                        ASYNC_ERROR_HANDLING, BLOCKING_WAIT, HEARTBEAT_TIMEOUT, ENABLE_MONITORING,
+                        DUMP_ON_TIMEOUT, DUMP_FILE)
 
 
 def validate_all(environ: Mapping[str, str] | None = None) -> None:

@@ -9,7 +9,10 @@ Ranks here are group ranks; distributed.py maps global ranks onto them.
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -19,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from . import env, watchdog
+from . import env, progress, watchdog
 from .backends import get_backend
 from .comm.base import Backend, CommConfig, CommState, Communicator, Stream
 from .errors import DistBackendError
@@ -32,6 +35,7 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 Op = ReduceOp | PremulSum
+_P2P = (OpType.SEND, OpType.RECV)
 Enqueue = Callable[[Communicator, Stream], None]
 
 
@@ -96,13 +100,18 @@ class ProcessGroup:
         self._timeout = self.options.timeout
         self._device = device_id
         self.group_name, self.group_desc, self.uid = group_name, group_desc, uid
-        self._blocking_wait = False
+        self._blocking_wait = env.BLOCKING_WAIT.get()
+        self._error_handling = env.ASYNC_ERROR_HANDLING.get()
+        self._global_ranks: list[int] | None = None  # group rank -> global rank, set by new_group
         self._lock = threading.RLock()
         self._comm: Communicator | None = None
         self._stream: Stream | None = None
         self._split_from: ProcessGroup | None = None  # lazy: split this parent's communicator at first use
         self._seq = 0
         self._seq_p2p = 0
+        self._completed_seq = 0
+        self._timing_out: set[Work] = set()
+        self._error_handled = False
         self._hooks: list[Callable[[WorkInfo], None]] = []
         self._timing = env.ENABLE_TIMING.get()
         self._pending: set[Work] = set()
@@ -111,6 +120,7 @@ class ProcessGroup:
         self._closed: str | None = None  # "destroyed" / "aborted"
         self._nonblocking = (self.options.config.blocking is False) or (
             self.options.config.blocking is None and env.USE_COMM_NONBLOCKING.get())
+        watchdog.get().watch_group(self)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(uid={self.uid}, desc={self.group_desc!r}, rank={self._rank}, "
@@ -142,6 +152,9 @@ class ProcessGroup:
 
     def _set_blocking_wait(self, on: bool) -> None:
         self._blocking_wait = on
+
+    def _global_rank_of(self, group_rank: int) -> int:
+        return group_rank if self._global_ranks is None else self._global_ranks[group_rank]
 
     # --- communicator -------------------------------------------------------------------
 
@@ -212,12 +225,70 @@ class ProcessGroup:
     def _work_finished(self, work: Work, error: BaseException | None) -> None:
         with self._lock:
             self._pending.discard(work)
+            self._timing_out.discard(work)
+            if error is None and work.op_type not in _P2P:
+                self._completed_seq = max(self._completed_seq, work.seq)
         if self._hooks:
             hooks = list(self._hooks)
             watchdog.get().call_soon(self, lambda: [h(work._info()) for h in hooks])
-        if error is not None and str(error).startswith("timeout") and self._comm is not None:
-            # A timed-out collective leaves its peers' streams stuck: abort so every waiter is released.
-            self._comm.abort()
+        if error is not None:
+            self._handle_error(error)
+
+    # --- failures -----------------------------------------------------------------------
+
+    def _timed_out(self, work: Work) -> None:
+        """``work`` passed its deadline: find out who is missing (store
+        traffic, so on a thread of its own), then fail it."""
+        with self._lock:
+            if work in self._timing_out or work._done.is_set():
+                return
+            self._timing_out.add(work)
+        threading.Thread(target=self._explain_timeout, args=(work,), name="nccl_pg-timeout", daemon=True).start()
+
+    def _explain_timeout(self, work: Work) -> None:
+        dog = watchdog.get()
+        try:
+            dog.publish_now(self)
+            why = progress.explain(self, work.seq, progress.read_all(self)) if work.op_type not in _P2P else \
+                "a point-to-point operation: its peer did not post the matching operation"
+        except Exception as exc:  # the store may be down too: say so rather than hang or guess
+            why = f"could not read the other ranks' progress from the store: {exc}"
+        text = f"{work._timed_out_text()}; {why}"
+        if env.DUMP_ON_TIMEOUT.get():
+            try:
+                dog.signal_dump(self, f"timeout of {work.op_type.name} seq {work.seq} on group {self.uid}")
+            except Exception as exc:
+                log.debug("could not signal the other ranks to dump: %s", exc)
+            path = dog.write_dump(text, self._global_rank_of(self._rank))
+            text += f"; debug dump: {path}" if path else ""
+        work._finish(DistBackendError(text))
+
+    def _check_comm(self) -> None:
+        """Watchdog: act on a communicator broken while nothing was pending."""
+        comm = self._comm
+        if comm is None or self._closed is not None or self._error_handled:
+            return
+        error = comm.async_error()
+        if error is not None:
+            self._handle_error(DistBackendError(f"process group {self.uid} ({self.group_desc!r}) on rank "
+                                               f"{self._rank}: communicator error: {error}"))
+
+    def _handle_error(self, error: BaseException) -> None:
+        """Apply NCCL_PG_ASYNC_ERROR_HANDLING to a failure (not to the
+        consequences of this process's own abort or destroy)."""
+        with self._lock:
+            if self._error_handled or self._closed is not None:
+                return
+            self._error_handled = True
+            comm = self._comm
+        mode = self._error_handling
+        log.error("nccl_pg: %s", error)
+        if mode in (1, 2) and comm is not None:
+            comm.abort()
+        if mode in (1, 3):
+            print(f"nccl_pg: rank {self._global_rank_of(self._rank)}: {error}; ending the process "
+                  f"(NCCL_PG_ASYNC_ERROR_HANDLING={mode})", file=sys.stderr, flush=True)
+            os.abort()
 
     def _wait_for_pending_works(self, timeout: float | None = None) -> bool:
         return watchdog.get().drain(self, lambda: list(self._pending), self._timeout if timeout is None else timeout)
@@ -532,6 +603,32 @@ class ProcessGroup:
             if comm.state is CommState.INITIALIZING:
                 comm.abort()  # a nonblocking init still waiting for peers would hold destroy up
             comm.destroy()
+
+
+    def __del__(self) -> None:
+        # Dropped without destroy: free the communicator's threads and sockets
+        # now rather than at exit (never blocks: abort first).
+        comm = getattr(self, "_comm", None)
+        if comm is not None and getattr(self, "_closed", None) != "destroyed":
+            comm.abort()
+            comm.destroy()
+
+
+def _close_leftovers() -> None:
+    """At exit: groups never destroyed are aborted (bounded), with a warning
+    instead of a hang or a silent loss of pending work."""
+    dog = watchdog.existing()
+    for pg in dog.groups() if dog is not None else []:
+        if pg._closed is None and pg._comm is not None:
+            pending = len(pg._pending)
+            print(f"nccl_pg: warning: {pg!r} was not destroyed before exit ({pending} operations pending); "
+                  "aborting it. Call destroy_process_group() to flush pending work first.",
+                  file=sys.stderr, flush=True)
+            pg.abort()
+            pg._comm.destroy()
+
+
+atexit.register(_close_leftovers)
 
 
 def _one(x: Any) -> Any:

@@ -146,7 +146,7 @@ class Work:
         elif error is not None:
             self._finish(self._describe(error))
         elif time.monotonic() - self._issued_mono > self._timeout:
-            self._finish(self._timed_out())
+            self._group._timed_out(self)  # finishes it once it knows which ranks are missing
         return self._done.is_set()
 
     def _describe(self, error: BaseException) -> DistBackendError:
@@ -157,10 +157,9 @@ class Work:
         return (f"process group {g.uid} ({g.group_desc!r}), rank {g.rank()} of {g.size()}: "
                 f"{self.op_type.name} (seq {self._seq})")
 
-    def _timed_out(self) -> DistBackendError:
+    def _timed_out_text(self) -> str:
         elapsed = time.monotonic() - self._issued_mono
-        return DistBackendError(f"timeout: {self._where()} ran for {elapsed:.3f} s, past its "
-                                f"timeout of {self._timeout:.3f} s")
+        return f"timeout: {self._where()} ran for {elapsed:.3f} s, past its timeout of {self._timeout:.3f} s"
 
     def _finish(self, error: BaseException | None) -> None:
         with self._lock:
