@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from nccl_pg import env
@@ -39,3 +41,9 @@ def test_empty_value_means_unset() -> None:
 def test_every_variable_is_documented_and_prefixed() -> None:
     for var in env.ALL:
         assert var.name.startswith("NCCL_PG_") and var.doc
+
+
+def test_every_variable_is_in_the_readme_table() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for var in env.ALL:
+        assert f"| `{var.name}`" in readme, f"{var.name} missing from the README's environment table"
