@@ -174,10 +174,12 @@ _abort_process_group = abort_process_group  # torch's private name
 
 def new_group(ranks: Sequence[int] | None = None, timeout: timedelta | float | None = None,
               backend: str | None = None, pg_options: Options | None = None,
-              use_local_synchronization: bool = False, group_desc: str | None = None) -> ProcessGroup | _NonGroupMember:
-    """A subgroup of the default group. Every rank calls it (only the members
-    with ``use_local_synchronization=True``). With an eagerly initialized
-    parent the communicator is split now; otherwise at first use."""
+              use_local_synchronization: bool = False,
+              group_desc: str | None = None) -> ProcessGroup | _NonGroupMember | None:
+    """A subgroup of the default group. Every rank calls it (with
+    ``use_local_synchronization=True`` only the members need to; a non-member
+    calling it gets None). With an eagerly initialized, blocking parent the
+    communicator is split now; otherwise at first use."""
     w = _world()
     parent = _get_default_group()
     n = parent.size()
@@ -189,8 +191,7 @@ def new_group(ranks: Sequence[int] | None = None, timeout: timedelta | float | N
         raise ValueError("new_group: ranks must not be empty")
     me = parent.rank()
     if use_local_synchronization and me not in members:
-        raise ValueError(f"new_group(use_local_synchronization=True) must be called by members only; "
-                         f"rank {me} is not in {members}")
+        return None  # as torch: only the members synchronize, and a non-member gets no group at all
     if backend is not None and backend.lower() != parent.backend_name:
         raise ValueError(f"new_group: backend {backend!r} differs from the default group's "
                          f"{parent.backend_name!r}; one backend per job")
@@ -205,7 +206,8 @@ def new_group(ranks: Sequence[int] | None = None, timeout: timedelta | float | N
         name = str(uid)
     options = replace(pg_options or parent.options,
                       timeout=seconds(timeout) if timeout is not None else parent.timeout.total_seconds())
-    split_now = w.eager and not use_local_synchronization
+    # A nonblocking parent splits at the subgroup's first use, as torch does (eager or not).
+    split_now = w.eager and not use_local_synchronization and not parent._nonblocking
     child = parent._split_for(0 if me in members else None, me, options) if split_now else None
     if me not in members:
         return NON_GROUP_MEMBER
@@ -229,6 +231,14 @@ def _set_pg_timeout(timeout: timedelta | float, group: Group = None) -> None:
 
 def _get_process_group_uid(pg: ProcessGroup) -> int:
     return pg.uid
+
+
+def _get_default_store() -> Store:
+    """The store of the default group (what ``init_process_group`` rendezvoused on)."""
+    _get_default_group()
+    store = _world().store
+    assert store is not None
+    return store
 
 
 # --- ranks ------------------------------------------------------------------------------------

@@ -102,6 +102,7 @@ class ProcessGroup:
         self.group_name, self.group_desc, self.uid = group_name, group_desc, uid
         self._blocking_wait = env.BLOCKING_WAIT.get()
         self._error_handling = env.ASYNC_ERROR_HANDLING.get()
+        self._detail = env.DEBUG.get() == "detail"  # log every operation issued (opt-in: hot path)
         self._global_ranks: list[int] | None = None  # group rank -> global rank, set by new_group
         self._lock = threading.RLock()
         self._comm: Communicator | None = None
@@ -143,8 +144,8 @@ class ProcessGroup:
         return self._seq
 
     def _set_default_timeout(self, timeout: timedelta | float) -> None:
-        """Timeout of operations issued from now on."""
-        self._timeout = seconds(timeout)
+        """Timeout of operations issued from now on (``options._timeout`` follows, as in torch)."""
+        self._timeout = self.options.timeout = seconds(timeout)
 
     @property
     def timeout(self) -> timedelta:
@@ -182,7 +183,7 @@ class ProcessGroup:
     def _create_comm(self) -> Communicator:
         parent = self._split_from
         if parent is not None and parent._comm is not None and parent._closed is None:
-            child = parent._comm.split(0, self._rank, self._comm_config())
+            child = parent._split_comm(parent._comm, 0, self._rank, self._comm_config())
             assert child is not None
             return child
         store = PrefixStore(f"{self.group_name}/comm", self._store)
@@ -204,6 +205,15 @@ class ProcessGroup:
         comm, _ = self._ready()
         cfg = CommConfig(**{**self._comm_config().__dict__, "timeout": options.timeout,
                             "high_priority_stream": options.is_high_priority_stream})
+        return self._split_comm(comm, color, key, cfg)
+
+    def _split_comm(self, comm: Communicator, color: int | None, key: int, cfg: CommConfig) -> Communicator | None:
+        """Split after this group's issued operations have run: the host
+        backend's split travels the same connections as they do, so one still
+        queued (an un-waited broadcast, say) would meet the split's exchange."""
+        if self._stream is not None and not self._stream.synchronize(cfg.timeout):
+            raise DistBackendError(f"timeout: process group {self.uid} ({self.group_desc!r}) on rank {self._rank}: "
+                                   f"operations issued before a split did not finish within {cfg.timeout:.1f} s")
         return comm.split(color, key, cfg)
 
     def comm_split_count(self) -> int:
@@ -319,7 +329,7 @@ class ProcessGroup:
         with self._lock:
             self._pending.add(work)
         watchdog.get().watch(work)
-        if log.isEnabledFor(logging.DEBUG) or env.DEBUG.get() == "detail":
+        if self._detail:
             log.info("pg %d rank %d: issued %s seq %d", self.uid, self._rank, op_type.name, seq)
         return work
 
@@ -522,6 +532,8 @@ class ProcessGroup:
     def gather(self, tensor: Any, gather_list: Sequence[Any] | None, root: int = 0) -> Work | None:
         inp = self._flat(tensor, "gather input")
         root = self._group_rank(root, "gather dst")
+        if gather_list and self._rank != root:  # dtypes first on every rank (as torch), then roles
+            self._same_dtype([inp, *(self._flat(a, "gather gather_list") for a in gather_list)], "gather")
         if self._rank == root:
             if gather_list is None:
                 raise ValueError("gather: the destination rank must pass gather_list")
@@ -538,6 +550,8 @@ class ProcessGroup:
     def scatter(self, tensor: Any, scatter_list: Sequence[Any] | None, root: int = 0) -> Work | None:
         out = self._flat(tensor, "scatter output")
         root = self._group_rank(root, "scatter src")
+        if scatter_list and self._rank != root:  # dtypes first on every rank (as torch), then roles
+            self._same_dtype([out, *(self._flat(a, "scatter scatter_list") for a in scatter_list)], "scatter")
         if self._rank == root:
             if scatter_list is None:
                 raise ValueError("scatter: the source rank must pass scatter_list")

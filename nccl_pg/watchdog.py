@@ -74,9 +74,8 @@ class Watchdog:
             return list(self._groups)
 
     def watch(self, work: Work) -> None:
-        with self._cond:
+        with self._cond:  # no wake-up: the poller comes by within an interval anyway
             self._pending.append(work)
-            self._cond.notify_all()
 
     def call_soon(self, owner: object, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the hook runner; ``owner`` is what ``drain`` waits for."""
