@@ -1,25 +1,28 @@
 """Debug dumps: what this process was doing when something went wrong.
 
-A dump is one JSON file per rank (``NCCL_PG_DEBUG_INFO_TEMP_FILE`` + rank):
-the reason, every live group's progress and pending operations, and the
-Python stack of every thread. Written on a timeout (on every rank, through
-a store signal), by the heartbeat monitor before it ends the process, and on
-request.
+A dump is one file per rank, ``NCCL_PG_DEBUG_INFO_TEMP_FILE`` + global rank:
+a pickled dict in PyTorch's flight-recorder layout (version, pg_config,
+pg_status, entries), so PyTorch's analyzer and ``nccl-pg trace`` both read
+it, plus our own keys: the reason, every live group's pending operations
+with their age, and the Python stack of every thread. Written on a timeout
+(on every rank, through a store signal), by the heartbeat monitor before it
+ends the process, when a byte is written to ``<prefix><rank>.pipe``, and on
+request (``write``).
 """
 
 from __future__ import annotations
 
-import json
 import os
+import pickle
 import socket
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import env
+from . import env, flight_recorder
 
 if TYPE_CHECKING:
     from .process_group import ProcessGroup
@@ -42,13 +45,35 @@ def _threads() -> dict[str, list[str]]:
             for ident, frame in sys._current_frames().items()}
 
 
-def write(reason: str, rank: int, groups: Iterable[ProcessGroup]) -> str:
+def report(reason: str, rank: int, groups: Sequence[ProcessGroup]) -> dict[str, Any]:
+    """The dump as a dict (the flight recorder's layout plus our keys)."""
+    out = flight_recorder.get().dump(groups)
+    out.update({"reason": reason, "rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
+                "time": time.time(), "groups": [_group(g) for g in groups], "threads": _threads()})
+    return out
+
+
+def path_for(rank: int) -> str:
+    return f"{env.DUMP_FILE.get()}{rank}"
+
+
+def write(reason: str, rank: int, groups: Sequence[ProcessGroup]) -> str:
     """Write this rank's dump; returns its path."""
-    path = f"{env.DUMP_FILE.get()}{rank}"
-    report = {"reason": reason, "rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
-              "time": time.time(), "groups": [_group(g) for g in groups], "threads": _threads()}
+    path = path_for(rank)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=1)
+    with open(tmp, "wb") as f:
+        pickle.dump(report(reason, rank, groups), f)
     os.replace(tmp, path)  # a reader never sees half a dump
     return path
+
+
+def read(path: str) -> dict[str, Any]:
+    """A dump written by us or by PyTorch (pickle), or a JSON dump."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:1] in (b"{", b"["):
+        import json
+
+        return json.loads(data)
+    return pickle.loads(data)

@@ -159,10 +159,18 @@ DUMP_FILE: Var[str] = Var(
     "Path prefix of debug dumps; the rank number is appended.",
     aliases=("TORCH_NCCL_DEBUG_INFO_TEMP_FILE",))
 
+TRACE_BUFFER_SIZE: Var[int] = Var(
+    "NCCL_PG_TRACE_BUFFER_SIZE", parse_int(0, 10**7), 2000,
+    "Entries in the flight recorder's ring buffer (one per operation); 0 turns the recorder off.",
+    aliases=("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"))
+TRACE_STACKS: Var[bool] = Var(
+    "NCCL_PG_TRACE_STACKS", parse_bool, False,
+    "Capture the Python stack of every operation into the flight recorder (costs microseconds per op).")
+
 ALL: tuple[Var, ...] = (STORE_SECRET, STORE_TIMEOUT, STORE_MAX_VALUE_SIZE, USE_AGENT_STORE, HOST_ADDR,
                         HOST_BROADCAST, USE_COMM_NONBLOCKING, ENABLE_TIMING, WATCHDOG_INTERVAL, DEBUG,
                         ASYNC_ERROR_HANDLING, BLOCKING_WAIT, HEARTBEAT_TIMEOUT, ENABLE_MONITORING,
-                        DUMP_ON_TIMEOUT, DUMP_FILE)
+                        DUMP_ON_TIMEOUT, DUMP_FILE, TRACE_BUFFER_SIZE, TRACE_STACKS)
 
 
 def validate_all(environ: Mapping[str, str] | None = None) -> None:

@@ -16,16 +16,17 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
 import numpy as np
 
-from . import env, progress, watchdog
+from . import env, flight_recorder, progress, watchdog
 from .backends import get_backend
 from .comm.base import Backend, CommConfig, CommState, Communicator, Stream
 from .errors import DistBackendError
+from .flight_recorder import Entry
 from .reduce_op import PremulSum, ReduceOp, resolve
 from .store import PrefixStore, Store
 from .work import OpType, Work, WorkInfo
@@ -36,6 +37,16 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 Op = ReduceOp | PremulSum
 _P2P = (OpType.SEND, OpType.RECV)
+# The flight recorder's names for operations (PyTorch's, so its tools read our dumps).
+_PROFILING_NAME = {
+    OpType.ALLREDUCE: "nccl:all_reduce", OpType.ALLREDUCE_COALESCED: "nccl:all_reduce_coalesced",
+    OpType.BROADCAST: "nccl:broadcast", OpType.REDUCE: "nccl:reduce", OpType.ALLGATHER: "nccl:all_gather",
+    OpType._ALLGATHER_BASE: "nccl:_allgather_base", OpType.REDUCE_SCATTER: "nccl:reduce_scatter",
+    OpType._REDUCE_SCATTER_BASE: "nccl:_reduce_scatter_base", OpType.ALLTOALL_BASE: "nccl:all_to_all",
+    OpType.ALLTOALL: "nccl:all_to_all", OpType.GATHER: "nccl:gather", OpType.SCATTER: "nccl:scatter",
+    OpType.BARRIER: "nccl:all_reduce_barrier", OpType.COALESCED: "nccl:coalesced",
+    OpType.SEND: "nccl:send", OpType.RECV: "nccl:recv",
+}
 Enqueue = Callable[[Communicator, Stream], None]
 
 
@@ -106,11 +117,16 @@ class ProcessGroup:
         self._global_ranks: list[int] | None = None  # group rank -> global rank, set by new_group
         self._lock = threading.RLock()
         self._comm: Communicator | None = None
+        self._creating: Communicator | None = None  # an init in progress, for abort() to reach
         self._stream: Stream | None = None
         self._split_from: ProcessGroup | None = None  # lazy: split this parent's communicator at first use
         self._seq = 0
         self._seq_p2p = 0
         self._completed_seq = 0
+        self._started_seq = 0
+        self._op_id = 0
+        self._recorder = flight_recorder.get()
+        self._coalesced_entries: list[Entry | None] = []
         self._timing_out: set[Work] = set()
         self._error_handled = False
         self._hooks: list[Callable[[WorkInfo], None]] = []
@@ -187,7 +203,18 @@ class ProcessGroup:
             assert child is not None
             return child
         store = PrefixStore(f"{self.group_name}/comm", self._store)
-        return self._backend.create(store, self._size, self._rank, self._comm_config(), self._device)
+        cfg = self._comm_config()
+        # Always started nonblocking (then waited for in blocking mode), so that abort() reaches an init stuck on
+        # a missing peer; the init's own deadline fails it first, with the message naming the missing ranks.
+        comm = self._creating = self._backend.create(store, self._size, self._rank, replace(cfg, blocking=False),
+                                                     self._device)
+        if cfg.blocking:
+            try:
+                comm.wait_ready(cfg.timeout + 5.0)
+            except BaseException:
+                comm.destroy()
+                raise
+        return comm
 
     def _set_comm(self, comm: Communicator) -> None:
         self._comm = comm
@@ -304,13 +331,18 @@ class ProcessGroup:
         return watchdog.get().drain(self, lambda: list(self._pending), self._timeout if timeout is None else timeout)
 
     def _issue(self, op_type: OpType, outputs: list[Any], enqueue: Enqueue, p2p: bool = False,
-               after: Callable[[Stream], None] | None = None) -> Work | None:
-        """Enqueue one operation; ``after`` enqueues copy-outs behind it."""
+               after: Callable[[Stream], None] | None = None, inputs: list[Any] | None = None,
+               name: str | None = None) -> Work | None:
+        """Enqueue one operation; ``after`` enqueues copy-outs behind it.
+        ``inputs`` (default: ``outputs``, in place) and ``name`` are for the
+        flight recorder."""
         comm, stream = self._ready()
         self._backend.wait_for_caller(stream, self._device)
+        self._op_id += 1
         if self._coalescing is not None:
             enqueue(comm, stream)
             self._coalesced_outputs.extend(outputs)
+            self._coalesced_entries.append(self._record(op_type, inputs, outputs, p2p, name))
             if after is not None:
                 self._coalescing.append(lambda: after(stream))
             return None
@@ -318,14 +350,22 @@ class ProcessGroup:
             self._seq_p2p += 1
         else:
             self._seq += 1
+        entry = self._record(op_type, inputs, outputs, p2p, name)
         start = stream.record(comm.new_event(timing=True)) if self._timing else None
         enqueue(comm, stream)
         if after is not None:
             after(stream)
-        return self._watch(op_type, self._seq_p2p if p2p else self._seq, outputs, start, stream)
+        return self._watch(op_type, self._seq_p2p if p2p else self._seq, outputs, start, stream, [entry])
 
-    def _watch(self, op_type: OpType, seq: int, outputs: list[Any], start: Any, stream: Stream) -> Work:
-        work = Work(self, op_type, seq, outputs, stream.record(), start, self._timeout)
+    def _record(self, op_type: OpType, inputs: list[Any] | None, outputs: list[Any], p2p: bool,
+                name: str | None) -> Entry | None:
+        return self._recorder.record(self, name or _PROFILING_NAME[op_type], self._seq, self._seq_p2p, self._op_id,
+                                     outputs if inputs is None else inputs, outputs, p2p)
+
+    def _watch(self, op_type: OpType, seq: int, outputs: list[Any], start: Any, stream: Stream,
+               entries: list[Entry | None]) -> Work:
+        work = Work(self, op_type, seq, outputs, stream.record(), start, self._timeout,
+                    [e for e in entries if e is not None])
         with self._lock:
             self._pending.add(work)
         watchdog.get().watch(work)
@@ -339,7 +379,7 @@ class ProcessGroup:
         comm, stream = self._ready()
         if self._coalescing is not None:
             raise RuntimeError("coalescing already started on this group")
-        self._coalescing, self._coalesced_outputs = [], []
+        self._coalescing, self._coalesced_outputs, self._coalesced_entries = [], [], []
         self._seq += 1
         self._coalesce_start = stream.record(comm.new_event(timing=True)) if self._timing else None
         comm.group_start()
@@ -354,7 +394,11 @@ class ProcessGroup:
         finally:
             for copy in copies:
                 copy()
-        return self._watch(op_type, self._seq, self._coalesced_outputs, self._coalesce_start, stream)
+        parts = [e for e in self._coalesced_entries if e is not None]
+        names = {e.profiling_name for e in parts}
+        name = f"{names.pop()}_coalesced" if len(names) == 1 else "nccl:coalesced"
+        whole = self._recorder.record(self, name, self._seq, self._seq_p2p, self._op_id, [], [], False)
+        return self._watch(op_type, self._seq, self._coalesced_outputs, self._coalesce_start, stream, [*parts, whole])
 
     # --- argument helpers -------------------------------------------------------------------
 
@@ -452,7 +496,7 @@ class ProcessGroup:
         inp = self._moved(inp)
         tmp, copy_out = self._gathered(outs, inp)
         return self._issue(OpType.ALLGATHER, list(output_list), lambda c, s: c.all_gather(inp, tmp, s),
-                           after=copy_out)
+                           after=copy_out, inputs=[_one(tensor)])
 
     def _allgather_base(self, output: Any, tensor: Any) -> Work | None:
         inp, out = self._flat(tensor, "all_gather_into_tensor input"), self._flat(output, "all_gather_into_tensor output")
@@ -461,7 +505,8 @@ class ProcessGroup:
             raise ValueError(f"all_gather_into_tensor: output has {out.size} elements; expected "
                              f"{self._size} x {inp.size}")
         inp, out = self._moved(inp), self._moved(out)
-        return self._issue(OpType._ALLGATHER_BASE, [output], lambda c, s: c.all_gather(inp, out, s))
+        return self._issue(OpType._ALLGATHER_BASE, [output], lambda c, s: c.all_gather(inp, out, s),
+                           inputs=[tensor])
 
     def reduce_scatter(self, output: Any, input_list: Sequence[Any], op: Op = ReduceOp.SUM) -> Work | None:
         out = self._flat(_one(output), "reduce_scatter output")
@@ -470,7 +515,7 @@ class ProcessGroup:
         _, stream = self._ready()
         tmp = self._packed(ins, out, stream)
         return self._issue(OpType.REDUCE_SCATTER, [output],
-                           lambda c, s: c.reduce_scatter(tmp, out, rop, s, scale))
+                           lambda c, s: c.reduce_scatter(tmp, out, rop, s, scale), inputs=list(_one_list(input_list)))
 
     def _reduce_scatter_base(self, output: Any, tensor: Any, op: Op = ReduceOp.SUM) -> Work | None:
         out, inp = self._flat(output, "reduce_scatter_tensor output"), self._flat(tensor, "reduce_scatter_tensor input")
@@ -480,7 +525,7 @@ class ProcessGroup:
                              f"{self._size} x {out.size}")
         rop, scale = resolve(op)
         return self._issue(OpType._REDUCE_SCATTER_BASE, [output],
-                           lambda c, s: c.reduce_scatter(inp, out, rop, s, scale))
+                           lambda c, s: c.reduce_scatter(inp, out, rop, s, scale), inputs=[tensor])
 
     def alltoall_base(self, output: Any, tensor: Any, output_split_sizes: Sequence[int] | None = None,
                       input_split_sizes: Sequence[int] | None = None) -> Work | None:
@@ -491,7 +536,8 @@ class ProcessGroup:
         k = 2 if np.issubdtype(self._backend.dtype(inp), np.complexfloating) else 1  # complex: 2 reals each
         out, inp = self._moved(out), self._moved(inp)
         sc, rc = [c * k for c in sc], [c * k for c in rc]
-        return self._issue(OpType.ALLTOALL_BASE, [output], lambda c, s: c.all_to_all(inp, out, s, sc, rc))
+        return self._issue(OpType.ALLTOALL_BASE, [output], lambda c, s: c.all_to_all(inp, out, s, sc, rc),
+                           inputs=[tensor])
 
     def _counts(self, array: Any, flat: Any, splits: Sequence[int] | None, what: str) -> list[int]:
         """Element counts per peer from split sizes along the first dimension."""
@@ -527,7 +573,8 @@ class ProcessGroup:
                 at += o.size
 
         return self._issue(OpType.ALLTOALL, list(output_list),
-                           lambda c, s: c.all_to_all(tmp_in, tmp_out, s, sc, rc), after=copy_out)
+                           lambda c, s: c.all_to_all(tmp_in, tmp_out, s, sc, rc), after=copy_out,
+                           inputs=list(input_list))
 
     def gather(self, tensor: Any, gather_list: Sequence[Any] | None, root: int = 0) -> Work | None:
         inp = self._flat(tensor, "gather input")
@@ -541,11 +588,11 @@ class ProcessGroup:
             inp = self._moved(inp)
             tmp, copy_out = self._gathered(outs, inp)
             return self._issue(OpType.GATHER, list(gather_list), lambda c, s: c.gather(inp, tmp, root, s),
-                               after=copy_out)
+                               after=copy_out, inputs=[tensor])
         if gather_list:
             raise ValueError("gather: gather_list must be given on the destination rank only")
         inp = self._moved(inp)
-        return self._issue(OpType.GATHER, [], lambda c, s: c.gather(inp, None, root, s))
+        return self._issue(OpType.GATHER, [], lambda c, s: c.gather(inp, None, root, s), inputs=[tensor])
 
     def scatter(self, tensor: Any, scatter_list: Sequence[Any] | None, root: int = 0) -> Work | None:
         out = self._flat(tensor, "scatter output")
@@ -559,7 +606,8 @@ class ProcessGroup:
             out = self._moved(out)
             _, stream = self._ready()
             tmp = self._packed(ins, out, stream)
-            return self._issue(OpType.SCATTER, [tensor], lambda c, s: c.scatter(tmp, out, root, s))
+            return self._issue(OpType.SCATTER, [tensor], lambda c, s: c.scatter(tmp, out, root, s),
+                               inputs=list(scatter_list))
         if scatter_list:
             raise ValueError("scatter: scatter_list must be given on the source rank only")
         out = self._moved(out)
@@ -568,12 +616,14 @@ class ProcessGroup:
     def send(self, tensor: Any, dst: int, tag: int = 0) -> Work | None:
         t = self._moved(self._flat(_one(tensor), "send tensor"))
         dst = self._peer(dst, "send dst")
-        return self._issue(OpType.SEND, [tensor], lambda c, s: c.send(t, dst, s), p2p=True)
+        return self._issue(OpType.SEND, [tensor], lambda c, s: c.send(t, dst, s), p2p=True,
+                           name=f"nccl:send {self._rank}->{dst}")
 
     def recv(self, tensor: Any, src: int, tag: int = 0) -> Work | None:
         t = self._moved(self._flat(_one(tensor), "recv tensor"))
         src = self._peer(src, "recv src")
-        return self._issue(OpType.RECV, [tensor], lambda c, s: c.recv(t, src, s), p2p=True)
+        return self._issue(OpType.RECV, [tensor], lambda c, s: c.recv(t, src, s), p2p=True,
+                           name=f"nccl:recv {self._rank}<-{src}")
 
     def _peer(self, peer: int, what: str) -> int:
         peer = self._group_rank(peer, what)
@@ -590,6 +640,9 @@ class ProcessGroup:
 
     def abort(self) -> None:
         """Fail every pending and later operation at once; never blocks."""
+        creating = self._creating  # read without the lock: the thread creating the comm holds it
+        if creating is not None:
+            creating.abort()
         with self._lock:
             if self._closed is None:
                 self._closed = "aborted"

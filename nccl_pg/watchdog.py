@@ -15,7 +15,9 @@
 
 from __future__ import annotations
 
+import atexit
 import collections
+import contextlib
 import logging
 import os
 import signal
@@ -52,6 +54,9 @@ class Watchdog:
         self._published: weakref.WeakKeyDictionary[ProcessGroup, tuple[int, int, int]] = weakref.WeakKeyDictionary()
         self._signals_seen: set[bytes] = set()
         self._threads: dict[str, threading.Thread] = {}
+        self._dump_on_timeout = env.DUMP_ON_TIMEOUT.get()
+        self._pipe: tuple[int, int, str] | None = None  # (rank, fd, path) of the dump pipe
+        atexit.register(self._close_pipe)
         self._start("poller", self._poll_loop)
         self._start("hooks", self._hook_loop)
         self._start("reporter", self._report_loop)
@@ -151,6 +156,7 @@ class Watchdog:
             if now >= next_signal_check:
                 next_signal_check = now + _SIGNAL_POLL
                 self._check_dump_signal()
+            self._check_pipe()
             time.sleep(self._interval)
 
     def _publish(self, pg: ProcessGroup) -> None:
@@ -182,6 +188,42 @@ class Watchdog:
             if value not in self._signals_seen:
                 self._signals_seen.add(value)
                 self.write_dump(f"signalled: {value.decode(errors='replace')}", pg._global_rank_of(pg.rank()))
+
+    def _check_pipe(self) -> None:
+        """A byte written to ``<dump prefix><rank>.pipe`` asks for a dump."""
+        groups = [g for g in self.groups() if g._closed is None]
+        if not self._dump_on_timeout or not groups:
+            return
+        rank = groups[0]._global_rank_of(groups[0].rank())
+        if self._pipe is None or self._pipe[0] != rank:
+            self._open_pipe(rank)
+        if self._pipe is None:
+            return
+        try:
+            data = os.read(self._pipe[1], 4096)
+        except BlockingIOError:
+            return
+        if data:
+            self.write_dump("requested through the dump pipe", rank)
+
+    def _open_pipe(self, rank: int) -> None:
+        self._close_pipe()
+        path = dump.path_for(rank) + ".pipe"
+        try:
+            if not os.path.exists(path):
+                os.mkfifo(path)
+            self._pipe = (rank, os.open(path, os.O_RDONLY | os.O_NONBLOCK), path)
+        except OSError as exc:  # e.g. an unwritable directory: dumps on timeout still work
+            log.debug("nccl_pg: no dump pipe at %s: %s", path, exc)
+            self._dump_on_timeout = False
+
+    def _close_pipe(self) -> None:
+        if self._pipe is not None:
+            _, fd, path = self._pipe
+            self._pipe = None
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
     def signal_dump(self, pg: ProcessGroup, reason: str) -> None:
         """Ask every rank sharing ``pg``'s store to write its dump."""

@@ -22,6 +22,7 @@ from .errors import DistBackendError
 
 if TYPE_CHECKING:
     from .comm.base import Event
+    from .flight_recorder import Entry
     from .process_group import ProcessGroup
 
 # Longest slice wait() blocks on an event before re-checking errors and deadlines.
@@ -113,7 +114,7 @@ class Work:
     """One issued operation (or one coalesced group of them)."""
 
     def __init__(self, group: ProcessGroup, op_type: OpType, seq: int, outputs: list[Any], end: Event,
-                 start: Event | None, timeout: float) -> None:
+                 start: Event | None, timeout: float, entries: list[Entry] | None = None) -> None:
         self._group = group
         self.op_type = op_type
         self._seq = seq
@@ -128,6 +129,8 @@ class Work:
         self._error: BaseException | None = None
         self._finished_wall: float | None = None
         self._future: Future | None = None
+        self._entries = entries or []  # flight-recorder entries this Work settles
+        self._started = start is None
 
     def __repr__(self) -> str:
         state = "pending" if not self._done.is_set() else ("failed" if self._error else "completed")
@@ -140,6 +143,8 @@ class Work:
         (successfully or not)."""
         if self._done.is_set():
             return True
+        if not self._started and self._start is not None and self._start.query():
+            self._mark_started()
         error = self._group._comm_error()
         if self._end.query():
             self._finish(self._describe(error) if error else None)
@@ -161,12 +166,33 @@ class Work:
         elapsed = time.monotonic() - self._issued_mono
         return f"timeout: {self._where()} ran for {elapsed:.3f} s, past its timeout of {self._timeout:.3f} s"
 
+    def _mark_started(self) -> None:
+        self._started = True
+        now = time.time_ns()
+        for e in self._entries:
+            e.state, e.time_discovered_started_ns = "started", now
+        if self.op_type not in (OpType.SEND, OpType.RECV):
+            self._group._started_seq = max(self._group._started_seq, self._seq)
+
+    def _retire(self, error: BaseException | None) -> None:
+        """Settle the flight-recorder entries: retired, and completed unless
+        it failed (retired but not completed reads as timed out/failed)."""
+        now = time.time_ns()
+        duration = self._start.elapsed_ms(self._end) if self._start is not None and error is None else None
+        for e in self._entries:
+            e.retired = True
+            if error is None:
+                e.state, e.time_discovered_completed_ns, e.duration_ms = "completed", now, duration
+
     def _finish(self, error: BaseException | None) -> None:
         with self._lock:
             if self._done.is_set():
                 return
             self._error = error
             self._finished_wall = time.time()
+            if error is None and not self._started and self._start is not None:
+                self._mark_started()
+            self._retire(error)
             self._done.set()
             future = self._future
         if future is not None:
