@@ -57,14 +57,24 @@ def path_for(rank: int) -> str:
     return f"{env.DUMP_FILE.get()}{rank}"
 
 
+_last_written: float | None = None  # time.monotonic() of this process's last dump
+
+
+def written_within(seconds: float) -> bool:
+    """Whether this process wrote a dump in the last ``seconds``."""
+    return _last_written is not None and time.monotonic() - _last_written < seconds
+
+
 def write(reason: str, rank: int, groups: Sequence[ProcessGroup]) -> str:
     """Write this rank's dump; returns its path."""
+    global _last_written
     path = path_for(rank)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"  # two threads may dump at once
     with open(tmp, "wb") as f:
         pickle.dump(report(reason, rank, groups), f)
     os.replace(tmp, path)  # a reader never sees half a dump
+    _last_written = time.monotonic()
     return path
 
 

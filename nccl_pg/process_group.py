@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -34,14 +35,16 @@ from .work import OpType, Work, WorkInfo
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
+# Error-handling modes 1 and 3: how long another failing thread waits for the process to end (it does at once).
+_ENDING_GRACE = 10.0
 
 Op = ReduceOp | PremulSum
 _P2P = (OpType.SEND, OpType.RECV)
 # The flight recorder's names for operations (PyTorch's, so its tools read our dumps).
 _PROFILING_NAME = {
-    OpType.ALLREDUCE: "nccl:all_reduce", OpType.ALLREDUCE_COALESCED: "nccl:all_reduce_coalesced",
+    OpType.ALLREDUCE: "nccl:all_reduce", OpType.ALLREDUCE_COALESCED: "nccl:allreduce_coalesced",
     OpType.BROADCAST: "nccl:broadcast", OpType.REDUCE: "nccl:reduce", OpType.ALLGATHER: "nccl:all_gather",
-    OpType._ALLGATHER_BASE: "nccl:_allgather_base", OpType.REDUCE_SCATTER: "nccl:reduce_scatter",
+    OpType._ALLGATHER_BASE: "nccl:_all_gather_base", OpType.REDUCE_SCATTER: "nccl:reduce_scatter",
     OpType._REDUCE_SCATTER_BASE: "nccl:_reduce_scatter_base", OpType.ALLTOALL_BASE: "nccl:all_to_all",
     OpType.ALLTOALL: "nccl:all_to_all", OpType.GATHER: "nccl:gather", OpType.SCATTER: "nccl:scatter",
     OpType.BARRIER: "nccl:all_reduce_barrier", OpType.COALESCED: "nccl:coalesced",
@@ -118,6 +121,7 @@ class ProcessGroup:
         self._lock = threading.RLock()
         self._comm: Communicator | None = None
         self._creating: Communicator | None = None  # an init in progress, for abort() to reach
+        self._abort_requested = False  # set by abort() without the lock, for an init in progress to see
         self._stream: Stream | None = None
         self._split_from: ProcessGroup | None = None  # lazy: split this parent's communicator at first use
         self._seq = 0
@@ -127,6 +131,7 @@ class ProcessGroup:
         self._op_id = 0
         self._recorder = flight_recorder.get()
         self._coalesced_entries: list[Entry | None] = []
+        self._coalesced_peers: list[int | None] = []  # per op in a coalescing group: its p2p peer, None: a collective
         self._timing_out: set[Work] = set()
         self._error_handled = False
         self._hooks: list[Callable[[WorkInfo], None]] = []
@@ -135,6 +140,7 @@ class ProcessGroup:
         self._coalescing: list[Callable[[], None]] | None = None  # copy-outs deferred to the group's end
         self._coalesced_outputs: list[Any] = []
         self._closed: str | None = None  # "destroyed" / "aborted"
+        self._close_reason: str | None = None  # the failure that aborted it (error handling, blocking wait)
         self._nonblocking = (self.options.config.blocking is False) or (
             self.options.config.blocking is None and env.USE_COMM_NONBLOCKING.get())
         watchdog.get().watch_group(self)
@@ -185,8 +191,9 @@ class ProcessGroup:
 
     def _check_open(self) -> None:
         if self._closed is not None:
+            why = f" after: {self._close_reason}" if self._close_reason else ""
             raise DistBackendError(f"process group {self.uid} ({self.group_desc!r}) on rank {self._rank} was "
-                                   f"{self._closed}; it cannot be used any more")
+                                   f"{self._closed}{why}; it cannot be used any more")
 
     def _ready(self) -> tuple[Communicator, Stream]:
         with self._lock:
@@ -208,6 +215,8 @@ class ProcessGroup:
         # a missing peer; the init's own deadline fails it first, with the message naming the missing ranks.
         comm = self._creating = self._backend.create(store, self._size, self._rank, replace(cfg, blocking=False),
                                                      self._device)
+        if self._abort_requested:  # abort() ran before _creating was set: it could not reach this comm
+            comm.abort()
         if cfg.blocking:
             try:
                 comm.wait_ready(cfg.timeout + 5.0)
@@ -259,11 +268,16 @@ class ProcessGroup:
         self._hooks.append(hook)
         self._timing = True
 
+    def _enable_collectives_timing(self) -> None:
+        """Record start events for the operations issued from now on: the
+        flight recorder then shows "started" states and durations."""
+        self._timing = True
+
     def _work_finished(self, work: Work, error: BaseException | None) -> None:
         with self._lock:
             self._pending.discard(work)
             self._timing_out.discard(work)
-            if error is None and work.op_type not in _P2P:
+            if error is None and not work._p2p:
                 self._completed_seq = max(self._completed_seq, work.seq)
         if self._hooks:
             hooks = list(self._hooks)
@@ -286,8 +300,9 @@ class ProcessGroup:
         dog = watchdog.get()
         try:
             dog.publish_now(self)
-            why = progress.explain(self, work.seq, progress.read_all(self)) if work.op_type not in _P2P else \
-                "a point-to-point operation: its peer did not post the matching operation"
+            why = progress.explain(self, work.seq, progress.read_all(self)) if not work._p2p else \
+                (f"a point-to-point operation with ranks {[self._global_rank_of(p) for p in work._peers]}: "
+                 "a peer did not post the matching operation")
         except Exception as exc:  # the store may be down too: say so rather than hang or guess
             why = f"could not read the other ranks' progress from the store: {exc}"
         text = f"{work._timed_out_text()}; {why}"
@@ -314,12 +329,23 @@ class ProcessGroup:
         """Apply NCCL_PG_ASYNC_ERROR_HANDLING to a failure (not to the
         consequences of this process's own abort or destroy)."""
         with self._lock:
-            if self._error_handled or self._closed is not None:
-                return
-            self._error_handled = True
-            comm = self._comm
-        mode = self._error_handling
+            ending = self._error_handled and self._closed is None and self._error_handling in (1, 3)
+            if not ending:
+                if self._error_handled or self._closed is not None:
+                    return
+                self._error_handled = True
+                comm = self._comm
+                mode = self._error_handling
+                if mode == 2:  # the group is aborted for good: later operations fail at once, saying why
+                    self._closed, self._close_reason = "aborted", str(error)
+        if ending:
+            # Another thread is ending the process (modes 1 and 3): a failure seen meanwhile (through the
+            # communicator it aborted, say) must not reach a waiter, who would run on regardless.
+            time.sleep(_ENDING_GRACE)
+            return
         log.error("nccl_pg: %s", error)
+        if env.DUMP_ON_TIMEOUT.get() and "debug dump:" not in str(error):  # a timeout has written its dump
+            self._dump_for_error(error)
         if mode in (1, 2) and comm is not None:
             comm.abort()
         if mode in (1, 3):
@@ -327,15 +353,50 @@ class ProcessGroup:
                   f"(NCCL_PG_ASYNC_ERROR_HANDLING={mode})", file=sys.stderr, flush=True)
             os.abort()
 
+    def _abort_for_blocking_wait(self, work: Work, error: BaseException) -> None:
+        """Blocking wait: a ``wait()`` about to raise ``error`` aborts the
+        group first (torch's blocking wait aborts its communicators too), so
+        later operations fail at once with the reason instead of queueing
+        behind the failed one. An abort of this process's own making: the
+        error-handling mode does not act on it."""
+        with self._lock:
+            if self._closed is None:
+                self._closed, self._close_reason = "aborted", str(error)
+        work._finish(error if isinstance(error, DistBackendError) else DistBackendError(str(error)))
+        self.abort()
+
+    def _dump_for_error(self, error: BaseException) -> None:
+        """Write this rank's debug dump for a failure and ask the other ranks
+        for theirs, as on a timeout; the store signal gets at most a second
+        (the store may have died with the failure). Not again within 30 s of
+        another dump of this process: that failure is most likely a
+        consequence of the first, whose dumps show where everyone was."""
+        from . import dump
+
+        if dump.written_within(30.0):
+            return
+        dog = watchdog.get()
+
+        def signal() -> None:
+            try:
+                dog.signal_dump(self, f"failure on group {self.uid}: {error}")
+            except Exception as exc:
+                log.debug("could not signal the other ranks to dump: %s", exc)
+
+        signaller = threading.Thread(target=signal, name="nccl_pg-dump-signal", daemon=True)
+        signaller.start()
+        dog.write_dump(str(error), self._global_rank_of(self._rank))
+        signaller.join(1.0)
+
     def _wait_for_pending_works(self, timeout: float | None = None) -> bool:
         return watchdog.get().drain(self, lambda: list(self._pending), self._timeout if timeout is None else timeout)
 
     def _issue(self, op_type: OpType, outputs: list[Any], enqueue: Enqueue, p2p: bool = False,
                after: Callable[[Stream], None] | None = None, inputs: list[Any] | None = None,
-               name: str | None = None) -> Work | None:
+               name: str | None = None, peer: int | None = None) -> Work | None:
         """Enqueue one operation; ``after`` enqueues copy-outs behind it.
         ``inputs`` (default: ``outputs``, in place) and ``name`` are for the
-        flight recorder."""
+        flight recorder; ``peer``: a send's or recv's peer (group rank)."""
         comm, stream = self._ready()
         self._backend.wait_for_caller(stream, self._device)
         self._op_id += 1
@@ -343,6 +404,7 @@ class ProcessGroup:
             enqueue(comm, stream)
             self._coalesced_outputs.extend(outputs)
             self._coalesced_entries.append(self._record(op_type, inputs, outputs, p2p, name))
+            self._coalesced_peers.append(peer if p2p else None)
             if after is not None:
                 self._coalescing.append(lambda: after(stream))
             return None
@@ -355,7 +417,8 @@ class ProcessGroup:
         enqueue(comm, stream)
         if after is not None:
             after(stream)
-        return self._watch(op_type, self._seq_p2p if p2p else self._seq, outputs, start, stream, [entry])
+        return self._watch(op_type, self._seq_p2p if p2p else self._seq, outputs, start, stream, [entry],
+                           (() if peer is None else (peer,)) if p2p else None)
 
     def _record(self, op_type: OpType, inputs: list[Any] | None, outputs: list[Any], p2p: bool,
                 name: str | None) -> Entry | None:
@@ -363,9 +426,12 @@ class ProcessGroup:
                                      outputs if inputs is None else inputs, outputs, p2p)
 
     def _watch(self, op_type: OpType, seq: int, outputs: list[Any], start: Any, stream: Stream,
-               entries: list[Entry | None]) -> Work:
+               entries: list[Entry | None], peers: tuple[int, ...] | None = None) -> Work:
+        """``peers``: None for a collective, else the p2p operation's peers."""
         work = Work(self, op_type, seq, outputs, stream.record(), start, self._timeout,
                     [e for e in entries if e is not None])
+        if peers is not None:
+            work._p2p, work._peers = True, peers
         with self._lock:
             self._pending.add(work)
         watchdog.get().watch(work)
@@ -380,7 +446,7 @@ class ProcessGroup:
         if self._coalescing is not None:
             raise RuntimeError("coalescing already started on this group")
         self._coalescing, self._coalesced_outputs, self._coalesced_entries = [], [], []
-        self._seq += 1
+        self._coalesced_peers = []  # the group is numbered at its end, once its kind is known
         self._coalesce_start = stream.record(comm.new_event(timing=True)) if self._timing else None
         comm.group_start()
 
@@ -394,11 +460,21 @@ class ProcessGroup:
         finally:
             for copy in copies:
                 copy()
+        # Only sends/recvs: one p2p operation (torch's seqP2P_). Numbered as a collective, it would put the
+        # collective count of the ranks taking part ahead of the others', and timeouts would blame the wrong ranks.
+        kinds = self._coalesced_peers
+        p2p = bool(kinds) and all(k is not None for k in kinds)
+        if p2p:
+            self._seq_p2p += 1
+        else:
+            self._seq += 1
         parts = [e for e in self._coalesced_entries if e is not None]
-        names = {e.profiling_name for e in parts}
-        name = f"{names.pop()}_coalesced" if len(names) == 1 else "nccl:coalesced"
-        whole = self._recorder.record(self, name, self._seq, self._seq_p2p, self._op_id, [], [], False)
-        return self._watch(op_type, self._seq, self._coalesced_outputs, self._coalesce_start, stream, [*parts, whole])
+        for e in parts:
+            e.collective_seq_id, e.p2p_seq_id = self._seq, self._seq_p2p
+        whole = self._recorder.record_coalesced(self, parts, self._seq, self._seq_p2p, self._op_id, p2p)
+        return self._watch(op_type, self._seq_p2p if p2p else self._seq, self._coalesced_outputs,
+                           self._coalesce_start, stream, [*parts, whole],
+                           tuple(sorted({k for k in kinds if k is not None})) if p2p else None)
 
     # --- argument helpers -------------------------------------------------------------------
 
@@ -617,13 +693,13 @@ class ProcessGroup:
         t = self._moved(self._flat(_one(tensor), "send tensor"))
         dst = self._peer(dst, "send dst")
         return self._issue(OpType.SEND, [tensor], lambda c, s: c.send(t, dst, s), p2p=True,
-                           name=f"nccl:send {self._rank}->{dst}")
+                           name=f"nccl:send {self._rank}->{dst}", peer=dst)
 
     def recv(self, tensor: Any, src: int, tag: int = 0) -> Work | None:
         t = self._moved(self._flat(_one(tensor), "recv tensor"))
         src = self._peer(src, "recv src")
         return self._issue(OpType.RECV, [tensor], lambda c, s: c.recv(t, src, s), p2p=True,
-                           name=f"nccl:recv {self._rank}<-{src}")
+                           name=f"nccl:recv {self._rank}<-{src}", peer=src)
 
     def _peer(self, peer: int, what: str) -> int:
         peer = self._group_rank(peer, what)
@@ -640,6 +716,7 @@ class ProcessGroup:
 
     def abort(self) -> None:
         """Fail every pending and later operation at once; never blocks."""
+        self._abort_requested = True
         creating = self._creating  # read without the lock: the thread creating the comm holds it
         if creating is not None:
             creating.abort()

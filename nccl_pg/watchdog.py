@@ -121,6 +121,9 @@ class Watchdog:
                     pg._check_comm()
                 except Exception:
                     log.exception("watchdog: checking %r failed", pg)
+            # The loop variables would keep the last Work, and through it its group, alive until the next poll
+            # that has one: a group its user dropped (``del pg``) must be freed now.
+            works = w = pg = None  # type: ignore[assignment]
             with self._cond:
                 self._pending = [w for w in self._pending if not w._done.is_set()]
                 self._heartbeat = time.monotonic()
@@ -144,6 +147,7 @@ class Watchdog:
                 with self._cond:
                     self._running.discard(owner)
                     self._cond.notify_all()
+            owner = fn = None  # type: ignore[assignment]  # (references to a group: see _poll_loop)
 
     # --- reporter ------------------------------------------------------------------------
 
@@ -152,6 +156,7 @@ class Watchdog:
         while True:
             for pg in self.groups():
                 self._publish(pg)
+            pg = None  # type: ignore[assignment]  # (see _poll_loop)
             now = time.monotonic()
             if now >= next_signal_check:
                 next_signal_check = now + _SIGNAL_POLL
@@ -177,7 +182,9 @@ class Watchdog:
         progress.publish(pg, progress.snapshot(pg))
 
     def _check_dump_signal(self) -> None:
-        stores = {id(pg._store): pg for pg in self.groups() if pg._closed is None}
+        # An aborted group's store still works (only destroy may have closed it): a rank whose group the error
+        # handling aborted still answers the others' dump signals.
+        stores = {id(pg._store): pg for pg in self.groups() if pg._closed != "destroyed"}
         for pg in stores.values():
             try:
                 if not pg._store.check([DUMP_SIGNAL]):

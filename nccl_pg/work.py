@@ -131,6 +131,8 @@ class Work:
         self._future: Future | None = None
         self._entries = entries or []  # flight-recorder entries this Work settles
         self._started = start is None
+        self._p2p = op_type in (OpType.SEND, OpType.RECV)  # numbered by the p2p count (also a group of only p2p)
+        self._peers: tuple[int, ...] = ()  # group ranks of a p2p operation's peers
 
     def __repr__(self) -> str:
         state = "pending" if not self._done.is_set() else ("failed" if self._error else "completed")
@@ -171,7 +173,7 @@ class Work:
         now = time.time_ns()
         for e in self._entries:
             e.state, e.time_discovered_started_ns = "started", now
-        if self.op_type not in (OpType.SEND, OpType.RECV):
+        if not self._p2p:
             self._group._started_seq = max(self._group._started_seq, self._seq)
 
     def _retire(self, error: BaseException | None) -> None:
@@ -185,6 +187,9 @@ class Work:
                 e.state, e.time_discovered_completed_ns, e.duration_ms = "completed", now, duration
 
     def _finish(self, error: BaseException | None) -> None:
+        if error is not None and self._group._error_handling in (1, 3) and not self._done.is_set():
+            # Modes that end the process do so before any waiter sees the failure (and runs on regardless).
+            self._group._handle_error(error)
         with self._lock:
             if self._done.is_set():
                 return
@@ -224,20 +229,28 @@ class Work:
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the operation completes and its outputs can be read;
         raise DistBackendError if it failed, timed out (group timeout), or is
-        still running after ``timeout`` seconds."""
+        still running after ``timeout`` seconds. In blocking-wait mode
+        (``NCCL_PG_BLOCKING_WAIT``) a wait that raises aborts the group
+        first, as torch's does: later operations fail at once, with the
+        reason, instead of queueing behind the failed one."""
         limit = None if timeout is None else time.monotonic() + timeout
         backend = self._group._backend
         if backend.blocking_wait or self._group._blocking_wait:
             while not self._poll():
                 now = time.monotonic()
                 if limit is not None and now >= limit:
-                    raise DistBackendError(f"timeout: {self._where()} not complete after wait({timeout})")
+                    error = DistBackendError(f"timeout: {self._where()} not complete after wait({timeout})")
+                    if self._group._blocking_wait:
+                        self._group._abort_for_blocking_wait(self, error)
+                    raise error
                 left = _WAIT_SLICE if limit is None else min(_WAIT_SLICE, limit - now)
                 self._end.synchronize(max(left, 0.0))
         else:
             backend.make_caller_wait(self._end, self._group._device)
             self._poll()
         if self._error is not None:
+            if self._group._blocking_wait:
+                self._group._abort_for_blocking_wait(self, self._error)
             raise self._error
         return True
 
