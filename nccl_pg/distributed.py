@@ -203,7 +203,9 @@ def new_group(ranks: Sequence[int] | None = None, timeout: timedelta | float | N
         w.local_sync_counts[key] = count + 1
         name = f"local:{','.join(map(str, members))}:{count}"
     else:
-        name = str(uid)
+        # Numbered among the groups every rank creates: local-sync groups (uids too, but only on their members)
+        # must not shift it, or ranks would rendezvous under different names (as torch: they take no number).
+        name = str(uid - sum(w.local_sync_counts.values()))
     options = replace(pg_options or parent.options,
                       timeout=seconds(timeout) if timeout is not None else parent.timeout.total_seconds())
     # A nonblocking parent splits at the subgroup's first use, as torch does (eager or not).
