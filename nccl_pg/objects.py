@@ -36,6 +36,26 @@ def _padded(pg: ProcessGroup, array: Any, size: int, length: int) -> Any:
     return pg._backend.from_host(host, pg._device)
 
 
+def _all_sizes(pg: ProcessGroup, size: int) -> list[int]:
+    """Every rank's ``size`` (an all_gather)."""
+    sizes = [_sizes(pg, [0]) for _ in range(pg.size())]
+    _finish(pg.allgather(sizes, _sizes(pg, [size])), async_op=False)
+    return [int(pg._backend.to_host(s)[0]) for s in sizes]
+
+
+def _blob(pg: ProcessGroup, packed: list[tuple[Any, int]]) -> Any:
+    """The pickles of ``packed`` back to back in one device array."""
+    host = np.concatenate([pg._backend.to_host(d) for d, _ in packed]) if packed else np.zeros(0, np.uint8)
+    return pg._backend.from_host(host, pg._device)
+
+
+def _unblob(pg: ProcessGroup, blob: Any, lengths: list[int], into: list[Any]) -> None:
+    host, at = pg._backend.to_host(blob), 0
+    for i, n in enumerate(lengths):
+        into[i] = pickle.loads(host[at:at + n].tobytes())
+        at += n
+
+
 def all_gather_object(object_list: list[Any], obj: Any, group: Group = None) -> None:
     """``object_list[r]`` becomes rank r's ``obj`` (two all_gathers: sizes, bytes)."""
     pg = _resolve(group, "all_gather_object")
@@ -44,9 +64,7 @@ def all_gather_object(object_list: list[Any], obj: Any, group: Group = None) -> 
     if len(object_list) != pg.size():
         raise ValueError(f"all_gather_object: object_list has {len(object_list)} entries; expected {pg.size()}")
     data, size = _pack(pg, obj)
-    sizes = [_sizes(pg, [0]) for _ in range(pg.size())]
-    _finish(pg.allgather(sizes, _sizes(pg, [size])), async_op=False)
-    lengths = [int(pg._backend.to_host(s)[0]) for s in sizes]
+    lengths = _all_sizes(pg, size)
     longest = max(lengths)
     outs = [pg._backend.empty(longest, np.uint8, pg._device) for _ in lengths]
     _finish(pg.allgather(outs, _padded(pg, data, size, longest)), async_op=False)
@@ -68,17 +86,10 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None, group:
         sizes = _sizes(pg, [0] * len(object_list))
     _finish(pg.broadcast(sizes, root), async_op=False)
     lengths = [int(x) for x in pg._backend.to_host(sizes)]
-    if pg.rank() == root:
-        blob = pg._backend.from_host(np.concatenate([pg._backend.to_host(d) for d, _ in packed])
-                                     if packed else np.zeros(0, np.uint8), pg._device)
-    else:
-        blob = pg._backend.empty(sum(lengths), np.uint8, pg._device)
+    blob = _blob(pg, packed) if pg.rank() == root else pg._backend.empty(sum(lengths), np.uint8, pg._device)
     _finish(pg.broadcast(blob, root), async_op=False)
     if pg.rank() != root:
-        host, at = pg._backend.to_host(blob), 0
-        for i, n in enumerate(lengths):
-            object_list[i] = pickle.loads(host[at:at + n].tobytes())
-            at += n
+        _unblob(pg, blob, lengths, object_list)
 
 
 def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: int | None = None,
@@ -91,9 +102,7 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: in
     if pg.rank() == root and (object_gather_list is None or len(object_gather_list) != pg.size()):
         raise ValueError(f"gather_object: the destination needs object_gather_list of {pg.size()} entries")
     data, size = _pack(pg, obj)
-    sizes = [_sizes(pg, [0]) for _ in range(pg.size())]
-    _finish(pg.allgather(sizes, _sizes(pg, [size])), async_op=False)
-    lengths = [int(pg._backend.to_host(s)[0]) for s in sizes]
+    lengths = _all_sizes(pg, size)
     longest = max(lengths)
     outs = [pg._backend.empty(longest, np.uint8, pg._device) for _ in lengths] if pg.rank() == root else None
     _finish(pg.gather(_padded(pg, data, size, longest), outs, root), async_op=False)
@@ -138,8 +147,7 @@ def send_object_list(object_list: list[Any], dst: int | None = None, group: Grou
     peer = _in_group(pg, dst, group_dst, "send_object_list dst")
     packed = [_pack(pg, o) for o in object_list]
     _finish(pg.send(_sizes(pg, [n for _, n in packed]), peer), async_op=False)
-    blob = np.concatenate([pg._backend.to_host(d) for d, _ in packed]) if packed else np.zeros(0, np.uint8)
-    _finish(pg.send(pg._backend.from_host(blob, pg._device), peer), async_op=False)
+    _finish(pg.send(_blob(pg, packed), peer), async_op=False)
 
 
 def recv_object_list(object_list: list[Any], src: int | None = None, group: Group = None, device: Any = None,
@@ -157,8 +165,5 @@ def recv_object_list(object_list: list[Any], src: int | None = None, group: Grou
     lengths = [int(x) for x in pg._backend.to_host(sizes)]
     blob = pg._backend.empty(sum(lengths), np.uint8, pg._device)
     _finish(pg.recv(blob, peer), async_op=False)
-    host, at = pg._backend.to_host(blob), 0
-    for i, n in enumerate(lengths):
-        object_list[i] = pickle.loads(host[at:at + n].tobytes())
-        at += n
+    _unblob(pg, blob, lengths, object_list)
     return _global(pg, peer)
