@@ -1,5 +1,6 @@
-"""The `nccl-pg` command: `nccl-pg run` (the launcher) and `nccl-pg store`
-(a standalone rendezvous store server)."""
+"""The `nccl-pg` command: `nccl-pg run` (the launcher), `nccl-pg store`
+(a standalone rendezvous store server) and `nccl-pg trace` (the
+flight-recorder dump analyzer)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from . import env, launcher
+from . import env, launcher, trace
 from .errors import DistError
 from .store import TCPStoreServer
 
@@ -35,9 +36,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     store_parser.add_argument("--port", type=launcher.port_arg, default=29500,
                               help="port to bind, 0 for a free one (default: 29500)")
 
+    trace_parser = commands.add_parser(
+        "trace", help="find the missing or mismatched ranks in flight-recorder dumps",
+        description=trace.__doc__.split("\n\n")[0].replace("``", "") + " Reads our dumps and PyTorch's "
+                    "(pickle or JSON); reports ranks missing from a collective and where they are instead, "
+                    "op/size/dtype mismatches, the first collective that did not complete anywhere, and ranks "
+                    "without a dump.",
+        epilog=trace.EXIT_STATUS_HELP)
+    trace.add_arguments(trace_parser)
+
     args = parser.parse_args(argv)
     if args.command == "run":
         return launcher.launch(launcher.config_from_args(args, run_parser))
+    if args.command == "trace":
+        return trace.run(args)
     return serve_store(args.host, args.port)
 
 

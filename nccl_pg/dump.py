@@ -70,7 +70,9 @@ def write(reason: str, rank: int, groups: Sequence[ProcessGroup]) -> str:
     global _last_written
     path = path_for(rank)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"  # two threads may dump at once
+    # Per thread (two may dump at once), and not named after the dumps: a reader globbing for
+    # <prefix><rank> (PyTorch's analyzer) must not trip over one left by a process ending mid-write.
+    tmp = os.path.join(os.path.dirname(path) or ".", f".nccl_pg_dump.{os.getpid()}.{threading.get_ident()}.tmp")
     with open(tmp, "wb") as f:
         pickle.dump(report(reason, rank, groups), f)
     os.replace(tmp, path)  # a reader never sees half a dump

@@ -5,15 +5,18 @@ hangs after the fact.
 Entries use PyTorch's field names and its dump layout (version "2.10"), so
 PyTorch's analyzer reads our dumps and ``nccl-pg trace`` reads theirs.
 Recording is cheap: a slot object filled with values the caller already has
-(no stack capture unless ``NCCL_PG_TRACE_STACKS`` is on). States move from
-scheduled to started (with timing) to completed as the watchdog observes
-them; a dump only copies entries under the lock and never waits on a
-stream.
+(shapes and dtypes as the arrays hold them, named only when dumped), appended
+to a bounded deque without a lock, no stack capture unless
+``NCCL_PG_TRACE_STACKS`` is on (tools/bench_recorder.py measures it). States
+move from scheduled to started (with timing) to completed as the watchdog
+observes them; a dump only copies the buffer and never waits on a stream.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
+import operator
 import pickle
 import threading
 import time
@@ -29,6 +32,9 @@ if TYPE_CHECKING:
     from .process_group import ProcessGroup
 
 VERSION = "2.10"
+_RETRACTED = -1  # the record_id of an entry taken back (a coalesced group's parts, merged into one)
+_by_record_id = operator.attrgetter("record_id")
+_current_thread, _time_ns = threading.current_thread, time.time_ns
 
 # numpy dtype name -> the name torch's recorder writes (c10::ScalarType)
 _TORCH_DTYPE = {
@@ -39,19 +45,104 @@ _TORCH_DTYPE = {
 }
 
 
+# The coalescing manager's single-entry "fast path" in torch: a group of only
+# these collectives is recorded as one entry under the second name.
+_COALESCED_FAST = {"nccl:all_reduce": "nccl:allreduce_coalesced",
+                   "nccl:_all_gather_base": "nccl:all_gather_into_tensor_coalesced",
+                   "nccl:_reduce_scatter_base": "nccl:reduce_scatter_tensor_coalesced"}
+
+
+_dtype_names: dict[Any, str] = {}
+
+
 def dtype_name(dtype: Any) -> str:
-    name = np.dtype(dtype).name
-    return _TORCH_DTYPE.get(name, name)
+    """torch's name of a dtype ("Float" for float32)."""
+    try:
+        return _dtype_names[dtype]
+    except (KeyError, TypeError):
+        pass
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:  # not a numpy dtype (e.g. a torch one): its own name
+        name = str(dtype).rpartition(".")[2]
+    name = _TORCH_DTYPE.get(name, name)
+    try:
+        _dtype_names[dtype] = name
+    except TypeError:
+        pass
+    return name
+
+
+def _pairs(arrays: Sequence[Any]) -> list[tuple[Any, Any]]:
+    """(shape, dtype) of each array; torch's nested per-device lists are flattened."""
+    return [(getattr(a, "shape", ()), getattr(a, "dtype", None)) for a in _flatten(arrays)]
+
+
+def _flatten(arrays: Sequence[Any]) -> Any:
+    for a in arrays:
+        if isinstance(a, (list, tuple)):
+            yield from _flatten(a)
+        else:
+            yield a
+
+
+def _sizes(pairs: Sequence[tuple[Any, Any]]) -> list[list[int]]:
+    return [list(shape) for shape, _ in pairs]
+
+
+def _dtypes(pairs: Sequence[tuple[Any, Any]]) -> list[str]:
+    return [dtype_name(d) if d is not None else "Undefined" for _, d in pairs]
+
+
+# torch's field order in a dumped entry
+_FIELDS = ("record_id", "pg_id", "process_group", "thread_name", "thread_id", "collective_seq_id", "p2p_seq_id",
+           "op_id", "profiling_name", "time_created_ns", "duration_ms", "input_sizes", "input_dtypes",
+           "output_sizes", "output_dtypes", "state", "time_discovered_started_ns", "time_discovered_completed_ns",
+           "retired", "timeout_ms", "is_p2p")
 
 
 class Entry:
-    __slots__ = ("record_id", "pg_id", "process_group", "thread_name", "thread_id", "collective_seq_id",
-                 "p2p_seq_id", "op_id", "profiling_name", "time_created_ns", "duration_ms", "input_sizes",
-                 "input_dtypes", "output_sizes", "output_dtypes", "state", "time_discovered_started_ns",
-                 "time_discovered_completed_ns", "retired", "timeout_ms", "is_p2p", "frames")
+    """One operation. To keep recording cheap, sizes and dtypes are kept as
+    the arrays have them (``ins``/``outs``: (shape, dtype) pairs), the
+    thread as its object and the timeout in seconds; they take torch's forms
+    (lists, "Float", names, milliseconds) when read or dumped."""
+
+    __slots__ = ("record_id", "pg_id", "process_group", "thread", "collective_seq_id", "p2p_seq_id", "op_id",
+                 "profiling_name", "time_created_ns", "duration_ms", "state", "time_discovered_started_ns",
+                 "time_discovered_completed_ns", "retired", "timeout_s", "is_p2p", "frames", "ins", "outs")
+
+    @property
+    def input_sizes(self) -> list[list[int]]:
+        return _sizes(self.ins)
+
+    @property
+    def input_dtypes(self) -> list[str]:
+        return _dtypes(self.ins)
+
+    @property
+    def output_sizes(self) -> list[list[int]]:
+        return _sizes(self.outs)
+
+    @property
+    def output_dtypes(self) -> list[str]:
+        return _dtypes(self.outs)
+
+    @property
+    def thread_name(self) -> str:
+        return self.thread.name
+
+    @property
+    def thread_id(self) -> int | None:
+        return self.thread.ident
+
+    @property
+    def timeout_ms(self) -> int:
+        return int(self.timeout_s * 1000)
 
     def as_dict(self, stacks: bool) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in self.__slots__ if k != "frames"}
+        d = {k: getattr(self, k) for k in _FIELDS}
+        if d["duration_ms"] is None:  # as torch: present only when timed and completed
+            del d["duration_ms"]
         d["frames"] = self.frames if stacks and self.frames else []
         return d
 
@@ -60,10 +151,9 @@ class FlightRecorder:
     def __init__(self, capacity: int, stacks: bool) -> None:
         self.capacity = capacity
         self.stacks = stacks
-        self._ring: list[Entry | None] = [None] * capacity
-        self._next = 0
+        # deque.append and list(deque) are atomic: no lock on the hot path
+        self._ring: collections.deque[Entry] = collections.deque(maxlen=capacity or 1)
         self._ids = itertools.count()
-        self._lock = threading.Lock()
 
     @property
     def enabled(self) -> bool:
@@ -75,36 +165,52 @@ class FlightRecorder:
         if not self.capacity:
             return None
         e = Entry()
+        try:
+            ins = [(a.shape, a.dtype) for a in inputs]
+            outs = ins if outputs is inputs else [(a.shape, a.dtype) for a in outputs]
+        except AttributeError:  # torch's [tensor] / [[t0, t1]] forms
+            ins, outs = _pairs(inputs), _pairs(outputs)
+        e.ins, e.outs = ins, outs
         e.pg_id, e.process_group = pg.uid, (pg.group_name, pg.group_desc)
-        t = threading.current_thread()
-        e.thread_name, e.thread_id = t.name, t.ident
+        e.thread = _current_thread()
         e.collective_seq_id, e.p2p_seq_id, e.op_id = collective_seq, p2p_seq, op_id
-        e.profiling_name, e.time_created_ns = name, time.time_ns()
-        e.input_sizes = [list(getattr(a, "shape", ())) for a in inputs]
-        e.input_dtypes = [dtype_name(a.dtype) for a in inputs]
-        e.output_sizes = [list(getattr(a, "shape", ())) for a in outputs]
-        e.output_dtypes = [dtype_name(a.dtype) for a in outputs]
+        e.profiling_name, e.time_created_ns = name, _time_ns()
         e.state, e.retired, e.duration_ms = "scheduled", False, None
         e.time_discovered_started_ns = e.time_discovered_completed_ns = None
-        e.timeout_ms, e.is_p2p = int(pg._timeout * 1000), is_p2p
+        e.timeout_s, e.is_p2p = pg._timeout, is_p2p
         e.frames = ([{"name": f.name, "filename": f.filename, "line": f.lineno}
                      for f in reversed(traceback.extract_stack()[:-3])] if self.stacks else None)
-        with self._lock:
-            e.record_id = next(self._ids)
-            self._ring[self._next] = e
-            self._next = (self._next + 1) % self.capacity
+        e.record_id = next(self._ids)
+        self._ring.append(e)
         return e
+
+    def record_coalesced(self, pg: ProcessGroup, parts: Sequence[Entry], collective_seq: int, p2p_seq: int,
+                         op_id: int, is_p2p: bool) -> Entry | None:
+        """The entry of a coalesced group whose operations were recorded as
+        ``parts``. A group of one kind of all_reduce, all_gather_into_tensor
+        or reduce_scatter_tensor becomes one entry (torch's
+        "nccl:<op>_coalesced", with every part's sizes) and its parts leave
+        the buffer; any other group keeps its parts and ends with one
+        "nccl:coalesced" entry."""
+        if not self.capacity:
+            return None
+        names = {e.profiling_name for e in parts}
+        fast = _COALESCED_FAST.get(next(iter(names))) if len(names) == 1 and not is_p2p else None
+        whole = self.record(pg, fast or "nccl:coalesced", collective_seq, p2p_seq, op_id, (), (), is_p2p)
+        if fast and whole is not None:
+            whole.ins = [p for e in parts for p in e.ins]
+            whole.outs = [p for e in parts for p in e.outs]
+            whole.time_created_ns, whole.frames = parts[0].time_created_ns, parts[0].frames
+            for e in parts:
+                e.record_id = _RETRACTED  # out of every dump; its slot ages out with the others
+        return whole
 
     def entries(self) -> list[Entry]:
         """Oldest first."""
-        with self._lock:
-            ring = self._ring[self._next:] + self._ring[:self._next]
-        return [e for e in ring if e is not None]
+        return sorted((e for e in list(self._ring) if e.record_id != _RETRACTED), key=_by_record_id)
 
     def reset(self) -> None:
-        with self._lock:
-            self._ring = [None] * self.capacity
-            self._next = 0
+        self._ring.clear()
 
     def dump(self, groups: Sequence[ProcessGroup], include_collectives: bool = True,
              include_stack_traces: bool = True, only_active: bool = False) -> dict[str, Any]:
@@ -149,3 +255,25 @@ def dump_flight_recorder(include_collectives: bool = True, include_stack_traces:
     dog = watchdog.existing()
     groups = dog.groups() if dog is not None else []
     return pickle.dumps(get().dump(groups, include_collectives, include_stack_traces, only_active))
+
+
+def _json_ready(d: dict[str, Any]) -> dict[str, Any]:
+    """torch's JSON variant: times not yet discovered are 0, not null."""
+    for e in d.get("entries", ()):
+        for k in ("time_discovered_started_ns", "time_discovered_completed_ns"):
+            if e.get(k) is None:
+                e[k] = 0
+    return d
+
+
+def dump_flight_recorder_json(include_collectives: bool = True, include_stack_traces: bool = True,
+                              only_active: bool = False) -> str:
+    """This process's recorder as JSON text (``_dump_nccl_trace_json`` in
+    torch): the pickle's layout, with undiscovered times as 0."""
+    import json
+
+    from . import watchdog
+
+    dog = watchdog.existing()
+    groups = dog.groups() if dog is not None else []
+    return json.dumps(_json_ready(get().dump(groups, include_collectives, include_stack_traces, only_active)))

@@ -56,7 +56,7 @@ class Watchdog:
         self._threads: dict[str, threading.Thread] = {}
         self._dump_on_timeout = env.DUMP_ON_TIMEOUT.get()
         self._pipe: tuple[int, int, str] | None = None  # (rank, fd, path) of the dump pipe
-        atexit.register(self._close_pipe)
+        atexit.register(self._close_pipe, True)
         self._start("poller", self._poll_loop)
         self._start("hooks", self._hook_loop)
         self._start("reporter", self._report_loop)
@@ -224,7 +224,9 @@ class Watchdog:
             log.debug("nccl_pg: no dump pipe at %s: %s", path, exc)
             self._dump_on_timeout = False
 
-    def _close_pipe(self) -> None:
+    def _close_pipe(self, for_good: bool = False) -> None:
+        if for_good:  # at exit: the reporter, still running, must not create the pipe again
+            self._dump_on_timeout = False
         if self._pipe is not None:
             _, fd, path = self._pipe
             self._pipe = None
