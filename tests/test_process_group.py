@@ -11,6 +11,7 @@ traceback.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import warnings
@@ -323,6 +324,28 @@ def _s_failure_recovery(r: Rank) -> None:
 def test_failure_recovery(tmp_path, backend):
     """Seed: DistributedDataParallelTest.test_failure_recovery (re-init part) — destroy, then a new group on a new store."""
     world(_s_failure_recovery, 2, tmp_path, backend)
+
+
+def _s_file_store_check(r: Rank) -> list[str]:
+    pg = r.init()
+    assert (pg.rank(), pg.size()) == (r.rank, r.world_size)
+    x = r.full(4, 1.0)
+    dist.all_reduce(x)
+    time.sleep(2)  # the reporter polls the FileStore for a dump signal about twice meanwhile
+    dist.all_reduce(x)
+    assert (r.host(x) == r.world_size ** 2).all()
+    dist.destroy_process_group()
+    return sorted(os.listdir(r.tmp_dir))
+
+
+@BACKENDS
+def test_file_store_check(tmp_path, backend):
+    """Seed: ProcessGroupNCCLGroupTest.test_file_store_check — the dump-signal watch over a FileStore leaves a
+    healthy group alone: collectives keep working and no rank writes a dump."""
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_ENABLE_MONITORING": "0",
+           "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "NCCL_PG_DEBUG_INFO_TEMP_FILE": f"{tmp_path}/dump_"}
+    for files in world(_s_file_store_check, 2, tmp_path, backend, env=env):
+        assert not [f for f in files if f.startswith("dump_") and not f.endswith(".pipe")], files
 
 
 @BACKENDS
