@@ -592,8 +592,13 @@ class ThreadWorld:
 BOOT = f"import sys; sys.path.insert(0, {TESTS_DIR!r}); import host_harness; host_harness.child_main(sys.argv[1:])"
 
 
+# multiprocessing's own service processes, which live for the whole session by design
+_SERVICES = (b"multiprocessing.forkserver", b"multiprocessing.resource_tracker")
+
+
 def live_children(pid: int | None = None) -> list[int]:
-    """Processes whose parent is ``pid`` (default: this process) and that are not zombies."""
+    """Processes whose parent is ``pid`` (default: this process) and that are
+    not zombies, nor multiprocessing's forkserver or resource tracker."""
     pid = os.getpid() if pid is None else pid
     out = []
     for entry in os.listdir("/proc"):
@@ -602,10 +607,12 @@ def live_children(pid: int | None = None) -> list[int]:
         try:
             with open(f"/proc/{entry}/stat") as f:
                 stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == pid and fields[0] != "Z":
+        if int(fields[1]) == pid and fields[0] != "Z" and not any(s in cmdline for s in _SERVICES):
             out.append(int(entry))
     return out
 

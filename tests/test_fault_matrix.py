@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from host_harness import live_children
 
 from nccl_pg.store import TCPStore
 
@@ -311,21 +312,6 @@ class Matrix:
         self._pool.shutdown(wait=True)
 
 
-def _children() -> list[int]:
-    """Live (non-zombie) child processes of this process."""
-    me, out = os.getpid(), []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == me and fields[0] != "Z":
-                out.append(int(entry))
-    return out
-
-
 @pytest.fixture(scope="module")
 def matrix(request: pytest.FixtureRequest) -> Iterator[Matrix]:
     cells = [item.callspec.params["cell"] for item in request.session.items
@@ -334,9 +320,9 @@ def matrix(request: pytest.FixtureRequest) -> Iterator[Matrix]:
     yield m
     m.close()
     deadline = time.monotonic() + 10
-    while _children() and time.monotonic() < deadline:
+    while live_children() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _children() == [], "processes left behind by the fault matrix"
+    assert live_children() == [], "processes left behind by the fault matrix"
 
 
 def check(o: Outcome) -> None:
