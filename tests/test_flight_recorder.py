@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -25,7 +23,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from pg_harness import Rank, run_world
+from pg_harness import Rank, run_scripts, run_world
 
 import nccl_pg as dist
 from nccl_pg.flight_recorder import dump_flight_recorder, dump_flight_recorder_json
@@ -474,26 +472,8 @@ def spawn_world(body: str, world: int, tmp_path: Any, env: Mapping[str, str],
     killed (and the test fails)."""
     script = tmp_path / "rank.py"
     script.write_text(_PRELUDE + textwrap.dedent(body))
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_PG_", "TORCH_NCCL_", "TORCH_FR_"))}
-    base.update(env)
-    base.update(WORLD_SIZE=str(world), TEST_STORE=str(tmp_path / f"store.{time.monotonic_ns()}"))
-    procs: list[subprocess.Popen[str]] = []
-    try:
-        for rank in range(world):
-            e = {**base, "RANK": str(rank), **(rank_env or {}).get(rank, {})}
-            procs.append(subprocess.Popen([sys.executable, str(script)], env=e, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True))
-        deadline = time.monotonic() + timeout
-        results = []
-        for p in procs:
-            out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            results.append((p.returncode, out))
-        return results
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+    return run_scripts(script, world, {**env, "TEST_STORE": str(tmp_path / f"store.{time.monotonic_ns()}")},
+                       rank_env, timeout)
 
 
 def _load(path: str) -> dict[str, Any]:

@@ -19,12 +19,12 @@ import pickle
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
+from pg_harness import run_scripts
 
 from nccl_pg import cli, trace
 
@@ -65,27 +65,10 @@ def spawn_world(body: str, world: int, directory: Path, env: Mapping[str, str] |
     directory.mkdir(parents=True, exist_ok=True)
     script = directory.parent / f"{directory.name}.py"
     script.write_text(_PRELUDE + textwrap.dedent(body))
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_PG_", "TORCH_NCCL_", "TORCH_FR_"))}
-    base.update({"WORLD_SIZE": str(world), "TEST_STORE": str(directory.parent / f"{directory.name}.store"),
-                 "DUMP_PREFIX": str(directory / "trace_"), "NCCL_PG_DEBUG_INFO_TEMP_FILE": str(directory / "trace_"),
-                 "NCCL_PG_ASYNC_ERROR_HANDLING": "0"})
-    base.update(env or {})
-    procs: list[subprocess.Popen[str]] = []
-    try:
-        for rank in range(world):
-            procs.append(subprocess.Popen([sys.executable, str(script)], env={**base, "RANK": str(rank)},
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        deadline = time.monotonic() + timeout
-        results = []
-        for p in procs:
-            out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            results.append((p.returncode, out))
-        return results
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+    fixed = {"TEST_STORE": str(directory.parent / f"{directory.name}.store"),
+             "DUMP_PREFIX": str(directory / "trace_"), "NCCL_PG_DEBUG_INFO_TEMP_FILE": str(directory / "trace_"),
+             "NCCL_PG_ASYNC_ERROR_HANDLING": "0"}
+    return run_scripts(script, world, {**fixed, **(env or {})}, timeout=timeout)
 
 
 def run_trace(directory: Path, *args: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
