@@ -28,8 +28,10 @@ def gpu_count() -> int:
 
 
 def default_backend_name() -> str:
-    """What ``backend=None`` means. The host backend until the NCCL backend
-    exists (issue 7); then NCCL when a GPU is present."""
+    """What ``backend=None`` means: the host backend. The NCCL backend is
+    opt-in (``backend="nccl"``) until it has passed the GPU checklist
+    (docs/NCCL_BACKEND.md); then it becomes the default where a GPU is
+    present."""
     return "host"
 
 
@@ -42,5 +44,7 @@ def get_backend(name: str) -> Backend:
     if name == "nccl":
         if gpu_count() == 0:
             raise ValueError(NO_GPU_MESSAGE)
-        raise NotImplementedError("the NCCL backend is not built yet (issue 7); use backend='host'")
+        from .comm.nccl.backend import NCCL
+
+        return NCCL
     raise ValueError(f"unknown backend {name!r}; expected 'nccl' or 'host'")

@@ -1,6 +1,7 @@
 """The `nccl-pg` command: `nccl-pg run` (the launcher), `nccl-pg store`
-(a standalone rendezvous store server) and `nccl-pg trace` (the
-flight-recorder dump analyzer)."""
+(a standalone rendezvous store server), `nccl-pg trace` (the
+flight-recorder dump analyzer), `nccl-pg bench` (a nccl-tests-like
+benchmark) and `nccl-pg doctor` (checks of the GPU stack)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from . import env, launcher, trace
+from . import bench, doctor, env, launcher, trace
 from .errors import DistError
 from .store import TCPStoreServer
 
@@ -45,7 +46,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         epilog=trace.EXIT_STATUS_HELP)
     trace.add_arguments(trace_parser)
 
+    bench_parser = commands.add_parser(
+        "bench", help="nccl-tests-like benchmark of the collectives (NCCL or host backend)",
+        description=bench.__doc__.split(": ", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="exit status: 0 on success; 1 when --check found wrong results; 2 on bad arguments; that of a "
+               "failed rank otherwise")
+    bench.add_arguments(bench_parser)
+
+    doctor_parser = commands.add_parser(
+        "doctor", help="check the NCCL/CUDA stack: versions, GPUs, P2P, kernels, a sanity all_reduce",
+        description=doctor.__doc__.split(": ", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=doctor.EXIT_STATUS_HELP)
+    doctor.add_arguments(doctor_parser)
+
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        bench.validate(args, bench_parser)
+        return bench.run(args)
+    if args.command == "doctor":
+        return doctor.run(args)
     if args.command == "run":
         return launcher.launch(launcher.config_from_args(args, run_parser))
     if args.command == "trace":

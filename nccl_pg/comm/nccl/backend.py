@@ -1,0 +1,137 @@
+"""The NCCL backend as seen by the process-group core: GPU arrays viewed
+without copies, copies and allocations on CUDA streams, and the caller's
+current stream ordered before and after each operation."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import numpy as np
+
+from ..base import Backend, CommConfig, Event, Stream
+from ._lib import check_cuda, cudart
+from .array import DeviceArray, as_device_array, cupy_module
+from .communicator import NcclCommunicator
+from .stream import CudaEvent, CudaStream, _device_guard, _restore, caller_stream
+
+_H2D, _D2H, _D2D = 1, 2, 3  # cudaMemcpyKind
+
+
+def device_index(device: Any) -> int:
+    """A CUDA device ordinal from None (the current device), an int,
+    "cuda:N", or an object with ``.index``/``.id`` (torch/CuPy devices)."""
+    if device is None:
+        return int(check_cuda(cudart().cudaGetDevice(), "cudaGetDevice"))
+    if isinstance(device, (int, np.integer)):
+        return int(device)
+    if isinstance(device, str):
+        kind, _, index = device.partition(":")
+        if kind == "cuda":
+            return int(index) if index else device_index(None)
+        raise ValueError(f"the nccl backend drives CUDA devices, got device {device!r}")
+    for attr in ("index", "id"):
+        value = getattr(device, attr, None)
+        if isinstance(value, int):
+            return value
+    raise ValueError(f"cannot tell which CUDA device {device!r} is")
+
+
+class _CudaMemory:
+    """Device memory from cudaMalloc, freed with the last reference (used when CuPy is absent)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, nbytes: int, device: int) -> None:
+        prev = _device_guard(device)
+        try:
+            self.ptr = int(check_cuda(cudart().cudaMalloc(max(nbytes, 1)), "cudaMalloc"))
+        finally:
+            _restore(prev)
+
+    def __del__(self) -> None:
+        ptr = getattr(self, "ptr", 0)
+        if ptr:
+            try:
+                cudart().cudaFree(ptr)
+            except Exception:
+                pass
+
+
+def _have_cupy() -> bool:
+    return cupy_module() is not None or importlib.util.find_spec("cupy") is not None
+
+
+class NcclBackend(Backend):
+    name = "nccl"
+
+    def __init__(self) -> None:
+        self._cupy: bool | None = None
+
+    def create(self, store: Any, nranks: int, rank: int, config: CommConfig, device: Any = None) -> NcclCommunicator:
+        return NcclCommunicator.create(store, nranks, rank, config, device_index(device))
+
+    def flat(self, array: Any, what: str) -> DeviceArray:
+        return as_device_array(array, what)
+
+    def dtype(self, array: Any) -> np.dtype:
+        return array.dtype
+
+    def empty(self, count: int, dtype: Any, device: Any = None) -> DeviceArray:
+        dt, dev = np.dtype(dtype), device_index(device)
+        if self._cupy is None:
+            self._cupy = _have_cupy()
+        if self._cupy:
+            import cupy  # noqa: PLC0415 - optional, lazy
+
+            with cupy.cuda.Device(dev):
+                owner = cupy.empty(count * dt.itemsize, dtype=cupy.uint8)
+            return DeviceArray(int(owner.data.ptr), count, dt, dev, owner)
+        mem = _CudaMemory(count * dt.itemsize, dev)
+        return DeviceArray(mem.ptr, count, dt, dev, mem)
+
+    def copy(self, dst: Any, src: Any, stream: Stream) -> None:
+        if not isinstance(stream, CudaStream):
+            raise TypeError(f"the nccl backend needs a CudaStream, got {type(stream).__name__}")
+        d, s = as_device_array(dst, "copy dst"), as_device_array(src, "copy src")
+        if d.nbytes != s.nbytes:
+            raise ValueError(f"copy: {d.nbytes} bytes into {s.nbytes}")
+        if d.nbytes:
+            check_cuda(cudart().cudaMemcpyAsync(d.ptr, s.ptr, d.nbytes, _D2D, stream.handle), "cudaMemcpyAsync")
+        stream.keep(d.owner, s.owner)
+
+    def from_host(self, data: Any, device: Any = None) -> DeviceArray:
+        host = np.ascontiguousarray(data).reshape(-1)
+        out = self.empty(host.size, host.dtype, device)
+        if host.nbytes:  # on the caller's stream: the core orders the NCCL stream after it
+            check_cuda(cudart().cudaMemcpyAsync(out.ptr, host.ctypes.data, host.nbytes, _H2D,
+                                                caller_stream(out.device)), "cudaMemcpyAsync")
+        return out
+
+    def to_host(self, array: Any) -> np.ndarray:
+        a = as_device_array(array, "to_host")
+        host = np.empty(a.size, dtype=a.dtype)
+        if a.nbytes:
+            s = caller_stream(a.device)
+            rt = cudart()
+            check_cuda(rt.cudaMemcpyAsync(host.ctypes.data, a.ptr, a.nbytes, _D2H, s), "cudaMemcpyAsync")
+            check_cuda(rt.cudaStreamSynchronize(s), "cudaStreamSynchronize")
+        return host
+
+    def wait_for_caller(self, stream: Stream, device: Any = None) -> None:
+        assert isinstance(stream, CudaStream)
+        stream.wait_stream(caller_stream(stream.device))
+
+    @property
+    def blocking_wait(self) -> bool:
+        return False
+
+    def make_caller_wait(self, event: Event, device: Any = None) -> None:
+        if not isinstance(event, CudaEvent):
+            raise TypeError(f"the nccl backend waits on CudaEvents, got {type(event).__name__}")
+        if event._recorded:
+            check_cuda(cudart().cudaStreamWaitEvent(caller_stream(event.device), event.handle, 0),
+                       "cudaStreamWaitEvent")
+
+
+NCCL = NcclBackend()

@@ -1,0 +1,203 @@
+"""CUDA streams and events behind the Stream/Event contract (cuda.bindings
+runtime API), and "the caller's current stream".
+
+Events are queried without blocking; ``synchronize(timeout)`` polls with a
+short backoff instead of cudaEventSynchronize, so it is bounded and returns
+early once the owning communicator is aborted. A stream keeps references to
+the buffers of the operations enqueued on it until an event recorded after
+them completes, so memory is never freed (and reused by an allocator) while
+NCCL still reads or writes it.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any
+
+from ..base import Event, Stream
+from ._lib import check_cuda, cudart
+from .array import caller_kind, cupy_module, torch_module
+
+_NOT_READY = 600  # cudaErrorNotReady
+
+
+class _AbortFlag:
+    """Shared by a communicator and its streams: set by abort()."""
+
+    __slots__ = ("aborted",)
+
+    def __init__(self) -> None:
+        self.aborted = False
+
+
+def _device_guard(device: int) -> int | None:
+    """Make ``device`` current; returns the previous device to restore (None: unchanged)."""
+    rt = cudart()
+    prev = check_cuda(rt.cudaGetDevice(), "cudaGetDevice")
+    if prev == device:
+        return None
+    check_cuda(rt.cudaSetDevice(device), "cudaSetDevice")
+    return prev
+
+
+def _restore(prev: int | None) -> None:
+    if prev is not None:
+        cudart().cudaSetDevice(prev)
+
+
+class CudaEvent(Event):
+    __slots__ = ("handle", "device", "timing", "_flag", "_refs", "_recorded")
+
+    def __init__(self, device: int, timing: bool = False, flag: _AbortFlag | None = None) -> None:
+        rt = cudart()
+        flags = rt.cudaEventDefault if timing else rt.cudaEventDisableTiming
+        prev = _device_guard(device)
+        try:
+            self.handle = check_cuda(rt.cudaEventCreateWithFlags(flags), "cudaEventCreateWithFlags")
+        finally:
+            _restore(prev)
+        self.device, self.timing, self._flag = device, timing, flag
+        self._refs: list[Any] | None = None
+        self._recorded = False
+
+    def __del__(self) -> None:
+        handle = getattr(self, "handle", None)
+        if handle is not None:
+            try:
+                cudart().cudaEventDestroy(handle)
+            except Exception:  # interpreter shutdown: CUDA may be gone
+                pass
+
+    def query(self) -> bool:
+        if not self._recorded:
+            return True  # never recorded: complete, as cudaEventQuery says
+        (err,) = cudart().cudaEventQuery(self.handle)
+        code = int(err)
+        if code == 0:
+            self._refs = None  # the operations before it are done: their buffers may go
+            return True
+        if code == _NOT_READY:
+            return False
+        check_cuda((err,), "cudaEventQuery")
+        return False
+
+    def synchronize(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 20e-6
+        while not self.query():
+            if self._flag is not None and self._flag.aborted:
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        return True
+
+    def elapsed_ms(self, end: Event) -> float:
+        if not isinstance(end, CudaEvent):
+            raise TypeError(f"elapsed_ms needs a CudaEvent, got {type(end).__name__}")
+        if not (self.timing and end.timing):
+            raise RuntimeError("elapsed_ms: both events must be created with timing=True")
+        return float(check_cuda(cudart().cudaEventElapsedTime(self.handle, end.handle), "cudaEventElapsedTime"))
+
+
+class CudaStream(Stream):
+    """A CUDA stream, created (non-blocking w.r.t. the legacy stream) or wrapped."""
+
+    def __init__(self, device: int, high_priority: bool = False, flag: _AbortFlag | None = None,
+                 handle: Any = None) -> None:
+        rt = cudart()
+        self.device, self._flag, self._owned = device, flag, handle is None
+        if handle is None:
+            prev = _device_guard(device)
+            try:
+                prio = 0
+                if high_priority:
+                    _least, greatest = check_cuda(rt.cudaDeviceGetStreamPriorityRange(),
+                                                  "cudaDeviceGetStreamPriorityRange")
+                    prio = greatest
+                handle = check_cuda(rt.cudaStreamCreateWithPriority(rt.cudaStreamNonBlocking, prio),
+                                    "cudaStreamCreateWithPriority")
+            finally:
+                _restore(prev)
+        self.handle = handle
+        self.ptr = int(handle)
+        self._pending: list[Any] = []  # buffers of operations enqueued since the last record()
+        self._inflight: collections.deque[CudaEvent] = collections.deque()
+        self._caller_event: CudaEvent | None = None  # reused by wait_stream
+
+    def __repr__(self) -> str:
+        return f"CudaStream(cuda:{self.device}, 0x{self.ptr:x})"
+
+    def keep(self, *refs: Any) -> None:
+        """Keep ``refs`` alive until the work enqueued so far completes."""
+        self._pending.extend(refs)
+
+    def record(self, event: Event | None = None) -> CudaEvent:
+        ev = CudaEvent(self.device, flag=self._flag) if event is None else event
+        if not isinstance(ev, CudaEvent):
+            raise TypeError(f"a CudaStream records CudaEvents, got {type(ev).__name__}")
+        check_cuda(cudart().cudaEventRecord(ev.handle, self.handle), "cudaEventRecord")
+        ev._recorded = True
+        if ev._flag is None:
+            ev._flag = self._flag
+        if self._pending:
+            ev._refs, self._pending = self._pending, []
+            self._inflight.append(ev)
+        while self._inflight and self._inflight[0].query():  # drop what completed
+            self._inflight.popleft()
+        return ev
+
+    def wait_event(self, event: Event) -> None:
+        if not isinstance(event, CudaEvent):
+            raise TypeError(f"a CudaStream waits on CudaEvents, got {type(event).__name__}")
+        if event._recorded:
+            check_cuda(cudart().cudaStreamWaitEvent(self.handle, event.handle, 0), "cudaStreamWaitEvent")
+
+    def wait_stream(self, other: int) -> None:
+        """Later work here waits for what ``other`` (a raw handle) has enqueued so far."""
+        ev = self._caller_event
+        if ev is None:  # one event, re-recorded each time: a wait takes the event's state when issued
+            ev = self._caller_event = CudaEvent(self.device)
+        check_cuda(cudart().cudaEventRecord(ev.handle, other), "cudaEventRecord")
+        check_cuda(cudart().cudaStreamWaitEvent(self.handle, ev.handle, 0), "cudaStreamWaitEvent")
+
+    def query(self) -> bool:
+        (err,) = cudart().cudaStreamQuery(self.handle)
+        if int(err) == 0:
+            return True
+        if int(err) == _NOT_READY:
+            return False
+        check_cuda((err,), "cudaStreamQuery")
+        return False
+
+    def synchronize(self, timeout: float | None = None) -> bool:
+        return self.record().synchronize(timeout)
+
+    def release(self) -> None:
+        """Forget the kept buffers (after abort/destroy) and destroy an owned stream."""
+        self._pending.clear()
+        self._inflight.clear()
+        if self._owned and self.handle is not None:
+            try:
+                cudart().cudaStreamDestroy(self.handle)
+            except Exception:
+                pass
+            self.handle = None
+
+
+def caller_stream(device: int) -> int:
+    """The raw handle of the caller's current stream on ``device``: torch's
+    current stream when the caller's arrays are torch tensors, else CuPy's
+    current stream when CuPy is in use, else the legacy default stream (0)."""
+    kind = caller_kind()
+    if kind == "torch":
+        torch = torch_module()
+        if torch is not None:
+            return int(torch.cuda.current_stream(device).cuda_stream)
+    cupy = cupy_module()
+    if cupy is not None and kind in ("cupy", None):
+        with cupy.cuda.Device(device):
+            return int(cupy.cuda.get_current_stream().ptr)
+    return 0
