@@ -4,8 +4,8 @@ API on 4 ranks, each result checked, and a table of what ran.
     nccl-pg run --nproc 4 -m nccl_pg.demo
 
 Any launcher that sets the env:// variables works too (torchrun, srun,
-mpirun). The host backend runs it on CPUs; the NCCL backend takes its place
-on GPU machines once it exists (issue 7).
+mpirun). It runs on the default backend: the host backend (CPUs) until the
+NCCL backend has passed the GPU checklist, then NCCL where a GPU is present.
 """
 
 from __future__ import annotations
