@@ -45,6 +45,8 @@ from typing import Any
 
 import numpy as np
 
+from . import launcher
+
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "send_recv")
 INPLACE, OUTOFPLACE = "in-place", "out-of-place"
 # Modes each op has through the torch.distributed-style API: all_reduce,
@@ -97,31 +99,21 @@ def parse_size(raw: str) -> int:
     return value
 
 
-def _positive(raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {raw!r}") from None
-    if not 1 <= value <= MAX_ITERS:
-        raise argparse.ArgumentTypeError(f"must be in 1..{MAX_ITERS}, got {value}")
-    return value
+def _in_range(lo: int, hi: int) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        value = launcher.int_arg(raw)
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in {lo}..{hi}, got {value}")
+        return value
+
+    return parse
 
 
-def _non_negative(raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {raw!r}") from None
-    if not 0 <= value <= MAX_ITERS:
-        raise argparse.ArgumentTypeError(f"must be in 0..{MAX_ITERS}, got {value}")
-    return value
+_positive, _non_negative = _in_range(1, MAX_ITERS), _in_range(0, MAX_ITERS)
 
 
 def _factor(raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer factor, got {raw!r}") from None
+    value = launcher.int_arg(raw)
     if value < 2:
         raise argparse.ArgumentTypeError(f"the size factor must be >= 2, got {value}")
     return value
@@ -234,8 +226,6 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of `nccl-pg bench` (arguments already validated)."""
     if args.nproc is None and "WORLD_SIZE" in os.environ:
         return run_rank(args)
-    from . import launcher
-
     nproc = args.nproc or 1
     command = [sys.executable, "-m", "nccl_pg.bench", *worker_argv(args)]
     config = launcher.LaunchConfig(nproc=nproc, command=command, prefix=False)

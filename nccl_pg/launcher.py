@@ -79,20 +79,20 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
 
 
 def _positive_int(raw: str) -> int:
-    value = _int(raw)
+    value = int_arg(raw)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
 def port_arg(raw: str) -> int:
-    value = _int(raw)
+    value = int_arg(raw)
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a TCP port in 0..65535, got {value}")
     return value
 
 
-def _int(raw: str) -> int:
+def int_arg(raw: str) -> int:
     try:
         return int(raw, 10)
     except ValueError:

@@ -307,11 +307,7 @@ class ProcessGroup:
             why = f"could not read the other ranks' progress from the store: {exc}"
         text = f"{work._timed_out_text()}; {why}"
         if env.DUMP_ON_TIMEOUT.get():
-            try:
-                dog.signal_dump(self, f"timeout of {work.op_type.name} seq {work.seq} on group {self.uid}")
-            except Exception as exc:
-                log.debug("could not signal the other ranks to dump: %s", exc)
-            path = dog.write_dump(text, self._global_rank_of(self._rank))
+            path = self._dump_everywhere(text, f"timeout of {work.op_type.name} seq {work.seq} on group {self.uid}")
             text += f"; debug dump: {path}" if path else ""
         work._finish(DistBackendError(text))
 
@@ -366,37 +362,42 @@ class ProcessGroup:
         self.abort()
 
     def _dump_for_error(self, error: BaseException) -> None:
-        """Write this rank's debug dump for a failure and ask the other ranks
-        for theirs, as on a timeout; the store signal gets at most a second
-        (the store may have died with the failure). Not again within 30 s of
+        """A failure dumps as a timeout does, but not again within 30 s of
         another dump of this process: that failure is most likely a
         consequence of the first, whose dumps show where everyone was."""
         from . import dump
 
-        if dump.written_within(30.0):
-            return
+        if not dump.written_within(30.0):
+            self._dump_everywhere(str(error), f"failure on group {self.uid}: {error}")
+
+    def _dump_everywhere(self, reason: str, signal: str) -> str | None:
+        """Write this rank's debug dump and ask every other rank for theirs
+        through the store; the signal gets at most a second (the store may be
+        stuck or gone with the failure). Returns this rank's dump path."""
         dog = watchdog.get()
 
-        def signal() -> None:
+        def send() -> None:
             try:
-                dog.signal_dump(self, f"failure on group {self.uid}: {error}")
+                dog.signal_dump(self, signal)
             except Exception as exc:
                 log.debug("could not signal the other ranks to dump: %s", exc)
 
-        signaller = threading.Thread(target=signal, name="nccl_pg-dump-signal", daemon=True)
+        signaller = threading.Thread(target=send, name="nccl_pg-dump-signal", daemon=True)
         signaller.start()
-        dog.write_dump(str(error), self._global_rank_of(self._rank))
+        path = dog.write_dump(reason, self._global_rank_of(self._rank))
         signaller.join(1.0)
+        return path
 
     def _wait_for_pending_works(self, timeout: float | None = None) -> bool:
         return watchdog.get().drain(self, lambda: list(self._pending), self._timeout if timeout is None else timeout)
 
-    def _issue(self, op_type: OpType, outputs: list[Any], enqueue: Enqueue, p2p: bool = False,
+    def _issue(self, op_type: OpType, outputs: list[Any], enqueue: Enqueue,
                after: Callable[[Stream], None] | None = None, inputs: list[Any] | None = None,
                name: str | None = None, peer: int | None = None) -> Work | None:
         """Enqueue one operation; ``after`` enqueues copy-outs behind it.
         ``inputs`` (default: ``outputs``, in place) and ``name`` are for the
-        flight recorder; ``peer``: a send's or recv's peer (group rank)."""
+        flight recorder; ``peer`` (group rank) makes it a send or recv."""
+        p2p = peer is not None
         comm, stream = self._ready()
         self._backend.wait_for_caller(stream, self._device)
         self._op_id += 1
@@ -404,7 +405,7 @@ class ProcessGroup:
             enqueue(comm, stream)
             self._coalesced_outputs.extend(outputs)
             self._coalesced_entries.append(self._record(op_type, inputs, outputs, p2p, name))
-            self._coalesced_peers.append(peer if p2p else None)
+            self._coalesced_peers.append(peer)
             if after is not None:
                 self._coalescing.append(lambda: after(stream))
             return None
@@ -418,7 +419,7 @@ class ProcessGroup:
         if after is not None:
             after(stream)
         return self._watch(op_type, self._seq_p2p if p2p else self._seq, outputs, start, stream, [entry],
-                           (() if peer is None else (peer,)) if p2p else None)
+                           (peer,) if p2p else None)
 
     def _record(self, op_type: OpType, inputs: list[Any] | None, outputs: list[Any], p2p: bool,
                 name: str | None) -> Entry | None:
@@ -429,9 +430,7 @@ class ProcessGroup:
                entries: list[Entry | None], peers: tuple[int, ...] | None = None) -> Work:
         """``peers``: None for a collective, else the p2p operation's peers."""
         work = Work(self, op_type, seq, outputs, stream.record(), start, self._timeout,
-                    [e for e in entries if e is not None])
-        if peers is not None:
-            work._p2p, work._peers = True, peers
+                    [e for e in entries if e is not None], peers)
         with self._lock:
             self._pending.add(work)
         watchdog.get().watch(work)
@@ -692,13 +691,13 @@ class ProcessGroup:
     def send(self, tensor: Any, dst: int, tag: int = 0) -> Work | None:
         t = self._moved(self._flat(_one(tensor), "send tensor"))
         dst = self._peer(dst, "send dst")
-        return self._issue(OpType.SEND, [tensor], lambda c, s: c.send(t, dst, s), p2p=True,
+        return self._issue(OpType.SEND, [tensor], lambda c, s: c.send(t, dst, s),
                            name=f"nccl:send {self._rank}->{dst}", peer=dst)
 
     def recv(self, tensor: Any, src: int, tag: int = 0) -> Work | None:
         t = self._moved(self._flat(_one(tensor), "recv tensor"))
         src = self._peer(src, "recv src")
-        return self._issue(OpType.RECV, [tensor], lambda c, s: c.recv(t, src, s), p2p=True,
+        return self._issue(OpType.RECV, [tensor], lambda c, s: c.recv(t, src, s),
                            name=f"nccl:recv {self._rank}<-{src}", peer=src)
 
     def _peer(self, peer: int, what: str) -> int:

@@ -114,7 +114,8 @@ class Work:
     """One issued operation (or one coalesced group of them)."""
 
     def __init__(self, group: ProcessGroup, op_type: OpType, seq: int, outputs: list[Any], end: Event,
-                 start: Event | None, timeout: float, entries: list[Entry] | None = None) -> None:
+                 start: Event | None, timeout: float, entries: list[Entry] | None = None,
+                 peers: tuple[int, ...] | None = None) -> None:
         self._group = group
         self.op_type = op_type
         self._seq = seq
@@ -131,8 +132,11 @@ class Work:
         self._future: Future | None = None
         self._entries = entries or []  # flight-recorder entries this Work settles
         self._started = start is None
-        self._p2p = op_type in (OpType.SEND, OpType.RECV)  # numbered by the p2p count (also a group of only p2p)
-        self._peers: tuple[int, ...] = ()  # group ranks of a p2p operation's peers
+        # A point-to-point operation (also a coalesced group of only sends/recvs) is numbered by the p2p
+        # count; ``peers`` are the group ranks it exchanges with.
+        self._p2p = peers is not None
+        self._peers = peers or ()
+        self._duration_ms: float | None = None  # on the stream, once completed with timing on
 
     def __repr__(self) -> str:
         state = "pending" if not self._done.is_set() else ("failed" if self._error else "completed")
@@ -180,11 +184,12 @@ class Work:
         """Settle the flight-recorder entries: retired, and completed unless
         it failed (retired but not completed reads as timed out/failed)."""
         now = time.time_ns()
-        duration = self._start.elapsed_ms(self._end) if self._start is not None and error is None else None
+        if self._start is not None and error is None:
+            self._duration_ms = self._start.elapsed_ms(self._end)
         for e in self._entries:
             e.retired = True
             if error is None:
-                e.state, e.time_discovered_completed_ns, e.duration_ms = "completed", now, duration
+                e.state, e.time_discovered_completed_ns, e.duration_ms = "completed", now, self._duration_ms
 
     def _finish(self, error: BaseException | None) -> None:
         if error is not None and self._group._error_handling in (1, 3) and not self._done.is_set():
@@ -276,8 +281,8 @@ class Work:
 
     def _info(self) -> WorkInfo:
         started = finished = active = None
-        if self._start is not None and self._error is None:
-            active = timedelta(milliseconds=self._start.elapsed_ms(self._end))
+        if self._duration_ms is not None:
+            active = timedelta(milliseconds=self._duration_ms)
             started = datetime.fromtimestamp(self._issued_wall)
             finished = datetime.fromtimestamp(self._finished_wall or time.time())
         return WorkInfo(self.op_type, self._seq, started, finished, active)
