@@ -43,8 +43,10 @@ from .distributed import (
     reduce,
     reduce_scatter,
     reduce_scatter_tensor,
+    revoke_process_group,
     scatter,
     send,
+    shrink_group,
 )
 from .errors import DistBackendError, DistError, DistNetworkError, DistStoreError, NanError
 from .objects import (
@@ -55,7 +57,15 @@ from .objects import (
     scatter_object_list,
     send_object_list,
 )
-from .process_group import NCCLConfig, Options, ProcessGroup, ProcessGroupHost, ProcessGroupNCCL
+from .process_group import (
+    SHRINK_ABORT,
+    SHRINK_DEFAULT,
+    NCCLConfig,
+    Options,
+    ProcessGroup,
+    ProcessGroupHost,
+    ProcessGroupNCCL,
+)
 from .reduce_op import ReduceOp, make_premul_sum
 from .rendezvous import Rendezvous, rendezvous
 from .store import FileStore, HashStore, PrefixStore, Store, TCPStore, TCPStoreServer
@@ -83,6 +93,8 @@ __all__ = [
     "ProcessGroupNCCL",
     "ReduceOp",
     "Rendezvous",
+    "SHRINK_ABORT",
+    "SHRINK_DEFAULT",
     "Store",
     "TCPStore",
     "TCPStoreServer",
@@ -127,8 +139,10 @@ __all__ = [
     "reduce_scatter",
     "reduce_scatter_tensor",
     "rendezvous",
+    "revoke_process_group",
     "scatter",
     "scatter_object_list",
     "send",
     "send_object_list",
+    "shrink_group",
 ]

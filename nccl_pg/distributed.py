@@ -19,7 +19,8 @@ from datetime import timedelta
 from typing import Any
 
 from . import backends, env
-from .process_group import DEFAULT_TIMEOUT, Options, ProcessGroup, seconds
+from .comm.base import check_exclude
+from .process_group import DEFAULT_TIMEOUT, SHRINK_ABORT, SHRINK_DEFAULT, Options, ProcessGroup, seconds
 from .reduce_op import ReduceOp
 from .rendezvous import rendezvous
 from .store import PrefixStore, Store
@@ -170,6 +171,59 @@ def abort_process_group(group: Group = None) -> None:
 
 
 _abort_process_group = abort_process_group  # torch's private name
+
+
+def revoke_process_group(group: Group = None) -> None:
+    """Stop the group's in-flight operations (they fail, saying "revoked")
+    without freeing its communicator, so that ``shrink_group`` can reuse it
+    (ncclCommRevoke from NCCL 2.29; the host backend). Local and bounded."""
+    pg = _get_default_group() if group is None else group
+    if isinstance(pg, ProcessGroup):
+        pg.revoke()
+
+
+def shrink_group(ranks_to_exclude: list[int], group: Group = None, shrink_flags: int = SHRINK_DEFAULT,
+                 pg_options: Options | None = None) -> ProcessGroup:
+    """A new group of ``group``'s ranks minus ``ranks_to_exclude`` (ranks of
+    ``group``), as torch's ``shrink_group``: only the remaining ranks call it,
+    with the same list. ``SHRINK_ABORT`` first stops operations still in
+    flight (recovery after a failure). The old group is destroyed; shrinking
+    the default group also destroys every other group and renumbers the
+    world (the new group becomes the default)."""
+    w = _world()
+    target = _get_default_group() if group is None else group
+    if not isinstance(target, ProcessGroup):
+        raise ValueError("shrink_group: this rank is not in the group")
+    if not isinstance(ranks_to_exclude, list):
+        raise TypeError(f"ranks_to_exclude must be a list, but got {type(ranks_to_exclude).__name__}")
+    if target.size() <= 1:
+        raise ValueError(f"Cannot shrink a process group with size {target.size()}")
+    is_default = target is w.default_pg
+    old_ranks = _ranks_of(target)
+    check_exclude(ranks_to_exclude, target.size(), target.rank())  # before a uid is taken
+    uid = w.group_count
+    w.group_count += 1
+    new = target._shrink(ranks_to_exclude, shrink_flags, pg_options,
+                         group_name=f"{target.group_name}:shrunk",
+                         group_desc="default:shrunk" if is_default else f"{target.group_desc}:shrunk", uid=uid)
+    excluded = set(ranks_to_exclude)
+    remaining = [g for i, g in enumerate(old_ranks) if i not in excluded]
+    if is_default:  # global ranks change: every other group's mapping is wrong now
+        for pg in [g for g in w.groups if g is not target]:
+            pg.abort()
+            pg.shutdown()
+        w.groups = {}
+    if shrink_flags == SHRINK_ABORT or target._closed is not None:
+        target.abort()
+    target.shutdown()
+    w.groups.pop(target, None)
+    if is_default:
+        w.default_pg = new
+        w.groups[new] = list(range(new.size()))
+    else:
+        new._global_ranks = remaining
+        w.groups[new] = remaining
+    return new
 
 
 def new_group(ranks: Sequence[int] | None = None, timeout: timedelta | float | None = None,

@@ -25,7 +25,7 @@ import numpy as np
 
 from . import env, flight_recorder, progress, watchdog
 from .backends import get_backend
-from .comm.base import Backend, CommConfig, CommState, Communicator, Stream
+from .comm.base import Backend, CommConfig, CommState, Communicator, Stream, check_exclude
 from .errors import DistBackendError
 from .flight_recorder import Entry
 from .reduce_op import PremulSum, ReduceOp, resolve
@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 # Error-handling modes 1 and 3: how long another failing thread waits for the process to end (it does at once).
 _ENDING_GRACE = 10.0
+# shrink flags (torch's values): stop the parent's in-flight operations first, or not
+SHRINK_DEFAULT = 0x00
+SHRINK_ABORT = 0x01
 
 Op = ReduceOp | PremulSum
 _P2P = (OpType.SEND, OpType.RECV)
@@ -252,6 +255,71 @@ class ProcessGroup:
                                    f"operations issued before a split did not finish within {cfg.timeout:.1f} s")
         return comm.split(color, key, cfg)
 
+    # --- shrink and revoke ----------------------------------------------------------------
+
+    @property
+    def supports_shrinking(self) -> bool:
+        """Every group can shrink: through its communicator's own shrink when
+        that is alive and able (ncclCommShrink from NCCL 2.27, the host
+        backend), else through a fresh communicator of the survivors."""
+        return True
+
+    def _shrink(self, exclude: Sequence[int], flags: int, options: Options | None, *, group_name: str,
+                group_desc: str, uid: int) -> ProcessGroup:
+        """Collective over the ranks not in ``exclude`` (group ranks; only the
+        survivors call it): a new group of the survivors, in their order.
+        This group is left to the caller to destroy."""
+        if isinstance(flags, bool) or flags not in (SHRINK_DEFAULT, SHRINK_ABORT):
+            raise ValueError(f"invalid shrink_flags {flags!r}: use SHRINK_DEFAULT ({SHRINK_DEFAULT}) or "
+                             f"SHRINK_ABORT ({SHRINK_ABORT}, to stop operations still in flight first)")
+        excluded = check_exclude(exclude, self._size, self._rank)
+        abort_first = flags == SHRINK_ABORT
+        with self._lock:
+            if self._closed == "destroyed":
+                raise DistBackendError(f"process group {self.uid} ({self.group_desc!r}) on rank {self._rank} was "
+                                       "destroyed; it cannot be shrunk")
+            comm = self._comm
+            native = comm is not None and comm.supports_shrink and comm.state not in (
+                CommState.ABORTED, CommState.DESTROYED, CommState.INITIALIZING)
+            if abort_first:  # the failures that follow are this rank's doing: no error handling on them
+                self._error_handled = True
+                if self._closed is None:
+                    self._closed, self._close_reason = "revoked", "shrink_group(SHRINK_ABORT)"
+        survivors = [r for r in range(self._size) if r not in excluded]
+        child = ProcessGroup(self._store, survivors.index(self._rank), len(survivors), options or self.options,
+                             backend=self._backend, device_id=self._device, group_name=group_name,
+                             group_desc=group_desc, uid=uid)
+        if native:
+            assert comm is not None
+            if not abort_first and self._stream is not None and not self._stream.synchronize(child._timeout):
+                raise DistBackendError(f"timeout: process group {self.uid} ({self.group_desc!r}) on rank "
+                                       f"{self._rank}: operations issued before a shrink did not finish within "
+                                       f"{child._timeout:.1f} s (SHRINK_ABORT stops them instead)")
+            child._set_comm(comm.shrink(excluded, child._comm_config(), abort_first))
+        else:
+            if abort_first:
+                self.abort()
+            if self._comm is not None and self._device is not None:
+                child._eager_init()  # an eager parent gets an eager child; a lazy one, a lazy child
+        return child
+
+    def revoke(self) -> None:
+        """Stop this group's in-flight operations (they fail, saying
+        "revoked") and refuse later ones, but keep the communicator for
+        ``shrink_group``; local and bounded. Where the communicator cannot
+        revoke (NCCL < 2.29) it is aborted, and a shrink builds a fresh one."""
+        with self._lock:
+            self._error_handled = True  # a revoke's failures are not errors to handle
+            if self._closed is None:
+                self._closed, self._close_reason = "revoked", "revoke_process_group()"
+            comm = self._comm
+        if comm is None:
+            return
+        if comm.supports_revoke and comm.state is not CommState.INITIALIZING:
+            comm.revoke()
+        else:
+            comm.abort()
+
     def comm_split_count(self) -> int:
         """How many times this group's communicator was split."""
         return 0 if self._comm is None else self._comm.split_count
@@ -400,6 +468,16 @@ class ProcessGroup:
         p2p = peer is not None
         comm, stream = self._ready()
         self._backend.wait_for_caller(stream, self._device)
+        if stream.capturing:  # into a CUDA graph: it runs at each replay, unnumbered, unrecorded, unwatched
+            enqueue(comm, stream)
+            if self._coalescing is not None:
+                self._coalesced_outputs.extend(outputs)
+                if after is not None:
+                    self._coalescing.append(lambda: after(stream))
+                return None
+            if after is not None:
+                after(stream)
+            return Work.captured(self, op_type, outputs, stream.record(), (peer,) if p2p else None)
         self._op_id += 1
         if self._coalescing is not None:
             enqueue(comm, stream)
@@ -446,7 +524,8 @@ class ProcessGroup:
             raise RuntimeError("coalescing already started on this group")
         self._coalescing, self._coalesced_outputs, self._coalesced_entries = [], [], []
         self._coalesced_peers = []  # the group is numbered at its end, once its kind is known
-        self._coalesce_start = stream.record(comm.new_event(timing=True)) if self._timing else None
+        self._coalesce_start = stream.record(comm.new_event(timing=True)) if self._timing and not \
+            stream.capturing else None
         comm.group_start()
 
     def _end_coalescing(self, op_type: OpType = OpType.COALESCED) -> Work:
@@ -459,6 +538,8 @@ class ProcessGroup:
         finally:
             for copy in copies:
                 copy()
+        if stream.capturing:
+            return Work.captured(self, op_type, self._coalesced_outputs, stream.record(), None)
         # Only sends/recvs: one p2p operation (torch's seqP2P_). Numbered as a collective, it would put the
         # collective count of the ranks taking part ahead of the others', and timeouts would blame the wrong ranks.
         kinds = self._coalesced_peers

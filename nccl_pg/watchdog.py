@@ -108,7 +108,15 @@ class Watchdog:
     # --- poller --------------------------------------------------------------------------
 
     def _poll_loop(self) -> None:
+        prepared: set[int] = set()  # backends whose prepare_poller() ran on this thread
         while True:
+            for pg in self.groups():
+                if id(pg._backend) not in prepared:
+                    prepared.add(id(pg._backend))
+                    try:
+                        pg._backend.prepare_poller()
+                    except Exception:
+                        log.exception("watchdog: preparing the poller for the %s backend failed", pg._backend.name)
             with self._cond:
                 works = list(self._pending)
             for w in works:

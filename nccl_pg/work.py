@@ -137,6 +137,19 @@ class Work:
         self._p2p = peers is not None
         self._peers = peers or ()
         self._duration_ms: float | None = None  # on the stream, once completed with timing on
+        self._captured = False
+
+    @classmethod
+    def captured(cls, group: ProcessGroup, op_type: OpType, outputs: list[Any], end: Event,
+                 peers: tuple[int, ...] | None) -> Work:
+        """An operation captured into a CUDA graph: done as far as the host
+        is concerned (it runs at each replay, where nothing can watch it);
+        ``wait()`` still orders the caller's stream after it, which also
+        joins the group's stream back into the capture."""
+        work = cls(group, op_type, 0, outputs, end, None, 0.0, None, peers)
+        work._captured = True
+        work._done.set()
+        return work
 
     def __repr__(self) -> str:
         state = "pending" if not self._done.is_set() else ("failed" if self._error else "completed")
@@ -240,6 +253,9 @@ class Work:
         reason, instead of queueing behind the failed one."""
         limit = None if timeout is None else time.monotonic() + timeout
         backend = self._group._backend
+        if self._captured:
+            backend.make_caller_wait(self._end, self._group._device)
+            return True
         if backend.blocking_wait or self._group._blocking_wait:
             while not self._poll():
                 now = time.monotonic()

@@ -446,3 +446,93 @@ def test_torch_and_dlpack_interop() -> None:
     assert torch.equal(dst, src)
     comm.destroy()
 
+
+
+# --- CUDA graph capture ----------------------------------------------------------------------------------
+
+def _s_graph_capture(r: Rank) -> dict:
+    """Collectives captured into a CUDA graph (CuPy, global capture mode,
+    with an un-waited operation pending so the watchdog polls during the
+    capture) replay correctly; they are not numbered, recorded or watched."""
+    import cupy as cp
+
+    from nccl_pg import flight_recorder
+
+    pg = r.init(device_id=r.device)
+    n = r.world_size
+    x = cp.full(1024, r.rank + 1, dtype=cp.float32)
+    y = cp.ones(8, dtype=cp.float32)
+    parts = [cp.zeros(8, dtype=cp.float32) for _ in range(n)]
+    dist.all_reduce(y)  # warm up outside the capture: the communicator exists
+    pending = dist.all_reduce(cp.ones(4, cp.float32), async_op=True)
+    seq, entries = pg._get_sequence_number_for_group(), len(flight_recorder.get().entries())
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture(cp.cuda.runtime.streamCaptureModeGlobal)
+        dist.all_reduce(x)
+        work = dist.all_reduce(x, dist.make_premul_sum(0.5), async_op=True)
+        work.wait()
+        dist.all_gather(parts, y)
+        graph = s.end_capture()
+    captured = {"done": work.is_completed(), "seq": pg._get_sequence_number_for_group() - seq,
+                "entries": len(flight_recorder.get().entries()) - entries, "pending": len(pg._pending)}
+    pending.wait()
+    for _ in range(3):
+        graph.launch(s)
+    s.synchronize()
+    xs = [k + 1.0 for k in range(n)]  # x on each rank: each replay sums it, then sums half of it
+    for _ in range(3):
+        xs = [sum(xs)] * n
+        xs = [sum(0.5 * v for v in xs)] * n
+    expect = xs[0]
+    captured["x"] = float(x[0].get())
+    captured["expect"] = expect
+    captured["parts"] = [float(p[0].get()) for p in parts]
+    dist.all_reduce(y)  # eager again: numbered and watched as usual
+    captured["after_seq"] = pg._get_sequence_number_for_group() - seq
+    dist.destroy_process_group()
+    return captured
+
+
+@GPU
+@needs_gpu
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("n", [1, 2])
+def test_graph_capture_replays(tmp_path, n) -> None:
+    _cupy()
+    for out in run_world(_s_graph_capture, n, tmp_path, backend="nccl", timeout=180):
+        assert out["done"] and out["seq"] == 0 and out["entries"] == 0 and out["pending"] <= 1, out
+        assert out["x"] == pytest.approx(out["expect"], rel=1e-6), out
+        assert out["parts"] == [float(n)] * n  # y was all_reduced once (to n) before the capture
+        assert out["after_seq"] == 1
+
+
+# --- shrink and revoke: version gates -------------------------------------------------------------------------
+
+def test_shrink_and_revoke_gates(libnccl: int) -> None:
+    """ncclCommShrink from 2.27, ncclCommRevoke from 2.29: a communicator
+    says which it can do, and the group layer falls back to a fresh
+    communicator (shrink) or an abort (revoke) when it cannot."""
+    from nccl_pg.comm.nccl import _lib
+    from nccl_pg.comm.nccl.communicator import NcclCommunicator
+
+    comm = NcclCommunicator(2, 0, 0, CommConfig(), "gate")
+    assert comm.supports_shrink == (libnccl >= 22700)
+    assert comm.supports_revoke == (libnccl >= 22900)
+    comm._version = 22600
+    assert not comm.supports_shrink and not comm.supports_revoke
+    with pytest.raises(DistBackendError, match=r"ncclCommShrink needs NCCL >= 2\.27\.0; this is 2\.26\.0"):
+        comm.shrink([1])
+    with pytest.raises(DistBackendError, match=r"ncclCommRevoke needs NCCL >= 2\.29\.0"):
+        comm.revoke()
+    assert (_lib.SHRINK_DEFAULT, _lib.SHRINK_ABORT) == (dist.SHRINK_DEFAULT, dist.SHRINK_ABORT)
+
+
+def test_streams_do_not_capture_on_the_host() -> None:
+    from nccl_pg.comm.host.stream import HostStream
+
+    s = HostStream("t")
+    try:
+        assert s.capturing is False
+    finally:
+        s.close(timeout=1.0)

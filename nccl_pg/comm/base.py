@@ -23,6 +23,7 @@ class CommState(enum.Enum):
     READY = "ready"
     ERROR = "error"
     ABORTED = "aborted"
+    REVOKED = "revoked"  # in-flight operations stopped; only shrink() and destroy() remain
     DESTROYED = "destroyed"
 
 
@@ -77,6 +78,12 @@ class Stream(ABC):
     @abstractmethod
     def synchronize(self, timeout: float | None = None) -> bool: ...
 
+    @property
+    def capturing(self) -> bool:
+        """True while this stream takes part in a CUDA graph capture: what is
+        enqueued goes into the graph and runs only at its replays."""
+        return False
+
 
 class Communicator(ABC):
     """One rank's endpoint of a group of ``nranks`` ranks."""
@@ -111,6 +118,25 @@ class Communicator(ABC):
     @abstractmethod
     def abort(self) -> None:
         """Fail every pending and future operation; bounded, never hangs."""
+
+    # --- fault tolerance: drop failed ranks without a fresh rendezvous ---------
+
+    supports_shrink: bool = False
+    supports_revoke: bool = False
+
+    def shrink(self, exclude: Sequence[int], config: CommConfig | None = None,
+               abort_first: bool = False) -> Communicator:
+        """Collective over the ranks not in ``exclude`` (only they call it,
+        with the same list): a new communicator of the survivors, ranked in
+        their order here. ``abort_first`` stops this communicator's in-flight
+        operations first (recovery after a failure); without it, nothing
+        may be in flight."""
+        raise NotImplementedError(f"{type(self).__name__} cannot shrink")
+
+    def revoke(self) -> None:
+        """Stop every in-flight operation (they fail) but keep the
+        communicator for ``shrink()`` or ``destroy()``; local, bounded."""
+        raise NotImplementedError(f"{type(self).__name__} cannot revoke")
 
     @abstractmethod
     def finalize(self, timeout: float | None = None) -> None:
@@ -169,6 +195,30 @@ class Communicator(ABC):
     def group_end(self) -> None: ...
 
 
+def check_exclude(exclude: Sequence[int], nranks: int, rank: int) -> list[int]:
+    """``exclude`` as a sorted list of distinct ranks of a communicator of
+    ``nranks``, leaving at least one rank and not ``rank`` (the caller)."""
+    if isinstance(exclude, (str, bytes)) or not isinstance(exclude, Sequence):
+        raise TypeError(f"ranks to exclude must be a list of ints, got {type(exclude).__name__}")
+    out: set[int] = set()
+    for i, r in enumerate(exclude):
+        if isinstance(r, bool) or not isinstance(r, int):
+            raise TypeError(f"ranks to exclude must be ints; element {i} is {type(r).__name__}: {r!r}")
+        if not 0 <= r < nranks:
+            raise ValueError(f"rank {r} (element {i}) to exclude is out of range for {nranks} ranks")
+        if r in out:
+            raise ValueError(f"rank {r} appears twice in the ranks to exclude")
+        out.add(r)
+    if not out:
+        raise ValueError("no rank to exclude: name at least one (e.g. the failed rank)")
+    if len(out) >= nranks:
+        raise ValueError(f"cannot exclude all {nranks} ranks: at least one must remain")
+    if rank in out:
+        raise RuntimeError(f"rank {rank} is in its own list of ranks to exclude: only the remaining ranks "
+                           "take part in a shrink")
+    return sorted(out)
+
+
 class Backend(ABC):
     """What the process-group core needs from a backend besides its
     Communicator: how to create one, and how to view, allocate and copy the
@@ -221,3 +271,7 @@ class Backend(ABC):
     def make_caller_wait(self, event: Event, device: Any = None) -> None:
         """Make the caller's current device stream wait for ``event`` (used
         when ``blocking_wait`` is False)."""
+
+    def prepare_poller(self) -> None:
+        """Runs once on the watchdog's poller thread before it first polls
+        this backend's events."""

@@ -16,8 +16,8 @@ import numpy as np
 from ... import env
 from ...errors import DistBackendError, DistStoreError
 from ...reduce_op import ReduceOp
-from ...store import Store, TCPStore
-from ..base import CommConfig, CommState, Communicator, Stream
+from ...store import PrefixStore, Store, TCPStore
+from ..base import CommConfig, CommState, Communicator, Stream, check_exclude
 from . import algorithms as alg
 from .stream import HostEvent, HostStream
 from .transport import Mesh, MeshTimeoutError, Recv, Send, connect_mesh, listen
@@ -90,6 +90,9 @@ class HostCommunicator(Communicator):
         self._group: list[tuple[HostStream, str, Callable[[Mesh], None] | tuple[list[Send], list[Recv]]]] = []
         self._group_depth = 0
         self._split_count = 0
+        self._shrink_count = 0
+        self._store = store  # shrink() meets the survivors here (a split child gets its parent's)
+        self._token = b""  # shared by every rank of this communicator: names its shrinks in the store
         self._internal = self.new_stream()
         deadline = time.monotonic() + config.timeout
         if config.blocking:
@@ -121,6 +124,7 @@ class HostCommunicator(Communicator):
             if boot.lower is None:
                 assert store is not None
                 boot.lower = self._read_addresses(store, deadline)
+            self._token = boot.token
             try:
                 socks = connect_mesh(self.rank, self.nranks, boot.listener, boot.lower, boot.token, deadline,
                                      self.name, aborted=lambda: self._error is not None)
@@ -236,12 +240,7 @@ class HostCommunicator(Communicator):
     def abort(self) -> None:
         """The state becomes ABORTED; async_error() keeps the first cause
         (e.g. a lost peer seen just before)."""
-        self._fail(DistBackendError(f"{self.name}: communicator aborted on rank {self.rank}"), CommState.ABORTED)
-        with self._lock:
-            if self._state is not CommState.DESTROYED:
-                self._state = CommState.ABORTED
-        for s in self._streams:
-            s.aborted = True  # unblock streams waiting on events that will never come
+        self._stop(CommState.ABORTED, "communicator aborted")
 
     def finalize(self, timeout: float | None = None) -> None:
         seconds = self.config.timeout if timeout is None else timeout
@@ -281,7 +280,7 @@ class HostCommunicator(Communicator):
     # --- enqueueing ----------------------------------------------------------------
 
     def _usable(self) -> None:
-        if self._state in (CommState.ABORTED, CommState.DESTROYED, CommState.ERROR):
+        if self._state in (CommState.ABORTED, CommState.DESTROYED, CommState.ERROR, CommState.REVOKED):
             raise self._error or DistBackendError(f"{self.name}: {self._state.value}")
 
     def _stream(self, stream: Stream) -> HostStream:
@@ -484,7 +483,46 @@ class HostCommunicator(Communicator):
         token = records[ranks[0]][3]
         boot = _Bootstrap(listener, lower, token)
         assert listener is not None
-        return HostCommunicator(child_rank, len(ranks), cfg, f"{self.name}.{color}", bootstrap=boot)
+        child = HostCommunicator(child_rank, len(ranks), cfg, f"{self.name}.{color}", bootstrap=boot)
+        child._store = self._store
+        return child
+
+    # --- shrink and revoke ------------------------------------------------------------------
+
+    supports_shrink = True
+    supports_revoke = True
+
+    def shrink(self, exclude: Sequence[int], config: CommConfig | None = None,
+               abort_first: bool = False) -> HostCommunicator:
+        """The survivors meet again through the store (NCCL reuses its
+        bootstrap network; ours is the store), under a key only this
+        communicator's ranks know, so that the excluded ranks, dead or alive,
+        are never waited for. Works on a communicator in error or revoked."""
+        excluded = check_exclude(exclude, self.nranks, self.rank)
+        if self._state is CommState.INITIALIZING:
+            self.wait_ready(self.config.timeout + _INIT_GRACE)
+        if self._state is CommState.DESTROYED or self._store is None or not self._token:
+            raise DistBackendError(f"{self.name}: cannot shrink a communicator that is {self._state.value}")
+        if abort_first:
+            self._stop(CommState.REVOKED, "in-flight operations stopped to shrink")
+        self._shrink_count += 1
+        survivors = [r for r in range(self.nranks) if r not in excluded]
+        prefix = f"shrink/{self._token.hex()}/{self._shrink_count}/"
+        return HostCommunicator(survivors.index(self.rank), len(survivors), config or self.config,
+                                f"{self.name}.shrink{self._shrink_count}", store=PrefixStore(prefix, self._store))
+
+    def revoke(self) -> None:
+        self._stop(CommState.REVOKED, "communicator revoked")
+
+    def _stop(self, state: CommState, why: str) -> None:
+        """Fail what is in flight and everything after; the first cause (a
+        lost peer, say) stays the async error."""
+        self._fail(DistBackendError(f"{self.name}: {why} on rank {self.rank}"), state)
+        with self._lock:
+            if self._state is not CommState.DESTROYED:
+                self._state = state
+        for s in self._streams:
+            s.aborted = True  # unblock streams waiting on events that will never come
 
     def _my_address(self) -> str:
         return (self._mesh.local_address() if self._mesh else None) or env.HOST_ADDR.get() or "127.0.0.1"

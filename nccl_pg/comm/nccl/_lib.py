@@ -26,6 +26,11 @@ CONFIG_UNDEF = -(2**31)
 # First NCCL versions (ncclGetVersion codes: major*10000 + minor*100 + patch) with a feature.
 V_SPLIT = 21800
 V_NATIVE_ALLTOALL = 22800  # ncclAlltoAll / ncclGather / ncclScatter
+V_SHRINK = 22700  # ncclCommShrink
+V_REVOKE = 22900  # ncclCommRevoke
+# ncclCommShrink flags
+SHRINK_DEFAULT = 0
+SHRINK_ABORT = 1
 
 FLOAT8 = frozenset({"float8_e4m3fn", "float8_e5m2", "float8_e4m3", "float8_e4m3fnuz", "float8_e5m2fnuz",
                     "float8_e4m3b11fnuz", "float8_e3m4", "float8_e8m0fnu"})

@@ -134,4 +134,13 @@ class NcclBackend(Backend):
                        "cudaStreamWaitEvent")
 
 
+    def prepare_poller(self) -> None:
+        # The poller queries events while the caller may capture a CUDA graph: in the default (global)
+        # capture mode such a query from any thread would invalidate the capture; thread-local mode confines
+        # the capture's checks to the capturing thread.
+        rt = cudart()
+        check_cuda(rt.cudaThreadExchangeStreamCaptureMode(rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal),
+                   "cudaThreadExchangeStreamCaptureMode")
+
+
 NCCL = NcclBackend()

@@ -20,7 +20,7 @@ import numpy as np
 
 from ...errors import DistBackendError, DistStoreError
 from ...reduce_op import ReduceOp
-from ..base import CommConfig, CommState, Communicator, Stream
+from ..base import CommConfig, CommState, Communicator, Stream, check_exclude
 from . import _lib
 from ._lib import IN_PROGRESS, NOCOLOR, SUCCESS, bindings
 from .array import DeviceArray, as_device_array
@@ -87,6 +87,7 @@ class NcclCommunicator(Communicator):
         self._split_count = 0
         self._group_depth = 0
         self._deferred_ops: list[int] = []  # PREMUL_SUM ops to destroy at group end
+        self._graph_ops: list[int] = []  # PREMUL_SUM ops captured into CUDA graphs: destroyed with the comm
         self._keep_config: Any = None
         self._version = _lib.version()
         self._rank_known = True  # False for a nonblocking split child until NCCL says which rank it is
@@ -302,9 +303,12 @@ class NcclCommunicator(Communicator):
         self._flag.aborted = True
         if handle is not None:
             try:
+                for op in self._graph_ops:
+                    bindings().red_op_destroy(op, handle)
                 bindings().comm_destroy(handle)
             except Exception:
                 pass
+            self._graph_ops.clear()
         for s in self._streams:
             s.release()
         self._ready.set()
@@ -400,10 +404,12 @@ class NcclCommunicator(Communicator):
                              scalar.ctypes.data, nccl_type, host_immediate, comm)
         return int(created), True
 
-    def _release_op(self, op: int, created: bool, comm: int) -> None:
+    def _release_op(self, op: int, created: bool, comm: int, captured: bool) -> None:
         if not created:
             return
-        if self._group_depth:
+        if captured:  # every replay of the graph uses it: it lives as long as the communicator
+            self._graph_ops.append(op)
+        elif self._group_depth:
             self._deferred_ops.append(op)
         else:
             self._nccl("ncclRedOpDestroy", bindings().red_op_destroy, op, comm)
@@ -417,7 +423,7 @@ class NcclCommunicator(Communicator):
             self._nccl(what, fn, send.ptr, recv.ptr, count * k, nccl_type, redop, *extra, comm, stream.ptr)
             self._settle(what)
         finally:
-            self._release_op(redop, created, comm)
+            self._release_op(redop, created, comm, created and stream.capturing)
         stream.keep(send.owner, recv.owner)
 
     # --- operations ------------------------------------------------------------------------------
@@ -617,6 +623,84 @@ class NcclCommunicator(Communicator):
 
             threading.Thread(target=poll, daemon=True, name=f"nccl_pg-nccl-split-{child.name}").start()
         return child
+
+    # --- shrink and revoke ------------------------------------------------------------------------------
+
+    @property
+    def supports_shrink(self) -> bool:  # type: ignore[override]
+        return self._version >= _lib.V_SHRINK
+
+    @property
+    def supports_revoke(self) -> bool:  # type: ignore[override]
+        return self._version >= _lib.V_REVOKE
+
+    def _need(self, version: int, what: str) -> None:
+        if self._version < version:
+            raise DistBackendError(f"{what} needs NCCL >= {'.'.join(map(str, _lib.version_tuple(version)))}; "
+                                   f"this is {'.'.join(map(str, _lib.version_tuple(self._version)))}")
+
+    def _live_handle(self, what: str) -> int:
+        """The handle of a communicator that is not freed (in error or revoked is fine)."""
+        if self._state is CommState.INITIALIZING:
+            self.wait_ready(self.config.timeout + 5.0)
+        with self._lock:
+            if self._freed or self._handle is None:
+                raise self._error or DistBackendError(f"{self.name}: cannot {what}: {self._state.value}")
+            return self._handle
+
+    def shrink(self, exclude: Sequence[int], config: CommConfig | None = None,
+               abort_first: bool = False) -> NcclCommunicator:
+        """ncclCommShrink (NCCL >= 2.27); ``abort_first`` passes NCCL_SHRINK_ABORT."""
+        self._need(_lib.V_SHRINK, "ncclCommShrink")
+        excluded = check_exclude(exclude, self._nranks, self._rank)
+        parent = self._live_handle("shrink")
+        cfg = config or self.config
+        ncfg = nccl_config(cfg)
+        flags = _lib.SHRINK_ABORT if abort_first else _lib.SHRINK_DEFAULT
+        prev = _device_guard(self.device)
+        try:
+            handle = int(self._nccl("ncclCommShrink", bindings().comm_shrink, parent, excluded, len(excluded),
+                                    ncfg, flags))
+        finally:
+            _restore(prev)
+        survivors = [r for r in range(self._nranks) if r not in excluded]
+        child = NcclCommunicator(len(survivors), survivors.index(self._rank), self.device, cfg,
+                                 f"{self.name}.shrink")
+        child._handle, child._keep_config = handle, ncfg
+        deadline = time.monotonic() + cfg.timeout
+        if cfg.blocking:
+            child._poll_ready(deadline, "shrink")
+            child.wait_ready(0)
+        else:
+            threading.Thread(target=child._poll_ready, args=(deadline, "shrink"), daemon=True,
+                             name=f"nccl_pg-nccl-shrink-{child.name}").start()
+        return child
+
+    def revoke(self) -> None:
+        """ncclCommRevoke (NCCL >= 2.29), then wait (bounded) until NCCL says
+        the communicator is quiescent; past the deadline it is aborted."""
+        self._need(_lib.V_REVOKE, "ncclCommRevoke")
+        handle = self._live_handle("revoke")
+        self._set_error(DistBackendError(f"{self.name}: communicator revoked on rank {self._rank}"),
+                        CommState.REVOKED)
+        with self._lock:
+            if not self._freed:
+                bindings().comm_revoke(handle, 0)
+        deadline = time.monotonic() + self.config.timeout
+        b = bindings()
+        while True:
+            with self._lock:
+                if self._freed:
+                    return
+                code = int(b.comm_get_async_error(handle))
+            if code != IN_PROGRESS:
+                return
+            if time.monotonic() >= deadline:
+                self._set_error(DistBackendError(f"timeout: {self.name}: revoke did not quiesce within "
+                                                 f"{self.config.timeout:.1f} s on rank {self._rank}; aborted"))
+                self._abort_handle()
+                return
+            time.sleep(_POLL)
 
     def _learn_rank(self) -> None:
         b = bindings()

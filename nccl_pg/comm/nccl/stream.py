@@ -20,6 +20,7 @@ from ._lib import check_cuda, cudart
 from .array import caller_kind, cupy_module, torch_module
 
 _NOT_READY = 600  # cudaErrorNotReady
+_CAPTURE_NONE = 0  # cudaStreamCaptureStatusNone
 
 
 class _AbortFlag:
@@ -126,6 +127,7 @@ class CudaStream(Stream):
         self._pending: list[Any] = []  # buffers of operations enqueued since the last record()
         self._inflight: collections.deque[CudaEvent] = collections.deque()
         self._caller_event: CudaEvent | None = None  # reused by wait_stream
+        self._graph_refs: list[Any] = []  # buffers of captured operations: every replay reads them
 
     def __repr__(self) -> str:
         return f"CudaStream(cuda:{self.device}, 0x{self.ptr:x})"
@@ -142,6 +144,10 @@ class CudaStream(Stream):
         ev._recorded = True
         if ev._flag is None:
             ev._flag = self._flag
+        if self.capturing:  # no event queries during a capture; the graph may replay any time later
+            self._graph_refs.extend(self._pending)
+            self._pending = []
+            return ev
         if self._pending:
             ev._refs, self._pending = self._pending, []
             self._inflight.append(ev)
@@ -163,6 +169,11 @@ class CudaStream(Stream):
         check_cuda(cudart().cudaEventRecord(ev.handle, other), "cudaEventRecord")
         check_cuda(cudart().cudaStreamWaitEvent(self.handle, ev.handle, 0), "cudaStreamWaitEvent")
 
+    @property
+    def capturing(self) -> bool:
+        status = check_cuda(cudart().cudaStreamIsCapturing(self.handle), "cudaStreamIsCapturing")
+        return int(status) != _CAPTURE_NONE
+
     def query(self) -> bool:
         (err,) = cudart().cudaStreamQuery(self.handle)
         if int(err) == 0:
@@ -179,6 +190,7 @@ class CudaStream(Stream):
         """Forget the kept buffers (after abort/destroy) and destroy an owned stream."""
         self._pending.clear()
         self._inflight.clear()
+        self._graph_refs.clear()
         if self._owned and self.handle is not None:
             try:
                 cudart().cudaStreamDestroy(self.handle)
