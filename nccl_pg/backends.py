@@ -4,6 +4,8 @@ CUDA. "host" is the CPU backend; "nccl" needs a GPU."""
 from __future__ import annotations
 
 import functools
+import os
+import socket
 
 from .comm.base import Backend
 
@@ -25,6 +27,27 @@ def gpu_count() -> int:
         return int(count) if err == driver.CUresult.CUDA_SUCCESS else 0
     except Exception:  # a broken driver install counts as none
         return 0
+
+
+# What NCCL needs to put several ranks on one GPU: each process looks like its own host and talks over
+# loopback sockets (NCCL >= 2.30's NCCL_MULTI_RANK_GPU_ENABLE=1 is the other way; see docs/NCCL_BACKEND.md).
+SAME_GPU_ENV = {"NCCL_NET": "Socket", "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1",
+                "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"}
+
+
+def pick_gpu(rank: int, local_rank: int, local_world: int) -> int:
+    """This rank's GPU: its local rank modulo the GPUs. When local ranks
+    outnumber GPUs (and NCCL_MULTI_RANK_GPU_ENABLE is not set), set the
+    environment NCCL needs to share one, before NCCL is first used; a value
+    the user set wins."""
+    ngpu = gpu_count()
+    if ngpu == 0:
+        raise RuntimeError("no GPU visible to this process")
+    if local_world > ngpu and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE", "0") in ("", "0"):
+        os.environ.setdefault("NCCL_HOSTID", f"{socket.gethostname()}-rank{rank}")
+        for key, value in SAME_GPU_ENV.items():
+            os.environ.setdefault(key, value)
+    return local_rank % ngpu
 
 
 def default_backend_name() -> str:

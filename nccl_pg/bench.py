@@ -21,6 +21,9 @@ for all_gather, reduce_scatter and all_to_all the per-rank (per-peer) part.
 every ``async_op=True`` call is timed on its own (µs), the ops complete
 afterwards.
 
+``--graph`` (NCCL backend) captures the ``iters`` ops of each size into one
+CUDA graph and times its replays: time per op with the host out of the loop.
+
 ``--nproc N`` starts N ranks through nccl-pg's launcher (``nccl-pg run``);
 without it, under ``nccl-pg run``/torchrun/srun (``WORLD_SIZE`` set), every
 process is one rank; otherwise one rank runs. Rank 0 prints the table.
@@ -66,8 +69,6 @@ DTYPE_ALIASES = {**{v: k for k, v in DTYPES.items()}, "int": "int32", "float32":
                  "float16": "half"}
 REDOPS = ("sum", "prod", "min", "max", "avg")
 SIZE_SUFFIX = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-SAME_GPU_ENV = {"NCCL_NET": "Socket", "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1",
-                "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"}
 MAX_ITERS = 1_000_000
 STORE_PREFIX = "nccl_pg_bench"
 
@@ -164,6 +165,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--check", action="store_true", help="check the result of every size on every rank")
     p.add_argument("--overhead", action="store_true",
                    help="host-overhead mode: time each async_op=True call on its own (µs to issue an op)")
+    p.add_argument("--graph", action="store_true",
+                   help="capture the iterations into a CUDA graph and time its replays (--backend nccl)")
     p.add_argument("--timeout", type=_seconds, default=300.0, metavar="S",
                    help="process-group timeout: a hung op fails after S seconds (default: 300)")
     p.add_argument("--json", metavar="PATH", help="write every row and the machine as JSON")
@@ -186,6 +189,8 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("--plot needs matplotlib, which is not installed (pip install matplotlib)")
     if args.op == "send_recv" and _local_job(args) and (args.nproc or 1) < 2:
         parser.error("--op send_recv needs at least 2 ranks (each sends to the next): give --nproc 2 or more")
+    if args.graph and (args.backend != "nccl" or args.overhead):
+        parser.error("--graph captures CUDA graphs: it needs --backend nccl and excludes --overhead")
     if args.nproc is not None and args.root >= args.nproc:
         parser.error(f"--root {args.root} is not a rank of --nproc {args.nproc}")
     if args.backend == "nccl" and _local_job(args):
@@ -214,7 +219,7 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
         argv.append("--inplace")
     elif args.mode == OUTOFPLACE:
         argv.append("--out-of-place")
-    argv += ["--check"] * args.check + ["--overhead"] * args.overhead
+    argv += ["--check"] * args.check + ["--overhead"] * args.overhead + ["--graph"] * args.graph
     if args.json:
         argv += ["--json", os.path.abspath(args.json)]
     if args.plot:
@@ -399,17 +404,9 @@ class _Device:
             return
         from . import backends
 
-        ngpu = backends.gpu_count()
-        if ngpu == 0:
-            raise RuntimeError("--backend nccl: no GPU visible to this rank")
-        if local_world > ngpu and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE", "0") in ("", "0"):
-            # Several ranks on one GPU: each process must look like its own host (../shared/gpu/README.md).
-            os.environ.setdefault("NCCL_HOSTID", f"{socket.gethostname()}-bench-rank{rank}")
-            for key, value in SAME_GPU_ENV.items():
-                os.environ.setdefault(key, value)
+        self.index = backends.pick_gpu(rank, local_rank, local_world)
         import cupy
 
-        self.index = local_rank % ngpu
         cupy.cuda.Device(self.index).use()
         self.xp = cupy
         self.sync = cupy.cuda.runtime.deviceSynchronize
@@ -427,7 +424,32 @@ def _wait_all(works: list[Any]) -> None:
             w.wait()
 
 
-def _measure(case: Case, warmup: int, iters: int, overhead: bool, dev: _Device, check: bool) -> dict[str, Any]:
+GRAPH_REPLAYS = 5
+
+
+def _replay_time(issue: Callable[[], Any], iters: int, dev: _Device) -> float:
+    """Seconds per op: ``iters`` ops captured into one CUDA graph, replayed
+    GRAPH_REPLAYS times after one warm replay."""
+    import nccl_pg as dist
+
+    stream = dev.xp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        _wait_all([issue() for _ in range(iters)])  # waits join the group's stream back into the capture
+        graph = stream.end_capture()
+    graph.launch(stream)
+    stream.synchronize()
+    dist.barrier()
+    dev.sync()
+    t0 = time.perf_counter()
+    for _ in range(GRAPH_REPLAYS):
+        graph.launch(stream)
+    stream.synchronize()
+    return (time.perf_counter() - t0) / (GRAPH_REPLAYS * iters)
+
+
+def _measure(case: Case, warmup: int, iters: int, overhead: bool, dev: _Device, check: bool,
+             graph: bool = False) -> dict[str, Any]:
     import nccl_pg as dist
 
     issue = case.issue
@@ -440,7 +462,9 @@ def _measure(case: Case, warmup: int, iters: int, overhead: bool, dev: _Device, 
     dist.barrier()
     dev.sync()
     out: dict[str, Any] = {}
-    if overhead:
+    if graph:
+        elapsed = _replay_time(issue, iters, dev) * iters
+    elif overhead:
         calls = []
         clock = time.perf_counter_ns
         t0 = time.perf_counter()
@@ -513,7 +537,8 @@ def run_rank(args: argparse.Namespace) -> int:
             mine = {}
             for mode in modes:
                 case = Case(args.op, mode, lay, rank, n, dtype, args.redop, args.root, dev.xp)
-                mine[mode] = _measure(case, args.warmup_iters, args.iters, args.overhead, dev, args.check)
+                mine[mode] = _measure(case, args.warmup_iters, args.iters, args.overhead, dev, args.check,
+                                      args.graph)
                 del case
             store.set(f"{k}/{rank}", json.dumps(mine))
             if report:
@@ -540,7 +565,7 @@ class _Report:
         print(f"# nccl-pg bench: {a.op}, backend {a.backend}, {n} rank(s), {dev.name}", flush=True)
         print(f"#  minBytes {a.minbytes} maxBytes {a.maxbytes} step: {a.stepfactor}(factor) warmup iters: "
               f"{a.warmup_iters} iters: {a.iters} validation: {int(a.check)} "
-              f"{'overhead: 1 ' if a.overhead else ''}type: {a.dtype} redop: {a.redop} root: {a.root}",
+              f"{'overhead: 1 ' if a.overhead else ''}{'graph: 1 ' if a.graph else ''}type: {a.dtype} redop: {a.redop} root: {a.root}",
               flush=True)
         print(f"# nccl_pg {self.machine['nccl_pg']}, Python {self.machine['python']}, numpy "
               f"{self.machine['numpy']}, {self.machine['date']}", flush=True)

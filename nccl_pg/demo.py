@@ -6,6 +6,9 @@ API on 4 ranks, each result checked, and a table of what ran.
 Any launcher that sets the env:// variables works too (torchrun, srun,
 mpirun). It runs on the default backend: the host backend (CPUs) until the
 NCCL backend has passed the GPU checklist, then NCCL where a GPU is present.
+The demo itself already runs on NCCL, with CuPy arrays, where a GPU and CuPy
+are present (ranks beyond the GPUs share them), else on the host backend
+with numpy arrays; it says which and why.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -25,6 +29,7 @@ from .reduce_op import ReduceOp
 from .rendezvous import Rendezvous, rendezvous
 
 PREFIX = "nccl_pg.demo/"
+xp: Any = np  # the array module of the backend in use (CuPy on NCCL)
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,9 @@ def main() -> None:
     rdv = rendezvous("env://")
     peers = introduce(rdv, (time.monotonic() - start) * 1e3)
     report(rdv, peers)
-    dist.init_process_group(store=rdv.store, rank=rdv.rank, world_size=rdv.world_size, timeout=60)
+    backend, device, why = choose_backend(rdv)
+    dist.init_process_group(backend, store=rdv.store, rank=rdv.rank, world_size=rdv.world_size, timeout=60,
+                            device_id=device)
     results = run_collectives(rdv.rank, rdv.world_size)
     ok = sum(r[3] for r in results)
     print(f"rank {rdv.rank}: {ok}/{len(results)} collectives correct on the {dist.get_backend()} backend",
@@ -57,10 +64,29 @@ def main() -> None:
     leave(rdv)
     if rdv.rank == 0:
         print(summary(peers), flush=True)
-        print(collective_table(everyone), flush=True)
+        print(collective_table(everyone, f"{backend} backend: {why}"), flush=True)
     rdv.store.close()
     if ok != len(results):
         raise SystemExit(1)
+
+
+def choose_backend(rdv: Rendezvous) -> tuple[str, int | None, str]:
+    """(backend, device, why): NCCL with CuPy arrays where a GPU and CuPy
+    are present, else the host backend with numpy arrays."""
+    global xp
+    from . import backends
+
+    if backends.gpu_count() == 0:
+        return "host", None, "no GPU here"
+    try:
+        import cupy
+    except ImportError:
+        return "host", None, "a GPU but no CuPy: install the cu12 or cu13 extra to run on NCCL"
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", rdv.world_size))
+    device = backends.pick_gpu(rdv.rank, rdv.local_rank or 0, local_world)
+    cupy.cuda.Device(device).use()
+    xp = cupy
+    return "nccl", device, f"{backends.gpu_count()} GPU(s), CuPy {cupy.__version__}"
 
 
 def introduce(rdv: Rendezvous, rendezvous_ms: float) -> list[Peer]:
@@ -111,54 +137,54 @@ def run_collectives(rank: int, n: int) -> list[tuple[str, int, float, bool]]:
 
 
 def _all_reduce(rank: int, n: int) -> tuple[int, bool]:
-    x = np.full(1 << 20, rank + 1, np.float32)
+    x = xp.full(1 << 20, rank + 1, xp.float32)
     dist.all_reduce(x, ReduceOp.SUM)
     return x.size, bool((x == n * (n + 1) / 2).all())
 
 
 def _broadcast(rank: int, n: int) -> tuple[int, bool]:
-    x = np.full(1 << 18, rank, np.float64)
+    x = xp.full(1 << 18, rank, xp.float64)
     dist.broadcast(x, src=n - 1)
     return x.size, bool((x == n - 1).all())
 
 
 def _reduce(rank: int, n: int) -> tuple[int, bool]:
-    x = np.full(1 << 16, rank, np.int64)
+    x = xp.full(1 << 16, rank, xp.int64)
     dist.reduce(x, dst=0, op=ReduceOp.MAX)
     return x.size, rank != 0 or bool((x == n - 1).all())
 
 
 def _all_gather(rank: int, n: int) -> tuple[int, bool]:
-    outs = [np.empty(1 << 16, np.int32) for _ in range(n)]
-    dist.all_gather(outs, np.full(1 << 16, rank, np.int32))
+    outs = [xp.empty(1 << 16, xp.int32) for _ in range(n)]
+    dist.all_gather(outs, xp.full(1 << 16, rank, xp.int32))
     return outs[0].size, all(bool((o == r).all()) for r, o in enumerate(outs))
 
 
 def _reduce_scatter(rank: int, n: int) -> tuple[int, bool]:
-    out = np.empty(1 << 16, np.float32)
-    dist.reduce_scatter_tensor(out, np.full(n << 16, rank, np.float32))
+    out = xp.empty(1 << 16, xp.float32)
+    dist.reduce_scatter_tensor(out, xp.full(n << 16, rank, xp.float32))
     return out.size, bool((out == n * (n - 1) / 2).all())
 
 
 def _all_to_all(rank: int, n: int) -> tuple[int, bool]:
-    send = np.repeat(np.arange(n, dtype=np.int64) * 100 + rank, 1 << 12)
-    out = np.empty_like(send)
+    send = xp.repeat(xp.arange(n, dtype=xp.int64) * 100 + rank, 1 << 12)
+    out = xp.empty_like(send)
     dist.all_to_all_single(out, send)
-    want = np.repeat(rank * 100 + np.arange(n, dtype=np.int64), 1 << 12)
+    want = xp.repeat(rank * 100 + xp.arange(n, dtype=xp.int64), 1 << 12)
     return send.size, bool((out == want).all())
 
 
 def _gather_scatter(rank: int, n: int) -> tuple[int, bool]:
-    got = [np.empty(1024, np.float32) for _ in range(n)] if rank == 0 else None
-    dist.gather(np.full(1024, rank, np.float32), got, dst=0)
-    part = np.empty(1024, np.float32)
+    got = [xp.empty(1024, xp.float32) for _ in range(n)] if rank == 0 else None
+    dist.gather(xp.full(1024, rank, xp.float32), got, dst=0)
+    part = xp.empty(1024, xp.float32)
     dist.scatter(part, [g * 2 for g in got] if got else None, src=0)
     return 1024, bool((part == 2 * rank).all())
 
 
 def _send_recv(rank: int, n: int) -> tuple[int, bool]:
     """A ring: each rank sends to the next and receives from the previous, as one batch."""
-    mine, got = np.full(4096, rank, np.int32), np.empty(4096, np.int32)
+    mine, got = xp.full(4096, rank, xp.int32), xp.empty(4096, xp.int32)
     works = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, (rank + 1) % n),
                                     dist.P2POp(dist.irecv, got, (rank - 1) % n)])
     for w in works:
@@ -176,7 +202,7 @@ def _async_subgroups(rank: int, n: int) -> tuple[int, bool]:
     """Two groups (even and odd ranks), all_reduces issued async on both, then waited."""
     evens, odds = dist.new_group(list(range(0, n, 2))), dist.new_group(list(range(1, n, 2)))
     mine = evens if rank % 2 == 0 else odds
-    x = np.full(1 << 16, 1.0, np.float32)
+    x = xp.full(1 << 16, 1.0, xp.float32)
     work = dist.all_reduce(x, group=mine, async_op=True)
     assert work is not None
     work.wait()
@@ -191,14 +217,14 @@ CHECKS: dict[str, Check] = {
 }
 
 
-def collective_table(everyone: list[list[tuple[str, int, float, bool]]]) -> str:
+def collective_table(everyone: list[list[tuple[str, int, float, bool]]], backend: str) -> str:
     rows = [("collective", "elements", "max ms", "result")]
     for i, (name, elements, _, _) in enumerate(everyone[0]):
         slowest = max(r[i][2] for r in everyone)
         wrong = [rank for rank, r in enumerate(everyone) if not r[i][3]]
         verdict = "correct on every rank" if not wrong else f"WRONG on ranks {wrong}"
         rows.append((name, str(elements), f"{slowest:.1f}", verdict))
-    return _table(f"{len(everyone[0])} collectives on {len(everyone)} ranks:", rows)
+    return _table(f"{len(everyone[0])} collectives on {len(everyone)} ranks ({backend}):", rows)
 
 
 def summary(peers: list[Peer]) -> str:

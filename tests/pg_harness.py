@@ -95,9 +95,8 @@ def _child(scenario: Callable[..., Any], rank: int, world_size: int, backend: st
            env: Mapping[str, str], kwargs: Mapping[str, Any], conn: mpc.Connection) -> None:
     code = 0
     try:
-        if backend == "nccl":  # several ranks on one GPU: each process must look like its own host
-            for name, value in (("NCCL_HOSTID", f"rank{rank}"), ("NCCL_NET", "Socket"), ("NCCL_P2P_DISABLE", "1"),
-                                ("NCCL_SHM_DISABLE", "1"), ("NCCL_SOCKET_IFNAME", "lo"), ("NCCL_IB_DISABLE", "1")):
+        if backend == "nccl":  # every rank drives GPU 0: each process must look like its own host
+            for name, value in {"NCCL_HOSTID": f"rank{rank}", **backends.SAME_GPU_ENV}.items():
                 os.environ.setdefault(name, value)
         os.environ.update(env)
         try:

@@ -161,6 +161,7 @@ def test_bench_one_rank_inplace_only(tmp_path: Path) -> None:
     (["--op", "all_gather", "-o", "max"], "-o/--redop applies to all_reduce, reduce_scatter and reduce"),
     (["--nproc", "2", "--root", "2", "--op", "broadcast"], "--root 2 is not a rank of --nproc 2"),
     (["--timeout", "0"], "must be > 0 seconds"),
+    (["--graph"], "--graph captures CUDA graphs: it needs --backend nccl"),
 ])
 def test_bench_refuses_bad_arguments(argv: list[str], message: str, capsys: pytest.CaptureFixture[str],
                                      monkeypatch: pytest.MonkeyPatch) -> None:
@@ -251,6 +252,20 @@ def test_gpu_bench_one_rank(op: str, tmp_path: Path) -> None:
                    "--json", str(out), timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert all(r["wrong"] == 0 for r in json.loads(out.read_text())["results"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(backends.gpu_count() == 0, reason="needs a GPU")
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_gpu_bench_graph_replays(nproc: str, tmp_path: Path) -> None:
+    """--graph: the ops captured into a CUDA graph replay with correct results."""
+    out = tmp_path / "g.json"
+    proc = run_cli("bench", "--backend", "nccl", "--nproc", nproc, "--graph", "-b", "1K", "-e", "1M", "-f", "32",
+                   "-n", "10", "--check", "--json", str(out), timeout=280)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["results"]
+    assert rows and all(r["wrong"] == 0 and r["time_us"] > 0 for r in rows)
 
 
 @pytest.mark.gpu

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from nccl_pg import backends
+
 PRELUDE = '''\
 import os, pathlib, signal, subprocess, sys, time
 RANK = int(os.environ["RANK"])
@@ -385,11 +387,26 @@ def test_demo_with_four_ranks(tmp_path: Path, start) -> None:
     rows = [row.split() for row in table[2:6]]
     assert [(cells[0], cells[3]) for cells in rows] == [(str(r), str(pids[r])) for r in range(4)]
     collectives = table[6:]
-    assert collectives[0] == "10 collectives on 4 ranks:"
+    assert collectives[0] == "10 collectives on 4 ranks (host backend: no GPU here):"
     names = [row.split("  ")[0].strip() for row in collectives[2:]]
     assert names == ["all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all",
                      "gather+scatter", "send/recv", "objects", "subgroups async"]
     assert all(row.endswith("correct on every rank") for row in collectives[2:]), collectives
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(backends.gpu_count() == 0, reason="needs a GPU")
+@pytest.mark.timeout(240)
+def test_demo_runs_on_nccl_where_there_is_a_gpu(tmp_path: Path, start) -> None:
+    """The main job picks the NCCL backend (CuPy arrays) on a GPU machine;
+    two ranks share GPU 0 when there is one GPU."""
+    pytest.importorskip("cupy", reason="the demo runs on NCCL with CuPy arrays")
+    code, out, err = finish(start("--nproc", "2", "-m", "nccl_pg.demo"), timeout=220)
+    assert code == 0, err
+    lines = rank_lines(out)
+    for rank in (0, 1):
+        assert f"rank {rank}: 10/10 collectives correct on the nccl backend" in lines[rank], lines[rank]
+    assert any(line.startswith("10 collectives on 2 ranks (nccl backend: ") for line in lines[0])
 
 
 @pytest.mark.timeout(30)
