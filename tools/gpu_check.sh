@@ -63,6 +63,9 @@ run_bench() {  # checklist 2 (bench side): every op at world size 1, checked; ov
     done
     python3 -m nccl_pg.cli bench --backend nccl --op all_reduce -b 1K -e 1K -w 200 -n "$OH" --overhead --check \
         --json "$OUT/bench_overhead_1rank.json" || rc=1
+    # checklist 8: the same ops captured into a CUDA graph and replayed
+    python3 -m nccl_pg.cli bench --backend nccl --op all_reduce -b 1K -e 64M -f 8 -n 20 --graph --check \
+        --json "$OUT/bench_graph_1rank.json" || rc=1
     return $rc
 }
 run_multi() {  # checklist 3 (bench side): 2 ranks on the one GPU (NCCL_HOSTID + socket, set by bench itself)
