@@ -7,8 +7,19 @@ import sys
 from collections.abc import Callable, Iterator
 
 import pytest
+from pg_harness import nccl_unavailable_reason
 
 Spawn = Callable[..., subprocess.Popen]
+
+
+@pytest.fixture(autouse=True)
+def _skip_unavailable_nccl(request: pytest.FixtureRequest) -> None:
+    """A test parametrized with backend="nccl" skips, saying why, where it cannot run."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("backend") == "nccl":
+        reason = nccl_unavailable_reason()
+        if reason is not None:
+            pytest.skip(reason)
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from datetime import timedelta
 import ml_dtypes
 import numpy as np
 import pytest
-from pg_harness import Rank, free_port, nccl_unavailable_reason, run_world
+from pg_harness import Rank, free_port, run_world
 
 import nccl_pg as dist
 from nccl_pg import OpType, ProcessGroupHost, ProcessGroupNCCL, backends
@@ -33,15 +33,6 @@ TEN_MINUTES = timedelta(minutes=10)
 FP8_REDUCTION = "Float8 dtypes are not .*supported for NCCL reductions"
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(autouse=True)
-def _skip_unavailable_nccl(request: pytest.FixtureRequest) -> None:
-    callspec = getattr(request.node, "callspec", None)
-    if callspec is not None and callspec.params.get("backend") == "nccl":
-        reason = nccl_unavailable_reason()
-        if reason is not None:
-            pytest.skip(reason)
 
 
 def world(scenario, n, tmp_path, backend, env=None, **kwargs):

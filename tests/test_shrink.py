@@ -22,7 +22,7 @@ import time
 import numpy as np
 import pytest
 from host_harness import live_children
-from pg_harness import Rank, nccl_unavailable_reason, run_world
+from pg_harness import Rank, run_world
 
 import nccl_pg as dist
 from nccl_pg.comm.base import check_exclude
@@ -31,15 +31,6 @@ from nccl_pg.store import TCPStore
 BACKENDS = pytest.mark.parametrize("backend", ["host", pytest.param("nccl", marks=pytest.mark.gpu)])
 
 pytestmark = pytest.mark.timeout(90)
-
-
-@pytest.fixture(autouse=True)
-def _skip_unavailable_nccl(request: pytest.FixtureRequest) -> None:
-    callspec = getattr(request.node, "callspec", None)
-    if callspec is not None and callspec.params.get("backend") == "nccl":
-        reason = nccl_unavailable_reason()
-        if reason is not None:
-            pytest.skip(reason)
 
 
 def _sum_over(r: Rank, pg: dist.ProcessGroup | None = None) -> float:
