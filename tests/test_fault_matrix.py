@@ -30,6 +30,10 @@ collective, or for send/recv as the operation's peer); with modes 1 and 3 every 
 timeout + 1 s. Survivors then destroy the default group and exit 0 on their
 own; nothing is left running at the end of a cell.
 
+Under ``gpu``, {SIGKILL, exit 1, hang, skip} x {all_reduce, send/recv} run
+again with three ranks sharing GPU 0 over NCCL (CuPy arrays; a lost peer may
+surface as NCCL's own error or as the timeout naming rank 1).
+
 Worlds run ``CONCURRENCY`` at a time on a thread pool (a module fixture
 starts every selected cell in collection order); each test waits for its
 own cell's outcome, so a failure names its cell.
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -53,7 +58,9 @@ from typing import Any
 
 import pytest
 from host_harness import live_children
+from pg_harness import nccl_unavailable_reason
 
+from nccl_pg.backends import SAME_GPU_ENV
 from nccl_pg.store import TCPStore
 
 HOST = "127.0.0.1"
@@ -72,12 +79,15 @@ VICTIM_RC = {"kill": -signal.SIGKILL, "term": -signal.SIGTERM, "abort": -signal.
 
 CHILD = r'''
 import json, os, sys, time
-import numpy as np
 import nccl_pg as dist
 from nccl_pg.store import TCPStore
 
-port, rank, fault, op, mode, T = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]),
-                                  float(sys.argv[6]))
+port, rank, fault, op, mode, T, backend = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4],
+                                           int(sys.argv[5]), float(sys.argv[6]), sys.argv[7])
+if backend == "nccl":
+    import cupy as np  # every rank on GPU 0 (the parent set NCCL_HOSTID and the socket transport)
+else:
+    import numpy as np
 N, V = 3, 1
 store = TCPStore("127.0.0.1", port, timeout=60)
 
@@ -112,7 +122,8 @@ def run_op():
 
 # Start-up (3 interpreters per world, several worlds at once on 2 cores) may take longer than T:
 # build the communicator under a long timeout, then give the group its short one.
-dist.init_process_group("host", store=store, rank=rank, world_size=N, timeout=60)
+dist.init_process_group(backend, store=store, rank=rank, world_size=N, timeout=60,
+                        device_id=0 if backend == "nccl" else None)
 run_op()  # warm-up: the communicator and its connections exist, and the op works
 dist.distributed._set_pg_timeout(T)
 store.set(f"ready/{rank}", "1")
@@ -164,9 +175,11 @@ class Cell:
     op: str
     mode: int = 2
     blocking: bool = False  # NCCL_PG_BLOCKING_WAIT=1: wait() polls, and aborts the group when it raises
+    backend: str = "host"  # "nccl": three ranks on GPU 0
 
     def __str__(self) -> str:
-        return f"{self.fault}-{self.op}-mode{self.mode}" + ("-blocking" if self.blocking else "")
+        return (f"{self.fault}-{self.op}-mode{self.mode}" + ("-blocking" if self.blocking else "")
+                + ("-nccl" if self.backend == "nccl" else ""))
 
     @property
     def failing_op(self) -> int:
@@ -229,9 +242,11 @@ def run_world(cell: Cell, stop: threading.Event) -> Outcome:
     try:
         for r in range(N):
             logs[r] = open(os.path.join(tmp, f"rank{r}.log"), "w+")
+            rank_env = {**env, "NCCL_HOSTID": f"rank{r}", **SAME_GPU_ENV} if cell.backend == "nccl" else env
             procs[r] = subprocess.Popen(
                 [sys.executable, "-c", CHILD, str(store.port), str(r), cell.fault, cell.op, str(cell.mode),
-                 str(TIMEOUT)], stdin=subprocess.DEVNULL, stdout=logs[r], stderr=subprocess.STDOUT, env=env)
+                 str(TIMEOUT), cell.backend], stdin=subprocess.DEVNULL, stdout=logs[r], stderr=subprocess.STDOUT,
+                env=rank_env)
         wait_keys([f"ready/{r}" for r in range(N)], "warm-up")
         store.set("go", "1")
         keys = [f"in_op/{r}/{cell.failing_op}" for r in SURVIVORS]
@@ -316,6 +331,7 @@ class Matrix:
 def matrix(request: pytest.FixtureRequest) -> Iterator[Matrix]:
     cells = [item.callspec.params["cell"] for item in request.session.items
              if isinstance(getattr(item, "callspec", None) and item.callspec.params.get("cell"), Cell)]
+    cells = [c for c in cells if c.backend == "host" or nccl_unavailable_reason() is None]
     m = Matrix(cells)
     yield m
     m.close()
@@ -356,6 +372,8 @@ def check(o: Outcome) -> None:
             missing = "with ranks [1]: a peer did not post" if cell.op == "send_recv" else "ranks [1] never issued"
             assert "timeout" in err["msg"] and missing in err["msg"], o.describe()
             assert took >= TIMEOUT, o.describe()  # a timeout, not something earlier
+        elif cell.backend == "nccl":  # a lost peer may surface as a timeout naming it, or as NCCL's own error
+            assert re.search(r"ranks? \[?1\b", err["msg"]) or "NCCL" in err["msg"], o.describe()
         else:
             assert "rank 1" in err["msg"], o.describe()  # names the peer whose connection was lost
         assert res["destroy_s"] < TIMEOUT + SLACK, o.describe()
@@ -375,4 +393,19 @@ def test_fault_matrix(matrix: Matrix, cell: Cell) -> None:
 @pytest.mark.timeout(3 * WORLD_LIMIT + 10)
 @pytest.mark.parametrize("cell", MODES, ids=str)
 def test_error_handling_modes(matrix: Matrix, cell: Cell) -> None:
+    check(matrix.outcome(cell))
+
+
+NCCL_CELLS = [Cell(f, op, backend="nccl") for f in ("kill", "exit1", "hang", "skip") for op in ("all_reduce",
+                                                                                             "send_recv")]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(3 * WORLD_LIMIT + 10)
+@pytest.mark.parametrize("cell", NCCL_CELLS, ids=str)
+def test_fault_matrix_nccl(matrix: Matrix, cell: Cell) -> None:
+    """The same faults with three ranks sharing GPU 0 over NCCL."""
+    reason = nccl_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
     check(matrix.outcome(cell))
