@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..reduce_op import ReduceOp
+
+if TYPE_CHECKING:
+    from ..nan_check import NanScan
 
 
 class CommState(enum.Enum):
@@ -221,3 +224,12 @@ class Backend(ABC):
     def make_caller_wait(self, event: Event, device: Any = None) -> None:
         """Make the caller's current device stream wait for ``event`` (used
         when ``blocking_wait`` is False)."""
+
+    def find_nan(self, arrays: Sequence[Any], stream: Stream | None, trap: Callable[[int], str] | None,
+                 device: Any = None) -> NanScan:
+        """Scan flat ``arrays`` (of dtypes in ``nan_check.RULES``, complex as
+        two lanes) for the first NaN lane of their concatenation, after the
+        work enqueued so far on ``stream`` (None: the caller's stream, or the
+        calling thread). ``trap``: end the process on a NaN instead (with
+        ``trap(lane)`` as the last words where the backend can say them)."""
+        raise NotImplementedError(f"the {self.name} backend has no NaN check")
