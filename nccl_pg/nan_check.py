@@ -142,13 +142,16 @@ class Pending:
     def __init__(self, check: NanCheck, op_type: OpType, scan: NanScan, targets: list[_Target]) -> None:
         self._check, self._op_type, self._scan, self._targets = check, op_type, scan, targets
 
-    def error(self, seq: int) -> NanError | None:
+    def error(self, work_op: OpType, seq: int) -> NanError | None:
+        """The finding, for the Work ``work_op`` (``seq``): this operation or
+        the coalesced group it is part of."""
         lane = self._scan.first()
         self._scan.release(True)
         if lane is None:
             return None
+        within = "" if work_op is self._op_type else f" in {work_op.name}"
         return self._check.error(self._op_type, self._targets, lane, "the operation ran (NCCL_PG_NAN_CHECK=async)",
-                                 seq)
+                                 f"{within} (seq {seq})")
 
     def abandon(self) -> None:
         """The Work failed otherwise: its scan's result is not read."""
@@ -208,8 +211,8 @@ class NanCheck:
         return (f"process group {pg.uid} ({pg.group_desc!r}), rank {pg._global_rank_of(pg.rank())} "
                 f"(group rank {pg.rank()} of {pg.size()})")
 
-    def error(self, op_type: OpType, targets: list[_Target], lane: int, outcome: str,
-              seq: int | None = None) -> NanError:
+    def error(self, op_type: OpType, targets: list[_Target], lane: int, outcome: str, issued: str = "") -> NanError:
+        """``issued``: where the operation went, e.g. " (seq 3)"."""
         i, at = locate([t.flat.size * t.per for t in targets], lane)
         t = targets[i]
         element = at // t.per
@@ -218,8 +221,7 @@ class NanCheck:
             where = f", index {tuple(int(x) for x in np.unravel_index(element, t.shape))} of shape {t.shape}"
         part = "" if t.per == 1 else f" ({'real' if at % 2 == 0 else 'imaginary'} part)"
         pg = self._pg
-        op = op_type.name if seq is None else f"{op_type.name} (seq {seq})"
-        text = (f"NaN in the input of {op} on {self._where()}: {t.label} element {element}{part}"
+        text = (f"NaN in the input of {op_type.name}{issued} on {self._where()}: {t.label} element {element}{part}"
                 f"{where} ({t.flat.size} x {np.dtype(pg._backend.dtype(t.flat)).name}); {outcome}")
         return NanError(text, rank=pg._global_rank_of(pg.rank()), group=pg.uid, group_desc=pg.group_desc,
                         op=op_type.name, input=t.label, index=element)

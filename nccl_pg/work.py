@@ -169,7 +169,7 @@ class Work:
         with self._lock:
             if self._nan is not None:
                 pending, self._nan = self._nan, None
-                found = [p.error(self._seq) for p in pending]
+                found = [p.error(self.op_type, self._seq) for p in pending]
                 self._nan_found = next((e for e in found if e is not None), None)
             return self._nan_found
 
