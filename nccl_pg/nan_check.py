@@ -56,8 +56,9 @@ RULES: dict[str, Rule] = {
     "float8_e4m3fn": Rule("nan_check_e4m3", np.uint8, 0x7F, 0x7E),  # only S.1111.111 is NaN
     "float8_e5m2": Rule("nan_check_e5m2", np.uint8, 0x7F, 0x7C),
 }
-# Lanes scanned per numpy step: small enough to stay in cache, large enough to amortise the call.
-_CHUNK = 1 << 16
+# Lanes scanned per numpy step: the temporary stays in L2, and per-call costs are amortised (2**20 was the
+# fastest of 2**16..2**22 on the benchmark machine, docs/BENCHMARKS.md).
+_CHUNK = 1 << 20
 
 
 def lane_dtype(dtype: np.dtype) -> tuple[np.dtype, int] | None:
