@@ -63,8 +63,9 @@ class _Device:
             major = check_cuda(rt.cudaDeviceGetAttribute(attr.cudaDevAttrComputeCapabilityMajor, device), "attr")
             minor = check_cuda(rt.cudaDeviceGetAttribute(attr.cudaDevAttrComputeCapabilityMinor, device), "attr")
             sms = check_cuda(rt.cudaDeviceGetAttribute(attr.cudaDevAttrMultiProcessorCount, device), "attr")
-            image = kernels.image(kernels.NAN_CHECK, kernels.arch_for(int(major) * 10 + int(minor)))
-            self._module = check_cuda(drv.cuModuleLoadData(image), "cuModuleLoadData")
+            image = np.frombuffer(kernels.image(kernels.NAN_CHECK, kernels.arch_for(int(major) * 10 + int(minor))),
+                                  np.uint8)  # PTX comes NUL-terminated from NVRTC
+            self._module = check_cuda(drv.cuModuleLoadData(image.ctypes.data), "cuModuleLoadData")
             self._functions: dict[str, Any] = {}
             self._grid: dict[str, int] = {}  # blocks that fill the GPU: SMs x resident blocks per SM
             for rule in RULES.values():
@@ -77,14 +78,19 @@ class _Device:
         self._lock = threading.Lock()
         self._free: list[_Slot] = []
         self._chunks: list[tuple[int, int]] = []  # (device, host) allocations, kept for the process's life
+        self.trap_slot = self.take()  # shared by every trap-mode scan: written, never read
 
     def take(self) -> _Slot:
         with self._lock:
             if not self._free:
                 rt = cudart()
                 nbytes = 8 * _SLOTS_PER_CHUNK
-                dev = int(check_cuda(rt.cudaMalloc(nbytes), "cudaMalloc"))
-                host = int(check_cuda(rt.cudaHostAlloc(nbytes, rt.cudaHostAllocDefault), "cudaHostAlloc"))
+                prev = _device_guard(self.device)
+                try:
+                    dev = int(check_cuda(rt.cudaMalloc(nbytes), "cudaMalloc"))
+                    host = int(check_cuda(rt.cudaHostAlloc(nbytes, rt.cudaHostAllocDefault), "cudaHostAlloc"))
+                finally:
+                    _restore(prev)
                 self._chunks.append((dev, host))
                 self._free.extend(_Slot(dev + 8 * i, host + 8 * i) for i in range(_SLOTS_PER_CHUNK))
             return self._free.pop()
@@ -116,20 +122,22 @@ def _device(index: int) -> _Device:
 
 
 class CudaNanScan:
-    def __init__(self, device: _Device, slot: _Slot, done: CudaEvent | None) -> None:
+    """``slot`` None: a trap-mode scan (nothing to read or give back)."""
+
+    def __init__(self, device: _Device, slot: _Slot | None, done: CudaEvent | None) -> None:
         self._device, self._slot, self._done = device, slot, done
 
     def wait(self, timeout: float) -> bool:
         return True if self._done is None else self._done.synchronize(timeout)
 
     def first(self) -> int | None:
-        value = self._slot.read()
+        value = _NONE if self._slot is None else self._slot.read()
         return None if value == _NONE else value
 
     def release(self, finished: bool) -> None:
         if finished and self._slot is not None:
             self._device.give(self._slot)
-        self._slot = None  # type: ignore[assignment]
+        self._slot = None
 
 
 def find_nan(arrays: Sequence[DeviceArray], stream: Stream | None, trap: Callable[[int], str] | None) -> CudaNanScan:
@@ -139,16 +147,21 @@ def find_nan(arrays: Sequence[DeviceArray], stream: Stream | None, trap: Callabl
     dev = _device(index)
     rt = cudart()
     handle = caller_stream(index) if stream is None else stream.handle  # type: ignore[attr-defined]
-    slot = dev.take()
+    slot = dev.trap_slot if trap is not None else dev.take()
     prev = _device_guard(index)
     try:
-        check_cuda(rt.cudaMemsetAsync(slot.dev, 0xFF, 8, handle), "cudaMemsetAsync")
+        if trap is None:
+            check_cuda(rt.cudaMemsetAsync(slot.dev, 0xFF, 8, handle), "cudaMemsetAsync")
         base = 0
         for a in arrays:
             lane, per = lane_dtype(a.dtype) or (a.dtype, 1)
             lanes = a.size * per
             dev.launch(RULES[lane.name], a, lanes, slot, base, trap is not None, handle)
             base += lanes
+        if trap is not None:  # the process ends on a NaN: there is no result to read
+            assert isinstance(stream, CudaStream)
+            stream.keep(*(a.owner for a in arrays))
+            return CudaNanScan(dev, None, None)
         check_cuda(rt.cudaMemcpyAsync(slot.host, slot.dev, 8, _D2H, handle), "cudaMemcpyAsync")
         done = None
         if stream is None:
