@@ -138,6 +138,7 @@ class ProcessGroup:
         self._coalesced_entries: list[Entry | None] = []
         self._coalesced_peers: list[int | None] = []  # per op in a coalescing group: its p2p peer, None: a collective
         self._coalesced_nan: list[Pending] = []
+        self._prechecked = False  # raise mode: the open coalescing group's inputs were all checked up front
         self._timing_out: set[Work] = set()
         self._error_handled = False
         self._hooks: list[Callable[[WorkInfo], None]] = []
@@ -425,7 +426,8 @@ class ProcessGroup:
         comm, stream = self._ready()
         self._backend.wait_for_caller(stream, self._device)
         # Before anything is numbered or enqueued: in raise mode a NaN leaves no trace of the operation.
-        nan = self._nan.check(op_type, check, stream) if check and self._nan is not None else None
+        nan = self._nan.check(op_type, check, stream) if check and self._nan is not None and not self._prechecked \
+            else None
         self._op_id += 1
         if self._coalescing is not None:
             if nan is not None:
@@ -476,7 +478,7 @@ class ProcessGroup:
             raise RuntimeError("coalescing already started on this group")
         self._coalescing, self._coalesced_outputs, self._coalesced_entries = [], [], []
         self._coalesced_peers = []  # the group is numbered at its end, once its kind is known
-        self._coalesced_nan = []
+        self._coalesced_nan, self._prechecked = [], False
         self._coalesce_start = stream.record(comm.new_event(timing=True)) if self._timing else None
         comm.group_start()
 
@@ -484,7 +486,7 @@ class ProcessGroup:
         if self._coalescing is None:
             raise RuntimeError("_end_coalescing() without _start_coalescing()")
         comm, stream = self._ready()
-        copies, self._coalescing = self._coalescing, None
+        copies, self._coalescing, self._prechecked = self._coalescing, None, False
         try:
             comm.group_end()
         finally:
@@ -572,16 +574,12 @@ class ProcessGroup:
         flats = [self._flat(t, f"all_reduce_coalesced tensors[{i}]") for i, t in enumerate(tensors)]
         self._same_dtype(flats, "all_reduce_coalesced")
         rop, scale = resolve(op)
-        checked = self._nan and [(f"tensors[{i}]", t) for i, t in enumerate(tensors)]
-        if checked and self._nan is not None and self._nan.mode == "raise":
-            # All before the group starts: a NaN in a later tensor must not leave the earlier ones issued.
-            self._nan.check(OpType.ALLREDUCE_COALESCED, checked, self._ready()[1])
-            checked = None
         self._start_coalescing()
         try:
-            for i, f in enumerate(flats):
+            self._check_up_front(OpType.ALLREDUCE_COALESCED, [(f"tensors[{i}]", t) for i, t in enumerate(tensors)])
+            for i, (f, t) in enumerate(zip(flats, tensors, strict=True)):
                 self._issue(OpType.ALLREDUCE, [], lambda c, s, f=f: c.all_reduce(f, f, rop, s, scale),
-                            check=checked and checked[i:i + 1])
+                            check=self._nan and [(f"tensors[{i}]", t)])
             self._coalesced_outputs = list(tensors)
         except BaseException:
             self._abandon_coalescing()
@@ -592,8 +590,20 @@ class ProcessGroup:
         """Close a coalescing group that failed while being built (argument
         errors are raised before anything is enqueued)."""
         if self._coalescing is not None and self._comm is not None:
-            self._coalescing = None
+            self._coalescing, self._prechecked = None, False
+            for pending in self._coalesced_nan:
+                pending.abandon()
+            self._coalesced_nan = []
             self._comm.group_end()
+
+    def _check_up_front(self, op_type: OpType, items: Checked) -> None:
+        """Raise mode, in a coalescing group before its operations are
+        issued: check all their inputs now, since a NaN found in a later one
+        could not take back the earlier ones; the operations then skip their
+        own checks."""
+        if self._nan is not None and self._nan.mode == "raise" and self._coalescing is not None:
+            self._nan.check(op_type, items, self._ready()[1])
+            self._prechecked = True
 
     def broadcast(self, tensor: Any, root: int = 0) -> Work | None:
         t = self._moved(self._flat(_one(tensor), "broadcast tensor"))

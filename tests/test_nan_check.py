@@ -407,6 +407,25 @@ def test_list_inputs_dtypes_and_coalesced_in_raise_mode(monkeypatch: pytest.Monk
     assert texts[5] == "1"  # only the clean coalesced all_reduce was issued
 
 
+def _batch_raise(rank: int, world: int) -> list[float]:
+    dist.barrier()
+    if rank == 0:
+        ops = [dist.P2POp(dist.isend, np.full(2, 7.0, np.float32), 1),
+               dist.P2POp(dist.isend, np.array([1.0, np.nan], np.float32), 1)]
+        with pytest.raises(NanError, match=r"SEND .*p2p_op_list\[1\]\.tensor element 1"):
+            dist.batch_isend_irecv(ops)
+        dist.send(np.full(2, 3.0, np.float32), 1)
+        return []
+    buf = np.zeros(2, np.float32)
+    dist.recv(buf, 0)  # a send of the failed batch, had it been issued, would arrive here first
+    return buf.tolist()
+
+
+def test_batch_isend_irecv_raise_issues_none_of_the_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NCCL_PG_NAN_CHECK", "raise")
+    assert run_threads(_batch_raise, 2, timeout=30) == [[], [3.0, 3.0]]
+
+
 def _coalesced_async(rank: int, world: int) -> str:
     pg = dist._get_default_group()
     work = pg.allreduce_coalesced([np.ones(2, np.float32), np.array([np.nan], np.float32)])
