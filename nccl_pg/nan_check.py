@@ -21,6 +21,7 @@ concatenation; ``locate`` maps it back to (array, element).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -176,7 +177,9 @@ class NanCheck:
     def __init__(self, pg: ProcessGroup, mode: str) -> None:
         if mode not in env.NAN_CHECK_MODES[1:]:
             raise ValueError(f"NaN check mode must be one of {env.NAN_CHECK_MODES[1:]}, got {mode!r}")
-        self._pg, self.mode = pg, mode
+        # A proxy: the group holds this object, and a reference back would keep a dropped group alive until the
+        # cyclic garbage collector runs (its __del__ frees the communicator).
+        self._pg, self.mode = weakref.proxy(pg), mode
 
     def check(self, op_type: OpType, items: Sequence[tuple[str, Any]], stream: Stream) -> Pending | None:
         """Check ``items`` ((label, array) pairs) as the mode says: raise now,

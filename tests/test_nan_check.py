@@ -440,6 +440,28 @@ def test_coalesced_async(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "ALLREDUCE in ALLREDUCE_COALESCED (seq 1)" in text and "tensors[1] element 0" in text
 
 
+def test_a_dropped_group_with_a_check_is_freed_at_once() -> None:
+    """The check must not tie the group into a reference cycle (its __del__ frees the communicator)."""
+    import gc
+    import time
+    import weakref
+
+    from nccl_pg.process_group import ProcessGroup
+
+    pg = ProcessGroup(dist.HashStore(), 0, 1, Options(nan_check="async"))
+    pg.allreduce(np.ones(4, np.float32)).wait()
+    ref = weakref.ref(pg)
+    gc.disable()
+    try:
+        del pg
+        deadline = time.monotonic() + 5
+        while ref() is not None and time.monotonic() < deadline:  # the watchdog drops its last Work soon
+            time.sleep(0.05)
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
 TRAP = textwrap.dedent("""
     import numpy as np, nccl_pg as dist
     dist.init_process_group("host", store=dist.HashStore(), rank=0, world_size=1)
