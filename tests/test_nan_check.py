@@ -118,6 +118,73 @@ def test_compile_error_shows_the_log(tmp_path: Path, monkeypatch: pytest.MonkeyP
         kernels.compile_source(kernels.NAN_CHECK, "sm_1")
 
 
+# ================================ the kernels' source, emulated on the CPU =====================
+
+EMULATED = ["nan_check_f16", "nan_check_bf16", "nan_check_f32", "nan_check_f64", "nan_check_e4m3", "nan_check_e5m2"]
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory: pytest.TempPathFactory):
+    """kernels/nan_check.cu compiled for the CPU by g++ (tests/nan_kernel_emulation.cpp)."""
+    import ctypes
+    import shutil
+
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++ to emulate the kernels on the CPU")
+    lib = tmp_path_factory.mktemp("emu") / "nan_emu.so"
+    source = kernels.source_path(kernels.NAN_CHECK)
+    subprocess.run(["g++", "-O1", "-std=c++17", "-shared", "-fPIC", "-Wall", "-Werror", "-Wno-unknown-pragmas",
+                    f'-DKERNEL_SOURCE="{source}"', str(Path(__file__).with_name("nan_kernel_emulation.cpp")),
+                    "-o", str(lib)], check=True, capture_output=True, timeout=120)
+    dll = ctypes.CDLL(str(lib))
+    dll.run.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64),
+                        ctypes.c_uint64, ctypes.c_int, ctypes.c_uint, ctypes.c_uint]
+    return dll
+
+
+def _emulate(dll, name: str, raw: np.ndarray, offset: int, n: int, grid: int, block: int, base: int = 0) -> int | None:
+    import ctypes
+
+    first = ctypes.c_uint64(2**64 - 1)
+    flags = dll.run(EMULATED.index(RULES[name].kernel), raw.ctypes.data + offset, n, ctypes.byref(first), base,
+                    0, grid, block)
+    assert flags == 0, "misaligned 16-byte load" if flags & 2 else "trapped without trap mode"
+    return None if first.value == 2**64 - 1 else first.value
+
+
+@pytest.mark.parametrize("name", list(RULES))
+def test_kernel_source_head_body_tail_and_indices(emulated, name: str) -> None:
+    """Every start alignment (element-misaligned too), sizes around the 16-byte vectors, grids of one
+    and of several blocks; NaNs planted just outside the range must not be seen."""
+    size_of = dtype(name).itemsize
+    nan = np.frombuffer(np.array(RULES[name].mask, RULES[name].bits).tobytes(), np.uint8)  # all payload bits set
+    rng = random.Random(7)
+    for n in (1, 2, 3, 7, 15, 16, 17, 33, 64, 255, 1000, 4099):
+        for offset in sorted({0, size_of, 3 * size_of, 8, 13 * size_of, 1}):
+            raw = np.zeros(48 + offset + (n + 1) * size_of, np.uint8)
+            start = 16 + (-raw.ctypes.data) % 16 + offset  # ``offset`` bytes past a 16-byte boundary
+            for at in (None, 0, n - 1, rng.randrange(n)):
+                raw[:] = 0
+                for byte in (start - size_of, start + n * size_of):  # NaNs just outside: must not be read
+                    raw[byte:byte + size_of] = nan
+                if at is not None:
+                    raw[start + at * size_of:start + (at + 1) * size_of] = nan
+                for grid, block in ((1, 32), (3, 32), (2, 256)):
+                    got = _emulate(emulated, name, raw, start, n, grid, block, base=1000)
+                    want = None if at is None else 1000 + at
+                    assert got == want, (name, n, offset, at, grid, block, got)
+
+
+def test_kernel_source_first_of_several_and_trap(emulated) -> None:
+    import ctypes
+
+    a = np.zeros(4096, np.float32)
+    a[[3000, 1234, 4000]] = np.nan
+    assert _emulate(emulated, "float32", a.view(np.uint8), 0, a.size, 4, 64) == 1234
+    first = ctypes.c_uint64(2**64 - 1)
+    assert emulated.run(EMULATED.index("nan_check_f32"), a.ctypes.data, a.size, ctypes.byref(first), 0, 1, 4, 64) == 1
+
+
 # ================================ numpy scan ===================================================
 
 def test_rules_exhaustive_for_8_and_16_bit_dtypes() -> None:
