@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from . import env
-from .errors import NanError
+from .errors import DistBackendError, NanError
 
 if TYPE_CHECKING:
     from .comm.base import Stream
@@ -200,7 +200,7 @@ class NanCheck:
             lane = scan.first() if finished else None
             scan.release(finished)
             if not finished:
-                raise NanError(f"timeout: the NaN check of {op_type.name}'s inputs on {self._where()} did not "
+                raise DistBackendError(f"timeout: the NaN check of {op_type.name}'s inputs on {self._where()} did not "
                                f"finish within {pg._timeout:.1f} s")
             if lane is not None:
                 raise self.error(op_type, targets, lane, "the operation was not issued (NCCL_PG_NAN_CHECK=raise)")
