@@ -17,6 +17,7 @@ import logging
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from . import env
 
@@ -37,7 +38,7 @@ def source_path(name: str) -> Path:
     raise FileNotFoundError(f"CUDA source {name} not found in {here / '_kernels'} or {here.parent / 'kernels'}")
 
 
-def _nvrtc():  # noqa: ANN202 - a module
+def _nvrtc() -> Any:
     from cuda.bindings import nvrtc  # noqa: PLC0415 - lazy by design
 
     return nvrtc
