@@ -24,7 +24,7 @@ from .process_group import DEFAULT_TIMEOUT, SHRINK_ABORT, SHRINK_DEFAULT, Option
 from .reduce_op import ReduceOp
 from .rendezvous import rendezvous
 from .store import PrefixStore, Store
-from .work import Work
+from .work import OpType, Work
 
 log = logging.getLogger(__name__)
 
@@ -544,6 +544,10 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
     if len(groups) != 1:
         raise ValueError("batch_isend_irecv: all operations must use the same group")
     with _coalescing_manager(p2p_op_list[0].group, async_ops=True) as cm:
+        pg = p2p_op_list[0].group or _get_default_group()
+        if isinstance(pg, ProcessGroup):  # NCCL_PG_NAN_CHECK=raise: every send checked before any is issued
+            pg._check_up_front(OpType.SEND, [(f"p2p_op_list[{i}].tensor", p.tensor)
+                                             for i, p in enumerate(p2p_op_list) if p.op is isend])
         for p in p2p_op_list:
             if p.op is isend:
                 isend(p.tensor, p.peer, p.group, p.tag, group_dst=p.group_peer)

@@ -224,7 +224,7 @@ class Doctor:
     def kernels(self) -> tuple[str, str]:
         sources = _kernel_sources()
         if not sources:
-            raise _Skip("no .cu sources in kernels/ yet (the NaN-check kernels come with issue 8)")
+            raise _Skip("no .cu sources found (neither nccl_pg/_kernels/ nor the checkout's kernels/)")
         if not self.nvrtc_ok:
             if not self.gpus:
                 raise _Skip(f"{len(sources)} source(s) in kernels/, not compiled: no NVRTC here (see the nvrtc probe)")
@@ -343,9 +343,9 @@ def _check(err: Any, what: str) -> None:
 
 
 def _kernel_sources() -> list[Path]:
-    """The .cu files of kernels/ (the repo's top level, or installed in the package)."""
+    """The .cu files of kernels/ (installed in the package as _kernels, or the checkout's top level)."""
     here = Path(__file__).resolve().parent
-    for d in (here / "kernels", here.parent / "kernels"):
+    for d in (here / "_kernels", here.parent / "kernels"):
         if d.is_dir():
             found = sorted(d.glob("*.cu"))
             if found:

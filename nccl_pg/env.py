@@ -159,6 +159,33 @@ DUMP_FILE: Var[str] = Var(
     "Path prefix of debug dumps; the rank number is appended.",
     aliases=("TORCH_NCCL_DEBUG_INFO_TEMP_FILE",))
 
+# --- NaN checks ------------------------------------------------------------------
+NAN_CHECK_MODES = ("off", "raise", "async", "trap")
+
+
+def parse_nan_check(raw: str) -> str:
+    """A mode name, or a boolean: true means ``raise`` (torch's ``TORCH_NCCL_NAN_CHECK=1`` traps; ``trap``
+    asks for that)."""
+    low = raw.lower()
+    if low in NAN_CHECK_MODES:
+        return low
+    try:
+        return "raise" if parse_bool(low) else "off"
+    except ValueError:
+        raise ValueError(f"expected one of {', '.join(NAN_CHECK_MODES)} (or 1/0)") from None
+
+
+NAN_CHECK: Var[str] = Var(
+    "NCCL_PG_NAN_CHECK", parse_nan_check, "off",
+    "Check the inputs of collectives and sends for NaN: off; raise (before issuing: NanError naming rank, "
+    "group, op, input and element); async (on the stream: the Work fails with NanError); trap (end the "
+    "process, as torch). 1 means raise.",
+    aliases=("TORCH_NCCL_NAN_CHECK",))
+KERNEL_CACHE: Var[str | None] = Var(
+    "NCCL_PG_KERNEL_CACHE", parse_str, None,
+    "Folder of the compiled CUDA kernels (NVRTC images keyed by source hash, architecture and NVRTC "
+    "version); default $XDG_CACHE_HOME/nccl_pg/kernels, else ~/.cache/nccl_pg/kernels.")
+
 TRACE_BUFFER_SIZE: Var[int] = Var(
     "NCCL_PG_TRACE_BUFFER_SIZE", parse_int(0, 10**7), 2000,
     "Entries in the flight recorder's ring buffer (one per operation); 0 turns the recorder off.",
@@ -170,7 +197,7 @@ TRACE_STACKS: Var[bool] = Var(
 ALL: tuple[Var, ...] = (STORE_SECRET, STORE_TIMEOUT, STORE_MAX_VALUE_SIZE, USE_AGENT_STORE, HOST_ADDR,
                         HOST_BROADCAST, USE_COMM_NONBLOCKING, ENABLE_TIMING, WATCHDOG_INTERVAL, DEBUG,
                         ASYNC_ERROR_HANDLING, BLOCKING_WAIT, HEARTBEAT_TIMEOUT, ENABLE_MONITORING,
-                        DUMP_ON_TIMEOUT, DUMP_FILE, TRACE_BUFFER_SIZE, TRACE_STACKS)
+                        DUMP_ON_TIMEOUT, DUMP_FILE, NAN_CHECK, KERNEL_CACHE, TRACE_BUFFER_SIZE, TRACE_STACKS)
 
 
 def validate_all(environ: Mapping[str, str] | None = None) -> None:

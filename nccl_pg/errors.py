@@ -21,4 +21,15 @@ class DistNetworkError(DistError):
 
 
 class NanError(DistError):
-    """A NaN was found in the input of a collective."""
+    """A NaN was found in the input of a collective or send
+    (``NCCL_PG_NAN_CHECK``). Besides the message, it says where: the global
+    ``rank``, the ``group`` (uid) and its ``group_desc``, the operation ``op``,
+    the ``input`` (argument name, with the list index for lists) and the
+    ``index`` of the first NaN element in that array (flat, C order)."""
+
+    def __init__(self, message: str, *, rank: int | None = None, group: int | None = None,
+                 group_desc: str | None = None, op: str | None = None, input: str | None = None,
+                 index: int | None = None) -> None:
+        super().__init__(message)
+        self.rank, self.group, self.group_desc = rank, group, group_desc
+        self.op, self.input, self.index = op, input, index

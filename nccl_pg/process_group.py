@@ -23,11 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from . import env, flight_recorder, progress, watchdog
+from . import env, flight_recorder, nan_check, progress, watchdog
 from .backends import get_backend
 from .comm.base import Backend, CommConfig, CommState, Communicator, Stream, check_exclude
-from .errors import DistBackendError
+from .errors import DistBackendError, NanError
 from .flight_recorder import Entry
+from .nan_check import NanCheck, Pending
 from .reduce_op import PremulSum, ReduceOp, resolve
 from .store import PrefixStore, Store
 from .work import OpType, Work, WorkInfo
@@ -54,6 +55,7 @@ _PROFILING_NAME = {
     OpType.SEND: "nccl:send", OpType.RECV: "nccl:recv",
 }
 Enqueue = Callable[[Communicator, Stream], None]
+Checked = Sequence[tuple[str, Any]]  # (argument name, array) pairs a NaN check scans
 
 
 def seconds(timeout: timedelta | float | int) -> float:
@@ -80,11 +82,14 @@ class NCCLConfig:
 
 @dataclass
 class Options:
-    """Per-group options (``ProcessGroupNCCL.Options`` in torch)."""
+    """Per-group options (``ProcessGroupNCCL.Options`` in torch).
+    ``nan_check``: this group's NaN check mode (off, raise, async, trap);
+    None: from ``NCCL_PG_NAN_CHECK``."""
 
     timeout: float = DEFAULT_TIMEOUT.total_seconds()
     is_high_priority_stream: bool = False
     config: NCCLConfig = field(default_factory=NCCLConfig)
+    nan_check: str | None = None
 
     @property
     def _timeout(self) -> timedelta:
@@ -135,6 +140,8 @@ class ProcessGroup:
         self._recorder = flight_recorder.get()
         self._coalesced_entries: list[Entry | None] = []
         self._coalesced_peers: list[int | None] = []  # per op in a coalescing group: its p2p peer, None: a collective
+        self._coalesced_nan: list[Pending] = []
+        self._prechecked = False  # raise mode: the open coalescing group's inputs were all checked up front
         self._timing_out: set[Work] = set()
         self._error_handled = False
         self._hooks: list[Callable[[WorkInfo], None]] = []
@@ -146,6 +153,8 @@ class ProcessGroup:
         self._close_reason: str | None = None  # the failure that aborted it (error handling, blocking wait)
         self._nonblocking = (self.options.config.blocking is False) or (
             self.options.config.blocking is None and env.USE_COMM_NONBLOCKING.get())
+        self._nan: NanCheck | None = None
+        self.set_nan_check(self.options.nan_check)
         watchdog.get().watch_group(self)
 
     def __repr__(self) -> str:
@@ -178,6 +187,17 @@ class ProcessGroup:
 
     def _set_blocking_wait(self, on: bool) -> None:
         self._blocking_wait = on
+
+    def set_nan_check(self, mode: str | None) -> None:
+        """NaN check mode of the operations issued from now on: off, raise,
+        async or trap (see docs/NAN_CHECK.md); None: ``NCCL_PG_NAN_CHECK``."""
+        resolved = nan_check.resolve_mode(mode)
+        self.options.nan_check = mode
+        self._nan = None if resolved == "off" else NanCheck(self, resolved)
+
+    @property
+    def nan_check(self) -> str:
+        return "off" if self._nan is None else self._nan.mode
 
     def _global_rank_of(self, group_rank: int) -> int:
         return group_rank if self._global_ranks is None else self._global_ranks[group_rank]
@@ -342,15 +362,18 @@ class ProcessGroup:
         self._timing = True
 
     def _work_finished(self, work: Work, error: BaseException | None) -> None:
+        # A NaN found by the async check fails the Work but is no communication failure: the operation ran,
+        # and the group stays usable (no error handling, no abort).
+        ran = error is None or isinstance(error, NanError)
         with self._lock:
             self._pending.discard(work)
             self._timing_out.discard(work)
-            if error is None and not work._p2p:
+            if ran and not work._p2p:
                 self._completed_seq = max(self._completed_seq, work.seq)
         if self._hooks:
             hooks = list(self._hooks)
             watchdog.get().call_soon(self, lambda: [h(work._info()) for h in hooks])
-        if error is not None:
+        if not ran:
             self._handle_error(error)
 
     # --- failures -----------------------------------------------------------------------
@@ -461,14 +484,17 @@ class ProcessGroup:
 
     def _issue(self, op_type: OpType, outputs: list[Any], enqueue: Enqueue,
                after: Callable[[Stream], None] | None = None, inputs: list[Any] | None = None,
-               name: str | None = None, peer: int | None = None) -> Work | None:
+               name: str | None = None, peer: int | None = None, check: Checked | None = None) -> Work | None:
         """Enqueue one operation; ``after`` enqueues copy-outs behind it.
         ``inputs`` (default: ``outputs``, in place) and ``name`` are for the
-        flight recorder; ``peer`` (group rank) makes it a send or recv."""
+        flight recorder; ``peer`` (group rank) makes it a send or recv.
+        ``check``: the arrays the NaN check scans; callers pass
+        ``self._nan and [...]``, so that no list is built when it is off."""
         p2p = peer is not None
         comm, stream = self._ready()
         self._backend.wait_for_caller(stream, self._device)
-        if stream.capturing:  # into a CUDA graph: it runs at each replay, unnumbered, unrecorded, unwatched
+        if stream.capturing:  # into a CUDA graph: it runs at each replay, unnumbered, unrecorded, unwatched,
+            # and unchecked for NaNs (a check's result could only be read at a replay)
             enqueue(comm, stream)
             if self._coalescing is not None:
                 self._coalesced_outputs.extend(outputs)
@@ -478,8 +504,13 @@ class ProcessGroup:
             if after is not None:
                 after(stream)
             return Work.captured(self, op_type, outputs, stream.record(), (peer,) if p2p else None)
+        # Before anything is numbered or enqueued: in raise mode a NaN leaves no trace of the operation.
+        nan = self._nan.check(op_type, check, stream) if check and self._nan is not None and not self._prechecked \
+            else None
         self._op_id += 1
         if self._coalescing is not None:
+            if nan is not None:
+                self._coalesced_nan.append(nan)
             enqueue(comm, stream)
             self._coalesced_outputs.extend(outputs)
             self._coalesced_entries.append(self._record(op_type, inputs, outputs, p2p, name))
@@ -497,7 +528,7 @@ class ProcessGroup:
         if after is not None:
             after(stream)
         return self._watch(op_type, self._seq_p2p if p2p else self._seq, outputs, start, stream, [entry],
-                           (peer,) if p2p else None)
+                           (peer,) if p2p else None, [nan] if nan is not None else None)
 
     def _record(self, op_type: OpType, inputs: list[Any] | None, outputs: list[Any], p2p: bool,
                 name: str | None) -> Entry | None:
@@ -505,10 +536,12 @@ class ProcessGroup:
                                      outputs if inputs is None else inputs, outputs, p2p)
 
     def _watch(self, op_type: OpType, seq: int, outputs: list[Any], start: Any, stream: Stream,
-               entries: list[Entry | None], peers: tuple[int, ...] | None = None) -> Work:
-        """``peers``: None for a collective, else the p2p operation's peers."""
+               entries: list[Entry | None], peers: tuple[int, ...] | None = None,
+               nan: list[Pending] | None = None) -> Work:
+        """``peers``: None for a collective, else the p2p operation's peers;
+        ``nan``: async NaN checks the Work reports."""
         work = Work(self, op_type, seq, outputs, stream.record(), start, self._timeout,
-                    [e for e in entries if e is not None], peers)
+                    [e for e in entries if e is not None], peers, nan)
         with self._lock:
             self._pending.add(work)
         watchdog.get().watch(work)
@@ -524,6 +557,7 @@ class ProcessGroup:
             raise RuntimeError("coalescing already started on this group")
         self._coalescing, self._coalesced_outputs, self._coalesced_entries = [], [], []
         self._coalesced_peers = []  # the group is numbered at its end, once its kind is known
+        self._coalesced_nan, self._prechecked = [], False
         self._coalesce_start = stream.record(comm.new_event(timing=True)) if self._timing and not \
             stream.capturing else None
         comm.group_start()
@@ -532,7 +566,7 @@ class ProcessGroup:
         if self._coalescing is None:
             raise RuntimeError("_end_coalescing() without _start_coalescing()")
         comm, stream = self._ready()
-        copies, self._coalescing = self._coalescing, None
+        copies, self._coalescing, self._prechecked = self._coalescing, None, False
         try:
             comm.group_end()
         finally:
@@ -552,9 +586,10 @@ class ProcessGroup:
         for e in parts:
             e.collective_seq_id, e.p2p_seq_id = self._seq, self._seq_p2p
         whole = self._recorder.record_coalesced(self, parts, self._seq, self._seq_p2p, self._op_id, p2p)
+        nan, self._coalesced_nan = self._coalesced_nan, []
         return self._watch(op_type, self._seq_p2p if p2p else self._seq, self._coalesced_outputs,
                            self._coalesce_start, stream, [*parts, whole],
-                           tuple(sorted({k for k in kinds if k is not None})) if p2p else None)
+                           tuple(sorted({k for k in kinds if k is not None})) if p2p else None, nan or None)
 
     # --- argument helpers -------------------------------------------------------------------
 
@@ -599,7 +634,9 @@ class ProcessGroup:
         return tmp, copy_out
 
     def _packed(self, ins: list[Any], like: Any, stream: Stream) -> Any:
-        """``ins`` copied (on ``stream``) into one flat buffer."""
+        """``ins`` copied (on ``stream``) into one flat buffer, once the
+        caller's work writing them has run."""
+        self._backend.wait_for_caller(stream, self._device)
         tmp = self._backend.empty(sum(i.size for i in ins), like.dtype, self._device)
         at = 0
         for i in ins:
@@ -612,7 +649,8 @@ class ProcessGroup:
     def allreduce(self, tensor: Any, op: Op = ReduceOp.SUM) -> Work | None:
         t = self._flat(_one(tensor), "all_reduce tensor")
         rop, scale = resolve(op)
-        return self._issue(OpType.ALLREDUCE, [tensor], lambda c, s: c.all_reduce(t, t, rop, s, scale))
+        return self._issue(OpType.ALLREDUCE, [tensor], lambda c, s: c.all_reduce(t, t, rop, s, scale),
+                           check=self._nan and [("tensor", _one(tensor))])
 
     def allreduce_coalesced(self, tensors: Sequence[Any], op: Op = ReduceOp.SUM) -> Work:
         flats = [self._flat(t, f"all_reduce_coalesced tensors[{i}]") for i, t in enumerate(tensors)]
@@ -620,8 +658,10 @@ class ProcessGroup:
         rop, scale = resolve(op)
         self._start_coalescing()
         try:
-            for f in flats:
-                self._issue(OpType.ALLREDUCE, [], lambda c, s, f=f: c.all_reduce(f, f, rop, s, scale))
+            self._check_up_front(OpType.ALLREDUCE_COALESCED, [(f"tensors[{i}]", t) for i, t in enumerate(tensors)])
+            for i, (f, t) in enumerate(zip(flats, tensors, strict=True)):
+                self._issue(OpType.ALLREDUCE, [], lambda c, s, f=f: c.all_reduce(f, f, rop, s, scale),
+                            check=self._nan and [(f"tensors[{i}]", t)])
             self._coalesced_outputs = list(tensors)
         except BaseException:
             self._abandon_coalescing()
@@ -632,19 +672,36 @@ class ProcessGroup:
         """Close a coalescing group that failed while being built (argument
         errors are raised before anything is enqueued)."""
         if self._coalescing is not None and self._comm is not None:
-            self._coalescing = None
+            self._coalescing, self._prechecked = None, False
+            for pending in self._coalesced_nan:
+                pending.abandon()
+            self._coalesced_nan = []
             self._comm.group_end()
+
+    def _check_up_front(self, op_type: OpType, items: Checked) -> None:
+        """Raise mode, in a coalescing group before its operations are
+        issued: check all their inputs now, since a NaN found in a later one
+        could not take back the earlier ones; the operations then skip their
+        own checks."""
+        if self._nan is not None and self._nan.mode == "raise" and self._coalescing is not None:
+            stream = self._ready()[1]
+            if not stream.capturing:  # captured operations are not checked (see _issue)
+                self._nan.check(op_type, items, stream)
+            self._prechecked = True
 
     def broadcast(self, tensor: Any, root: int = 0) -> Work | None:
         t = self._moved(self._flat(_one(tensor), "broadcast tensor"))
         root = self._group_rank(root, "broadcast root")
-        return self._issue(OpType.BROADCAST, [tensor], lambda c, s: c.broadcast(t, t, root, s))
+        # Only the root's array is sent; the others' are overwritten (torch checks the root's too).
+        return self._issue(OpType.BROADCAST, [tensor], lambda c, s: c.broadcast(t, t, root, s),
+                           check=self._nan and self._rank == root and [("tensor", _one(tensor))])
 
     def reduce(self, tensor: Any, root: int = 0, op: Op = ReduceOp.SUM) -> Work | None:
         t = self._flat(_one(tensor), "reduce tensor")
         root = self._group_rank(root, "reduce root")
         rop, scale = resolve(op)
-        return self._issue(OpType.REDUCE, [tensor], lambda c, s: c.reduce(t, t, rop, root, s, scale))
+        return self._issue(OpType.REDUCE, [tensor], lambda c, s: c.reduce(t, t, rop, root, s, scale),
+                           check=self._nan and [("tensor", _one(tensor))])
 
     def allgather(self, output_list: Sequence[Any], tensor: Any) -> Work | None:
         inp = self._flat(_one(tensor), "all_gather input")
@@ -652,7 +709,7 @@ class ProcessGroup:
         inp = self._moved(inp)
         tmp, copy_out = self._gathered(outs, inp)
         return self._issue(OpType.ALLGATHER, list(output_list), lambda c, s: c.all_gather(inp, tmp, s),
-                           after=copy_out, inputs=[_one(tensor)])
+                           after=copy_out, inputs=[_one(tensor)], check=self._nan and [("tensor", _one(tensor))])
 
     def _allgather_base(self, output: Any, tensor: Any) -> Work | None:
         inp, out = self._flat(tensor, "all_gather_into_tensor input"), self._flat(output, "all_gather_into_tensor output")
@@ -662,7 +719,7 @@ class ProcessGroup:
                              f"{self._size} x {inp.size}")
         inp, out = self._moved(inp), self._moved(out)
         return self._issue(OpType._ALLGATHER_BASE, [output], lambda c, s: c.all_gather(inp, out, s),
-                           inputs=[tensor])
+                           inputs=[tensor], check=self._nan and [("input_tensor", tensor)])
 
     def reduce_scatter(self, output: Any, input_list: Sequence[Any], op: Op = ReduceOp.SUM) -> Work | None:
         out = self._flat(_one(output), "reduce_scatter output")
@@ -670,8 +727,10 @@ class ProcessGroup:
         rop, scale = resolve(op)
         _, stream = self._ready()
         tmp = self._packed(ins, out, stream)
+        ins_given = list(_one_list(input_list))
         return self._issue(OpType.REDUCE_SCATTER, [output],
-                           lambda c, s: c.reduce_scatter(tmp, out, rop, s, scale), inputs=list(_one_list(input_list)))
+                           lambda c, s: c.reduce_scatter(tmp, out, rop, s, scale), inputs=ins_given,
+                           check=self._nan and [(f"input_list[{i}]", a) for i, a in enumerate(ins_given)])
 
     def _reduce_scatter_base(self, output: Any, tensor: Any, op: Op = ReduceOp.SUM) -> Work | None:
         out, inp = self._flat(output, "reduce_scatter_tensor output"), self._flat(tensor, "reduce_scatter_tensor input")
@@ -681,7 +740,8 @@ class ProcessGroup:
                              f"{self._size} x {out.size}")
         rop, scale = resolve(op)
         return self._issue(OpType._REDUCE_SCATTER_BASE, [output],
-                           lambda c, s: c.reduce_scatter(inp, out, rop, s, scale), inputs=[tensor])
+                           lambda c, s: c.reduce_scatter(inp, out, rop, s, scale), inputs=[tensor],
+                           check=self._nan and [("input", tensor)])
 
     def alltoall_base(self, output: Any, tensor: Any, output_split_sizes: Sequence[int] | None = None,
                       input_split_sizes: Sequence[int] | None = None) -> Work | None:
@@ -693,7 +753,7 @@ class ProcessGroup:
         out, inp = self._moved(out), self._moved(inp)
         sc, rc = [c * k for c in sc], [c * k for c in rc]
         return self._issue(OpType.ALLTOALL_BASE, [output], lambda c, s: c.all_to_all(inp, out, s, sc, rc),
-                           inputs=[tensor])
+                           inputs=[tensor], check=self._nan and [("input", tensor)])
 
     def _counts(self, array: Any, flat: Any, splits: Sequence[int] | None, what: str) -> list[int]:
         """Element counts per peer from split sizes along the first dimension."""
@@ -730,7 +790,8 @@ class ProcessGroup:
 
         return self._issue(OpType.ALLTOALL, list(output_list),
                            lambda c, s: c.all_to_all(tmp_in, tmp_out, s, sc, rc), after=copy_out,
-                           inputs=list(input_list))
+                           inputs=list(input_list),
+                           check=self._nan and [(f"input_list[{i}]", a) for i, a in enumerate(input_list)])
 
     def gather(self, tensor: Any, gather_list: Sequence[Any] | None, root: int = 0) -> Work | None:
         inp = self._flat(tensor, "gather input")
@@ -744,11 +805,12 @@ class ProcessGroup:
             inp = self._moved(inp)
             tmp, copy_out = self._gathered(outs, inp)
             return self._issue(OpType.GATHER, list(gather_list), lambda c, s: c.gather(inp, tmp, root, s),
-                               after=copy_out, inputs=[tensor])
+                               after=copy_out, inputs=[tensor], check=self._nan and [("tensor", tensor)])
         if gather_list:
             raise ValueError("gather: gather_list must be given on the destination rank only")
         inp = self._moved(inp)
-        return self._issue(OpType.GATHER, [], lambda c, s: c.gather(inp, None, root, s), inputs=[tensor])
+        return self._issue(OpType.GATHER, [], lambda c, s: c.gather(inp, None, root, s), inputs=[tensor],
+                           check=self._nan and [("tensor", tensor)])
 
     def scatter(self, tensor: Any, scatter_list: Sequence[Any] | None, root: int = 0) -> Work | None:
         out = self._flat(tensor, "scatter output")
@@ -763,7 +825,8 @@ class ProcessGroup:
             _, stream = self._ready()
             tmp = self._packed(ins, out, stream)
             return self._issue(OpType.SCATTER, [tensor], lambda c, s: c.scatter(tmp, out, root, s),
-                               inputs=list(scatter_list))
+                               inputs=list(scatter_list),
+                               check=self._nan and [(f"scatter_list[{i}]", a) for i, a in enumerate(scatter_list)])
         if scatter_list:
             raise ValueError("scatter: scatter_list must be given on the source rank only")
         out = self._moved(out)
@@ -773,7 +836,7 @@ class ProcessGroup:
         t = self._moved(self._flat(_one(tensor), "send tensor"))
         dst = self._peer(dst, "send dst")
         return self._issue(OpType.SEND, [tensor], lambda c, s: c.send(t, dst, s),
-                           name=f"nccl:send {self._rank}->{dst}", peer=dst)
+                           name=f"nccl:send {self._rank}->{dst}", peer=dst, check=self._nan and [("tensor", _one(tensor))])
 
     def recv(self, tensor: Any, src: int, tag: int = 0) -> Work | None:
         t = self._moved(self._flat(_one(tensor), "recv tensor"))

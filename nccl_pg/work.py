@@ -2,7 +2,8 @@
 
 A Work is complete when the stream event recorded after its operation has
 fired, or failed when its communicator reports an error or its timeout
-passes. Completion is observed by whoever looks first: ``wait()`` in the
+passes, or (``NCCL_PG_NAN_CHECK=async``) when the NaN check that ran before
+its operation on the same stream found a NaN. Completion is observed by whoever looks first: ``wait()`` in the
 caller's thread or the process-wide watchdog thread (watchdog.py), which also
 runs completion hooks, so un-waited Works complete too.
 """
@@ -18,11 +19,12 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from .errors import DistBackendError
+from .errors import DistBackendError, NanError
 
 if TYPE_CHECKING:
     from .comm.base import Event
     from .flight_recorder import Entry
+    from .nan_check import Pending
     from .process_group import ProcessGroup
 
 # Longest slice wait() blocks on an event before re-checking errors and deadlines.
@@ -115,7 +117,7 @@ class Work:
 
     def __init__(self, group: ProcessGroup, op_type: OpType, seq: int, outputs: list[Any], end: Event,
                  start: Event | None, timeout: float, entries: list[Entry] | None = None,
-                 peers: tuple[int, ...] | None = None) -> None:
+                 peers: tuple[int, ...] | None = None, nan: list[Pending] | None = None) -> None:
         self._group = group
         self.op_type = op_type
         self._seq = seq
@@ -137,6 +139,8 @@ class Work:
         self._p2p = peers is not None
         self._peers = peers or ()
         self._duration_ms: float | None = None  # on the stream, once completed with timing on
+        self._nan = nan  # async NaN checks, read once the operation completed
+        self._nan_found: NanError | None = None
         self._captured = False
 
     @classmethod
@@ -166,12 +170,21 @@ class Work:
             self._mark_started()
         error = self._group._comm_error()
         if self._end.query():
-            self._finish(self._describe(error) if error else None)
+            self._finish(self._describe(error) if error else self._nan_error())
         elif error is not None:
             self._finish(self._describe(error))
         elif time.monotonic() - self._issued_mono > self._timeout:
             self._group._timed_out(self)  # finishes it once it knows which ranks are missing
         return self._done.is_set()
+
+    def _nan_error(self) -> NanError | None:
+        """The async NaN checks' finding (read once: racing pollers agree)."""
+        with self._lock:
+            if self._nan is not None:
+                pending, self._nan = self._nan, None
+                found = [p.error(self.op_type, self._seq) for p in pending]
+                self._nan_found = next((e for e in found if e is not None), None)
+            return self._nan_found
 
     def _describe(self, error: BaseException) -> DistBackendError:
         return DistBackendError(f"{self._where()} failed: {error}")
@@ -195,17 +208,20 @@ class Work:
 
     def _retire(self, error: BaseException | None) -> None:
         """Settle the flight-recorder entries: retired, and completed unless
-        it failed (retired but not completed reads as timed out/failed)."""
+        it failed (retired but not completed reads as timed out/failed). A
+        NaN found by the async check fails the Work, but the operation ran."""
         now = time.time_ns()
-        if self._start is not None and error is None:
+        ran = error is None or isinstance(error, NanError)
+        if self._start is not None and ran:
             self._duration_ms = self._start.elapsed_ms(self._end)
         for e in self._entries:
             e.retired = True
-            if error is None:
+            if ran:
                 e.state, e.time_discovered_completed_ns, e.duration_ms = "completed", now, self._duration_ms
 
     def _finish(self, error: BaseException | None) -> None:
-        if error is not None and self._group._error_handling in (1, 3) and not self._done.is_set():
+        if (error is not None and not isinstance(error, NanError) and self._group._error_handling in (1, 3)
+                and not self._done.is_set()):
             # Modes that end the process do so before any waiter sees the failure (and runs on regardless).
             self._group._handle_error(error)
         with self._lock:
@@ -213,6 +229,10 @@ class Work:
                 return
             self._error = error
             self._finished_wall = time.time()
+            if self._nan is not None:  # failed otherwise before its checks were read
+                for p in self._nan:
+                    p.abandon()
+                self._nan = None
             if error is None and not self._started and self._start is not None:
                 self._mark_started()
             self._retire(error)
@@ -270,7 +290,7 @@ class Work:
             backend.make_caller_wait(self._end, self._group._device)
             self._poll()
         if self._error is not None:
-            if self._group._blocking_wait:
+            if self._group._blocking_wait and not isinstance(self._error, NanError):  # a data error: the group is fine
                 self._group._abort_for_blocking_wait(self, self._error)
             raise self._error
         return True

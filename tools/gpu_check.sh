@@ -2,7 +2,7 @@
 # Run the GPU checklist (../shared/gpu/CHECKLIST.md) on a lent GPU machine and
 # keep every result under $OUT (default /tmp/nccl_pg_gpu_check).
 #
-#   tools/gpu_check.sh [STAGE ...]      STAGE: env doctor tests bench multi compare (default: all, in that order)
+#   tools/gpu_check.sh [STAGE ...]      STAGE: env doctor tests bench multi nan compare (default: all, in that order)
 #
 # From the project root, as the device tool runs commands (the wheels carried in
 # .whl, see ../shared/gpu/README.md):
@@ -48,7 +48,8 @@ stage() {  # stage NAME COMMAND...: run bounded, log to $OUT/NAME.txt, record th
     [ $rc -eq 0 ] || failed=1
 }
 
-if [ "$QUICK" = 1 ]; then E=16M; N=20; OH=2000; CMP=--quick; else E=256M; N=50; OH=10000; CMP=; fi
+if [ "$QUICK" = 1 ]; then E=16M; N=20; OH=2000; CMP=--quick; NAN="--gib 0.25 --mb 64"
+else E=256M; N=50; OH=10000; CMP=; NAN=; fi
 SINGLE_OPS="all_reduce all_gather reduce_scatter broadcast reduce all_to_all"
 
 run_env() {
@@ -80,7 +81,7 @@ run_multi() {  # checklist 3 (bench side): 2 ranks on the one GPU (NCCL_HOSTID +
 export OUT E N OH SINGLE_OPS
 export -f run_env run_bench run_multi  # stages run in a child bash, under timeout
 
-stages=${*:-env doctor tests bench multi compare}
+stages=${*:-env doctor tests bench multi nan compare}
 for s in $stages; do
     case $s in
         env) stage env run_env ;;
@@ -88,9 +89,10 @@ for s in $stages; do
         tests) stage tests python3 -m pytest -m gpu -q -rA -p no:cacheprovider --junitxml "$OUT/pytest_gpu.xml" ;;
         bench) stage bench run_bench ;;
         multi) stage multi run_multi ;;
+        nan) stage nan python3 tools/bench_nan_check.py $NAN --json "$OUT/nan_check.json" ;;  # checklist 5
         compare) stage compare python3 tools/bench_nccl_compare.py $CMP --json "$OUT/compare.json" \
                      --markdown "$OUT/compare.md" ;;
-        *) echo "gpu_check: unknown stage $s (env doctor tests bench multi compare)" | tee -a "$SUMMARY"; failed=1 ;;
+        *) echo "gpu_check: unknown stage $s (env doctor tests bench multi nan compare)" | tee -a "$SUMMARY"; failed=1 ;;
     esac
 done
 echo "gpu_check: $([ $failed = 0 ] && echo all stages passed || echo 'some stage FAILED') (results in $OUT)" \

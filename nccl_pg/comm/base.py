@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..reduce_op import ReduceOp
+
+if TYPE_CHECKING:
+    from ..nan_check import NanScan
 
 
 class CommState(enum.Enum):
@@ -275,3 +278,12 @@ class Backend(ABC):
     def prepare_poller(self) -> None:
         """Runs once on the watchdog's poller thread before it first polls
         this backend's events."""
+
+    def find_nan(self, arrays: Sequence[Any], stream: Stream | None, trap: Callable[[int], str] | None,
+                 device: Any = None) -> NanScan:
+        """Scan flat ``arrays`` (of dtypes in ``nan_check.RULES``, complex as
+        two lanes) for the first NaN lane of their concatenation, after the
+        work enqueued so far on ``stream`` (None: the caller's stream, or the
+        calling thread). ``trap``: end the process on a NaN instead (with
+        ``trap(lane)`` as the last words where the backend can say them)."""
+        raise NotImplementedError(f"the {self.name} backend has no NaN check")

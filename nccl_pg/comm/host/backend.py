@@ -3,10 +3,15 @@ on stream threads."""
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from ...nan_check import first_nan_of
 from ...store import Store
 from ..base import Backend, CommConfig, Event, Stream
 from .communicator import HostCommunicator
@@ -25,6 +30,35 @@ def _as_numpy(array: Any, what: str) -> np.ndarray:
             return view
     raise TypeError(f"{what}: the host backend takes numpy arrays (or CPU arrays numpy can view), "
                     f"got {type(array).__name__}")
+
+
+class HostNanScan:
+    """A numpy scan, run in the calling thread or as a task on a host stream."""
+
+    def __init__(self, arrays: Sequence[np.ndarray], trap: Callable[[int], str] | None) -> None:
+        self._arrays, self._trap = arrays, trap
+        self._first: int | None = None
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        try:
+            self._first = first_nan_of(self._arrays)
+            if self._first is not None and self._trap is not None:
+                # What a device trap does to a GPU process, with the reason said first.
+                print(f"nccl_pg: {self._trap(self._first)}", file=sys.stderr, flush=True)
+                os.abort()
+        finally:
+            self._arrays = ()
+            self._done.set()
+
+    def wait(self, timeout: float) -> bool:
+        return self._done.wait(timeout)
+
+    def first(self) -> int | None:
+        return self._first
+
+    def release(self, finished: bool) -> None:
+        return None  # nothing to give back: the result lives in this object
 
 
 class HostBackend(Backend):
@@ -64,6 +98,16 @@ class HostBackend(Backend):
 
     def make_caller_wait(self, event: Event, device: Any = None) -> None:
         raise AssertionError("the host backend blocks in wait()")
+
+    def find_nan(self, arrays: Sequence[Any], stream: Stream | None, trap: Callable[[int], str] | None,
+                 device: Any = None) -> HostNanScan:
+        scan = HostNanScan(list(arrays), trap)
+        if stream is None:
+            scan.run()  # the caller is the CPU: its arrays are ready now
+        else:
+            assert isinstance(stream, HostStream)
+            stream.enqueue(scan.run)
+        return scan
 
 
 HOST = HostBackend()

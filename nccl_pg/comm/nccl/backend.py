@@ -5,6 +5,7 @@ current stream ordered before and after each operation."""
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -132,6 +133,12 @@ class NcclBackend(Backend):
         if event._recorded:
             check_cuda(cudart().cudaStreamWaitEvent(caller_stream(event.device), event.handle, 0),
                        "cudaStreamWaitEvent")
+
+    def find_nan(self, arrays: Sequence[Any], stream: Stream | None, trap: Callable[[int], str] | None,
+                 device: Any = None) -> Any:
+        from .nan import find_nan  # noqa: PLC0415 - loads NVRTC and the kernels at the first check
+
+        return find_nan([as_device_array(a, "NaN check") for a in arrays], stream, trap)
 
 
     def prepare_poller(self) -> None:
