@@ -7,6 +7,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch._dynamo  # noqa: F401 - DDP's constructor imports it (1.3 s): once in the forkserver, not in every rank
 import torch.distributed as tdist
 from pg_harness import Rank
 

@@ -22,12 +22,14 @@ import torch.distributed as tdist
 from ..process_group import Options, ProcessGroup, ProcessGroupHost, ProcessGroupNCCL
 from ..reduce_op import ReduceOp
 from ..store import PrefixStore
+from ..work import WorkInfo
 from .store import TorchStore
 from .tensors import as_array, device_type
 from .work import Completer, Slot, TorchWork, to_torch
 
 BACKEND_NAME = "nccl_pg"
 
+OpType = torch._C._distributed_c10d.OpType
 _OPS = {
     tdist.ReduceOp.RedOpType.SUM: ReduceOp.SUM, tdist.ReduceOp.RedOpType.PRODUCT: ReduceOp.PRODUCT,
     tdist.ReduceOp.RedOpType.MIN: ReduceOp.MIN, tdist.ReduceOp.RedOpType.MAX: ReduceOp.MAX,
@@ -65,6 +67,7 @@ class ProcessGroupTorch(tdist.ProcessGroup):
         self._npg_lock = threading.Lock()
         self._npg_coalescing: tuple[ProcessGroup, Slot, list[torch.Tensor]] | None = None
         self._npg_completer = Completer(f"nccl_pg-torch-{group_name}")
+        self._npg_hooks: list[Callable[[WorkInfo], None]] = []
 
     def __repr__(self) -> str:
         return f"ProcessGroupTorch(name={self._npg_name!r}, rank={self.rank()}, size={self.size()})"
@@ -84,6 +87,8 @@ class ProcessGroupTorch(tdist.ProcessGroup):
                          group_name=self._npg_name, group_desc=self.group_desc or "undefined", uid=self._npg_uid,
                          **extra)
                 pg._global_ranks = self._npg_global_ranks
+                for hook in self._npg_hooks:
+                    pg._register_on_completion_hook(hook)
                 self._npg_groups[kind] = pg
             return pg
 
@@ -137,7 +142,11 @@ class ProcessGroupTorch(tdist.ProcessGroup):
                   opts: Any = None) -> TorchWork:
         outs = [as_array(t, f"all_gather output[{i}]") for i, t in enumerate(_single(output_lists))]
         inp = [as_array(t, "all_gather input") for t in inputs]
-        return self._run("all_gather", inputs, list(_single(output_lists)), lambda pg: pg.allgather(outs, inp))
+        work = self._run("all_gather", inputs, output_lists, lambda pg: pg.allgather(outs, inp))
+        # The future's value is ProcessGroupNCCL's: one (world, *shape) tensor (torch's per-channel
+        # quantization hook indexes it so); made only when the future is asked for.
+        work._future_value = lambda: [torch.stack(_single(output_lists))]
+        return work
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TorchWork:  # noqa: A002
         out, inp = as_array(output, "all_gather_into_tensor output"), as_array(input, "all_gather_into_tensor input")
@@ -154,8 +163,7 @@ class ProcessGroupTorch(tdist.ProcessGroup):
                             opts: Any = None) -> TorchWork:
         pairs = [([as_array(o, "all_gather_coalesced output") for o in outs], as_array(i, "all_gather_coalesced input"))
                  for outs, i in zip(output_lists, inputs, strict=True)]
-        results = [o for outs in output_lists for o in outs]
-        return self._coalesced("all_gather_coalesced", inputs, results,
+        return self._coalesced("all_gather_coalesced", inputs, output_lists,
                                lambda pg: [pg.allgather(o, i) for o, i in pairs])
 
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
@@ -192,10 +200,10 @@ class ProcessGroupTorch(tdist.ProcessGroup):
 
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> TorchWork:
         root = (opts or tdist.GatherOptions()).rootRank
-        results = list(_single(output_lists)) if output_lists else []
-        outs = [as_array(t, f"gather gather_list[{i}]") for i, t in enumerate(results)] or None
+        outs = [as_array(t, f"gather gather_list[{i}]") for i, t in enumerate(_single(output_lists))] \
+            if output_lists else None
         inp = as_array(_single(inputs), "gather input")
-        return self._run("gather", inputs, results, lambda pg: pg.gather(inp, outs, root))
+        return self._run("gather", inputs, output_lists, lambda pg: pg.gather(inp, outs, root))
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None) -> TorchWork:
         root = (opts or tdist.ScatterOptions()).rootRank
@@ -277,6 +285,23 @@ class ProcessGroupTorch(tdist.ProcessGroup):
 
     def _get_sequence_number_for_group(self) -> int:
         return max((pg._get_sequence_number_for_group() for pg in self._npg_groups.values()), default=0)
+
+    def _register_on_completion_hook(self, hook: Callable[[Any], None]) -> None:
+        """``hook(info)`` once each operation finishes, on our hook thread;
+        ``info`` has torch's WorkInfo fields (``op_type`` is torch's OpType)."""
+        def call(info: WorkInfo) -> None:
+            hook(WorkInfo(getattr(OpType, info.op_type.name, OpType.UNKNOWN), info.seq, info.time_started,
+                          info.time_finished, info.active_duration))
+
+        with self._npg_lock:
+            self._npg_hooks.append(call)
+            groups = list(self._npg_groups.values())
+        for pg in groups:
+            pg._register_on_completion_hook(call)
+
+    def _wait_for_pending_works(self) -> None:
+        for pg in list(self._npg_groups.values()):
+            pg._wait_for_pending_works()
 
     def nccl_pg_groups(self) -> dict[str, ProcessGroup]:
         """Our groups behind this one, by device type ("cpu", "cuda")."""

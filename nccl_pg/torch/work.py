@@ -2,14 +2,15 @@
 
 A torch Future must complete as soon as its operation does (DDP's reducer
 blocks on it every step), sooner than the watchdog's 0.1 s poll: each torch
-group has one completer thread that waits on its operations in issue order
-(a group's stream is in order) and settles their futures.
+group has a few completer threads that wait for the operations whose futures
+were asked for and settle them.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch.distributed as tdist
 from .. import errors
 from ..work import Work
 
+_THREADS = 16  # futures being waited for at once per group; more queue up
 _MAP: tuple[tuple[type[BaseException], type[BaseException]], ...] = (
     (errors.DistStoreError, tdist.DistStoreError),
     (errors.DistNetworkError, tdist.DistNetworkError),
@@ -55,12 +57,15 @@ def _seconds(timeout: Any) -> float | None:
 
 
 class TorchWork(tdist.Work):
-    """One operation as torch sees it; ``tensors`` are its results."""
+    """One operation as torch sees it; ``tensors`` are its results, shaped
+    as torch's (a list of lists for the list-output collectives)."""
 
-    def __init__(self, slot: Slot, tensors: list[torch.Tensor], completer: Completer) -> None:
+    def __init__(self, slot: Slot, tensors: list[Any], completer: Completer,
+                 future_value: Callable[[], list[Any]] | None = None) -> None:
         super().__init__()
         self._slot = slot
         self._tensors = tensors
+        self._future_value = future_value
         self._completer = completer
         self._future: torch.futures.Future | None = None
         self._lock = threading.Lock()
@@ -90,13 +95,14 @@ class TorchWork(tdist.Work):
         exc = None if self._slot.work is None else self._slot.work.exception()
         return None if exc is None else to_torch(exc)
 
-    def result(self) -> list[torch.Tensor]:
+    def result(self) -> list[Any]:
         return self._tensors
 
     def get_future(self) -> torch.futures.Future:
         with self._lock:
             if self._future is None:
-                cuda = sorted({t.device for t in self._tensors if t.is_cuda}, key=str)
+                flat = [t for x in self._tensors for t in (x if isinstance(x, list) else [x])]
+                cuda = sorted({t.device for t in flat if t.is_cuda}, key=str)
                 self._future = torch.futures.Future(devices=cuda) if cuda else torch.futures.Future()
                 self._completer.submit(self)
             return self._future
@@ -112,34 +118,30 @@ class TorchWork(tdist.Work):
                 mapped.__cause__ = exc
             self._future.set_exception(mapped)
         else:
-            self._future.set_result(self._tensors)
+            self._future.set_result(self._tensors if self._future_value is None else self._future_value())
 
 
 class Completer:
-    """A thread that settles futures in the order they were asked for."""
+    """Threads that wait for operations and settle their futures. Several:
+    a future's callbacks run on the thread that settles it, and a callback
+    may issue another operation and wait for its future (torch's
+    quantization hooks do) — one thread would then wait for itself."""
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._queue: queue.SimpleQueue[TorchWork | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
     def submit(self, work: TorchWork) -> None:
         with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
-        self._queue.put(work)
-
-    def _run(self) -> None:
-        while (work := self._queue.get()) is not None:
-            work._settle()
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(_THREADS, thread_name_prefix=self._name)
+            self._pool.submit(work._settle)
 
     def stop(self) -> None:
-        """Settle what was submitted, then end (each wait is bounded by the
-        group timeout, or released by an abort)."""
+        """Settle what was submitted (each wait is bounded by the group
+        timeout, or released by an abort), then end the threads."""
         with self._lock:
-            thread, self._thread = self._thread, None
-        if thread is not None:
-            self._queue.put(None)
-            thread.join()
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
