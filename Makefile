@@ -36,6 +36,7 @@ bench: install
 	$(PYTHON) tools/bench_pg_overhead.py
 	$(PYTHON) tools/bench_watchdog.py
 	$(PYTHON) tools/bench_recorder.py
+	$(PYTHON) tools/bench_ddp.py
 
 lint:
 	$(PIP) install -q 'ruff>=0.6'

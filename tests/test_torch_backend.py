@@ -222,7 +222,14 @@ def test_store_adapter_keeps_our_deadlines():
 
 
 def test_registration():
-    nccl_pg.torch.register()  # idempotent
+    """Registered by importing nccl_pg.torch, again (idempotent) by hand and
+    by the ``torch.backends`` entry point torch runs at import."""
+    nccl_pg.torch.register()
+    nccl_pg.torch._autoload()
     assert "nccl_pg" in tdist.Backend.backend_list
     assert tdist.Backend.default_device_backend_map.get("cpu") in ("gloo", "nccl_pg")
     assert tdist.is_backend_available("nccl_pg")
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11")
+    with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml"), "rb") as f:
+        points = tomllib.load(f)["project"]["entry-points"]["torch.backends"]
+    assert points == {"nccl_pg": "nccl_pg.torch:_autoload"}
