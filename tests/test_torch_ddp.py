@@ -154,10 +154,11 @@ def _s_ddp(r: Rank) -> None:
     dev, rank, n = device(r), r.rank, r.world_size
     x = torch.rand(4, 2, device=dev)
 
-    # device_ids: None and [] for a single-device module; device_ids for a CPU module are refused
-    for ids in (None, []):
-        model = DDP(nn.Linear(2, 3).to(dev), device_ids=ids if dev.type == "cpu" else _ids(dev) if ids is None
-                    else ids, process_group=pg)
+    # device_ids: None and [] for a single-device module, and on CUDA an int list and a torch.device list;
+    # device_ids for a CPU module are refused
+    choices = [None, []] + ([[dev.index], [dev]] if dev.type == "cuda" else [])
+    for ids in choices:
+        model = DDP(nn.Linear(2, 3).to(dev), device_ids=ids, process_group=pg)
         model(x).sum().backward()
         _grads_equal_everywhere(model)
     if dev.type == "cpu":
