@@ -266,11 +266,13 @@ def _s_ddp(r: Rank) -> None:
         # (torch's NCCL would leave it queued on a stream), so join it here.
         tdist._broadcast_coalesced(pg, [p.detach() for p in bad.parameters()], 250 * 1024 * 1024, 0)
 
-    # DDP's join (uneven inputs): rank k runs k+2 iterations
-    model = DDP(nn.Linear(2, 2).to(dev), device_ids=_ids(dev))
-    with model.join():
-        for _ in range(rank + 2):
-            model(x).sum().backward()
+    # DDP's join (uneven inputs): rank k runs k+2 iterations. Dividing by the live world size makes DDP keep
+    # the forward pass's Work in C++ only and wait for it in backward.
+    for by_initial in (True, False):
+        model = DDP(nn.Linear(2, 2).to(dev), device_ids=_ids(dev))
+        with model.join(divide_by_initial_world_size=by_initial):
+            for _ in range(rank + 2):
+                model(x).sum().backward()
     tdist.destroy_process_group()
 
 

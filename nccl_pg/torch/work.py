@@ -9,6 +9,7 @@ were asked for and settle them.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -21,6 +22,7 @@ from .. import errors
 from ..work import Work
 
 _THREADS = 16  # futures being waited for at once per group; more queue up
+_KEPT = 64  # latest TorchWorks of a group kept alive (see Completer)
 _MAP: tuple[tuple[type[BaseException], type[BaseException]], ...] = (
     (errors.DistStoreError, tdist.DistStoreError),
     (errors.DistNetworkError, tdist.DistNetworkError),
@@ -69,6 +71,7 @@ class TorchWork(tdist.Work):
         self._completer = completer
         self._future: torch.futures.Future | None = None
         self._lock = threading.Lock()
+        completer.keep(self)
 
     def _work(self) -> Work:
         if self._slot.work is None:
@@ -104,7 +107,10 @@ class TorchWork(tdist.Work):
                 flat = [t for x in self._tensors for t in (x if isinstance(x, list) else [x])]
                 cuda = sorted({t.device for t in flat if t.is_cuda}, key=str)
                 self._future = torch.futures.Future(devices=cuda) if cuda else torch.futures.Future()
-                self._completer.submit(self)
+                if self.is_completed():  # settled before returning: C++ callers read value() at once
+                    self._settle()
+                else:
+                    self._completer.submit(self)
             return self._future
 
     def _settle(self) -> None:
@@ -125,12 +131,24 @@ class Completer:
     """Threads that wait for operations and settle their futures. Several:
     a future's callbacks run on the thread that settles it, and a callback
     may issue another operation and wait for its future (torch's
-    quantization hooks do) — one thread would then wait for itself."""
+    quantization hooks do) — one thread would then wait for itself.
+
+    It also keeps the Python objects of the group's latest TorchWorks
+    alive: torch may keep only a Work's C++ side (DDP keeps the all_reduce
+    its Join notification issues in forward, to wait for it and read its
+    future in backward), and once the Python object is gone torch's calls no
+    longer reach our ``wait``/``get_future`` (the C++ defaults wait forever
+    or raise "not implemented"). The last ``_KEPT`` operations are enough
+    for that; more would hold their tensors too long."""
 
     def __init__(self, name: str) -> None:
         self._name = name
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._recent: deque[TorchWork] = deque(maxlen=_KEPT)
+
+    def keep(self, work: TorchWork) -> None:
+        self._recent.append(work)
 
     def submit(self, work: TorchWork) -> None:
         with self._lock:
@@ -145,3 +163,4 @@ class Completer:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+        self._recent.clear()
