@@ -22,7 +22,7 @@ from .. import errors
 from ..work import Work
 
 _THREADS = 16  # futures being waited for at once per group; more queue up
-_KEPT = 64  # latest TorchWorks of a group kept alive (see Completer)
+_KEPT = 16  # latest TorchWorks of a group kept alive (see Completer)
 _MAP: tuple[tuple[type[BaseException], type[BaseException]], ...] = (
     (errors.DistStoreError, tdist.DistStoreError),
     (errors.DistNetworkError, tdist.DistNetworkError),
