@@ -37,6 +37,7 @@ bench: install
 	$(PYTHON) tools/bench_watchdog.py
 	$(PYTHON) tools/bench_recorder.py
 	$(PYTHON) tools/bench_nan_check.py
+	$(PYTHON) tools/bench_ddp.py
 
 lint:
 	$(PIP) install -q 'ruff>=0.6'

@@ -1,0 +1,324 @@
+"""``ProcessGroupTorch``: torch's ProcessGroup interface over our groups.
+
+One torch group holds up to two of ours, created at first use: a
+ProcessGroupHost for CPU tensors and a ProcessGroupNCCL for CUDA tensors
+(the NCCL one only on machines with GPUs). Ranks are group ranks, as torch
+passes them; tensors go in as zero-copy views (tensors.py); every operation
+returns a TorchWork (work.py), so our watchdog, timeouts, error handling and
+flight recorder apply to torch jobs unchanged.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+from ..process_group import Options, ProcessGroup, ProcessGroupHost, ProcessGroupNCCL
+from ..reduce_op import ReduceOp
+from ..store import PrefixStore
+from ..work import WorkInfo
+from .store import TorchStore
+from .tensors import as_array, device_type
+from .work import Completer, Slot, TorchWork, to_torch
+
+BACKEND_NAME = "nccl_pg"
+
+OpType = torch._C._distributed_c10d.OpType
+_OPS = {
+    tdist.ReduceOp.RedOpType.SUM: ReduceOp.SUM, tdist.ReduceOp.RedOpType.PRODUCT: ReduceOp.PRODUCT,
+    tdist.ReduceOp.RedOpType.MIN: ReduceOp.MIN, tdist.ReduceOp.RedOpType.MAX: ReduceOp.MAX,
+    tdist.ReduceOp.RedOpType.AVG: ReduceOp.AVG,
+}
+# uids (flight recorder, dumps) for groups torch names by something other than a number.
+_extra_uids = itertools.count(1000)
+
+
+def _op(reduce_op: Any) -> ReduceOp:
+    op = _OPS.get(reduce_op.op)
+    if op is None:
+        raise ValueError(f"nccl_pg: ReduceOp {reduce_op.op.name} is not supported (SUM, PRODUCT, MIN, MAX and "
+                         "AVG are; PREMUL_SUM only through nccl_pg's own API)")
+    return op
+
+
+Call = Callable[[ProcessGroup, Callable[[Any, str], Any]], Any]
+
+
+class ProcessGroupTorch(tdist.ProcessGroup):
+    """A torch.distributed ProcessGroup whose collectives run on nccl_pg."""
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: timedelta, group_name: str = "0",
+                 global_ranks: Sequence[int] = (), options: Options | None = None) -> None:
+        super().__init__(rank, size)
+        seconds = timeout.total_seconds()
+        self._npg_store = TorchStore(store, seconds)
+        self._npg_options = Options(timeout=seconds, is_high_priority_stream=bool(
+            options and options.is_high_priority_stream), config=options.config if options else Options().config)
+        self._npg_name = group_name
+        self._npg_uid = int(group_name) if group_name.isdigit() else next(_extra_uids)
+        self._npg_global_ranks = list(global_ranks) or None
+        self._npg_groups: dict[str, ProcessGroup] = {}
+        self._npg_lock = threading.Lock()
+        self._npg_coalescing: tuple[ProcessGroup, Slot, list[torch.Tensor]] | None = None
+        self._npg_completer = Completer(f"nccl_pg-torch-{group_name}")
+        self._npg_hooks: list[Callable[[WorkInfo], None]] = []
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupTorch(name={self._npg_name!r}, rank={self.rank()}, size={self.size()})"
+
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        return BACKEND_NAME
+
+    # --- our groups -----------------------------------------------------------------------
+
+    def _group(self, kind: str, device: torch.device | None = None) -> ProcessGroup:
+        with self._npg_lock:
+            pg = self._npg_groups.get(kind)
+            if pg is None:
+                cls = ProcessGroupNCCL if kind == "cuda" else ProcessGroupHost
+                extra = {"device_id": device.index if device is not None else None} if kind == "cuda" else {}
+                pg = cls(PrefixStore(kind, self._npg_store), self.rank(), self.size(), self._npg_options,
+                         group_name=self._npg_name, group_desc=self.group_desc or "undefined", uid=self._npg_uid,
+                         **extra)
+                pg._global_ranks = self._npg_global_ranks
+                for hook in self._npg_hooks:
+                    pg._register_on_completion_hook(hook)
+                self._npg_groups[kind] = pg
+            return pg
+
+    def _for(self, tensors: Sequence[torch.Tensor], what: str) -> ProcessGroup:
+        kind = device_type(list(tensors), what)
+        cuda = next((t.device for t in tensors if t.is_cuda), None)
+        return self._group(kind, cuda)
+
+    def _run(self, what: str, tensors: Sequence[torch.Tensor], results: list[torch.Tensor],
+             call: Callable[[ProcessGroup], Any]) -> TorchWork:
+        """Issue ``call`` on the group for ``tensors``' device; torch's
+        exception types for communication failures."""
+        pg = self._for(tensors, what) if self._npg_coalescing is None else self._npg_coalescing[0]
+        try:
+            work = call(pg)
+        except BaseException as exc:
+            mapped = to_torch(exc)
+            if mapped is exc:
+                raise
+            raise mapped from exc
+        if work is None:  # inside a coalescing block: settled at its end
+            _, slot, tensors_so_far = self._npg_coalescing  # type: ignore[misc]
+            tensors_so_far.extend(results)
+            return TorchWork(slot, results, self._npg_completer)
+        return TorchWork(Slot(work), results, self._npg_completer)
+
+    # --- collectives (torch's signatures; ranks are group ranks) ---------------------------------
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
+        op = _op((opts or tdist.AllreduceOptions()).reduceOp)
+        arrays = [as_array(t, "all_reduce tensor") for t in tensors]
+        return self._run("all_reduce", tensors, tensors, lambda pg: pg.allreduce(arrays, op))
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
+        op = _op((opts or tdist.AllreduceCoalescedOptions()).reduceOp)
+        arrays = [as_array(t, f"all_reduce_coalesced tensors[{i}]") for i, t in enumerate(tensors)]
+        return self._run("all_reduce_coalesced", tensors, tensors, lambda pg: pg.allreduce_coalesced(arrays, op))
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
+        root = (opts or tdist.BroadcastOptions()).rootRank
+        arrays = [as_array(t, "broadcast tensor") for t in tensors]
+        return self._run("broadcast", tensors, tensors, lambda pg: pg.broadcast(arrays, root))
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
+        opts = opts or tdist.ReduceOptions()
+        op, root = _op(opts.reduceOp), opts.rootRank
+        arrays = [as_array(t, "reduce tensor") for t in tensors]
+        return self._run("reduce", tensors, tensors, lambda pg: pg.reduce(arrays, root, op))
+
+    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                  opts: Any = None) -> TorchWork:
+        outs = [as_array(t, f"all_gather output[{i}]") for i, t in enumerate(_single(output_lists))]
+        inp = [as_array(t, "all_gather input") for t in inputs]
+        work = self._run("all_gather", inputs, output_lists, lambda pg: pg.allgather(outs, inp))
+        # The future's value is ProcessGroupNCCL's: one (world, *shape) tensor (torch's per-channel
+        # quantization hook indexes it so); made only when the future is asked for.
+        work._future_value = lambda: [torch.stack(_single(output_lists))]
+        return work
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TorchWork:  # noqa: A002
+        out, inp = as_array(output, "all_gather_into_tensor output"), as_array(input, "all_gather_into_tensor input")
+        return self._run("all_gather_into_tensor", [input, output], [output], lambda pg: pg._allgather_base(out, inp))
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> TorchWork:
+        pairs = [(as_array(o, "all_gather_into_tensor output"), as_array(i, "all_gather_into_tensor input"))
+                 for o, i in zip(outputs, inputs, strict=True)]
+        return self._coalesced("all_gather_into_tensor_coalesced", inputs, outputs,
+                               lambda pg: [pg._allgather_base(o, i) for o, i in pairs])
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                            opts: Any = None) -> TorchWork:
+        pairs = [([as_array(o, "all_gather_coalesced output") for o in outs], as_array(i, "all_gather_coalesced input"))
+                 for outs, i in zip(output_lists, inputs, strict=True)]
+        return self._coalesced("all_gather_coalesced", inputs, output_lists,
+                               lambda pg: [pg.allgather(o, i) for o, i in pairs])
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
+                       opts: Any = None) -> TorchWork:
+        op = _op((opts or tdist.ReduceScatterOptions()).reduceOp)
+        out = [as_array(t, "reduce_scatter output") for t in outputs]
+        ins = [as_array(t, f"reduce_scatter input[{i}]") for i, t in enumerate(_single(input_lists))]
+        return self._run("reduce_scatter", outputs, outputs, lambda pg: pg.reduce_scatter(out, ins, op))
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TorchWork:  # noqa: A002
+        op = _op((opts or tdist.ReduceScatterOptions()).reduceOp)
+        out, inp = as_array(output, "reduce_scatter_tensor output"), as_array(input, "reduce_scatter_tensor input")
+        return self._run("reduce_scatter_tensor", [input, output], [output],
+                         lambda pg: pg._reduce_scatter_base(out, inp, op))
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> TorchWork:
+        op = _op((opts or tdist.ReduceScatterOptions()).reduceOp)
+        pairs = [(as_array(o, "reduce_scatter_tensor output"), as_array(i, "reduce_scatter_tensor input"))
+                 for o, i in zip(outputs, inputs, strict=True)]
+        return self._coalesced("reduce_scatter_tensor_coalesced", inputs, outputs,
+                               lambda pg: [pg._reduce_scatter_base(o, i, op) for o, i in pairs])
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],  # noqa: A002
+                      input_split_sizes: list[int], opts: Any = None) -> TorchWork:
+        out, inp = as_array(output, "all_to_all_single output"), as_array(input, "all_to_all_single input")
+        return self._run("all_to_all_single", [input, output], [output],
+                         lambda pg: pg.alltoall_base(out, inp, list(output_split_sizes), list(input_split_sizes)))
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> TorchWork:
+        outs = [as_array(t, f"all_to_all output[{i}]") for i, t in enumerate(outputs)]
+        ins = [as_array(t, f"all_to_all input[{i}]") for i, t in enumerate(inputs)]
+        return self._run("all_to_all", [*inputs, *outputs], outputs, lambda pg: pg.alltoall(outs, ins))
+
+    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> TorchWork:
+        root = (opts or tdist.GatherOptions()).rootRank
+        outs = [as_array(t, f"gather gather_list[{i}]") for i, t in enumerate(_single(output_lists))] \
+            if output_lists else None
+        inp = as_array(_single(inputs), "gather input")
+        return self._run("gather", inputs, output_lists, lambda pg: pg.gather(inp, outs, root))
+
+    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None) -> TorchWork:
+        root = (opts or tdist.ScatterOptions()).rootRank
+        ins = [as_array(t, f"scatter scatter_list[{i}]") for i, t in enumerate(_single(input_lists))] \
+            if input_lists else None
+        out = as_array(_single(outputs), "scatter output")
+        return self._run("scatter", outputs, outputs, lambda pg: pg.scatter(out, ins, root))
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> TorchWork:
+        arrays = [as_array(t, "send tensor") for t in tensors]
+        return self._run("send", tensors, tensors, lambda pg: pg.send(arrays, dst, tag))
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> TorchWork:
+        arrays = [as_array(t, "recv tensor") for t in tensors]
+        return self._run("recv", tensors, tensors, lambda pg: pg.recv(arrays, src, tag))
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> TorchWork:
+        raise ValueError("nccl_pg: receiving from any source is not supported (NCCL has none); name the sender")
+
+    def barrier(self, opts: Any = None) -> TorchWork:
+        """On the CUDA group when ``device_ids`` are given or only it exists
+        (as ProcessGroupNCCL's barrier), else on the CPU group."""
+        ids = list(getattr(opts, "device_ids", None) or [])
+        if ids or set(self._npg_groups) == {"cuda"}:
+            index = ids[0] if ids else self._npg_groups["cuda"]._device
+            pg = self._group("cuda", torch.device("cuda", index) if index is not None else None)
+        else:
+            pg = self._group("cpu")
+        return self._run("barrier", [], [], lambda _: pg.barrier())
+
+    # torch < 2.10 calls these by their older names.
+    _allgather_base = all_gather_single
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    _reduce_scatter_base = reduce_scatter_single
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+    alltoall_base = all_to_all_single
+
+    # --- coalescing -----------------------------------------------------------------------------
+
+    def _start_coalescing(self, device: torch.device) -> None:
+        if self._npg_coalescing is not None:
+            raise RuntimeError("nccl_pg: coalescing already started on this group")
+        pg = self._group(torch.device(device).type, torch.device(device))
+        pg._start_coalescing()
+        self._npg_coalescing = (pg, Slot(), [])
+
+    def _end_coalescing(self, device: torch.device) -> TorchWork:
+        if self._npg_coalescing is None:
+            raise RuntimeError("nccl_pg: _end_coalescing() without _start_coalescing()")
+        (pg, slot, results), self._npg_coalescing = self._npg_coalescing, None
+        try:
+            slot.work = pg._end_coalescing()
+        except BaseException as exc:
+            mapped = to_torch(exc)
+            if mapped is exc:
+                raise
+            raise mapped from exc
+        return TorchWork(slot, results, self._npg_completer)
+
+    def _coalesced(self, what: str, tensors: Sequence[torch.Tensor], results: list[torch.Tensor],
+                   issue: Callable[[ProcessGroup], Any]) -> TorchWork:
+        """Several operations as one group (one Work), like torch's *_coalesced."""
+        device = tensors[0].device if tensors else torch.device("cpu")
+        self._start_coalescing(device)
+        pg, _, so_far = self._npg_coalescing  # type: ignore[misc]
+        try:
+            issue(pg)
+        except BaseException as exc:
+            self._npg_coalescing = None
+            pg._abandon_coalescing()
+            mapped = to_torch(exc)
+            if mapped is exc:
+                raise
+            raise mapped from exc
+        so_far.extend(results)
+        return self._end_coalescing(device)
+
+    # --- state and teardown ---------------------------------------------------------------------
+
+    def _get_sequence_number_for_group(self) -> int:
+        return max((pg._get_sequence_number_for_group() for pg in self._npg_groups.values()), default=0)
+
+    def _register_on_completion_hook(self, hook: Callable[[Any], None]) -> None:
+        """``hook(info)`` once each operation finishes, on our hook thread;
+        ``info`` has torch's WorkInfo fields (``op_type`` is torch's OpType)."""
+        def call(info: WorkInfo) -> None:
+            hook(WorkInfo(getattr(OpType, info.op_type.name, OpType.UNKNOWN), info.seq, info.time_started,
+                          info.time_finished, info.active_duration))
+
+        with self._npg_lock:
+            self._npg_hooks.append(call)
+            groups = list(self._npg_groups.values())
+        for pg in groups:
+            pg._register_on_completion_hook(call)
+
+    def _wait_for_pending_works(self) -> None:
+        for pg in list(self._npg_groups.values()):
+            pg._wait_for_pending_works()
+
+    def nccl_pg_groups(self) -> dict[str, ProcessGroup]:
+        """Our groups behind this one, by device type ("cpu", "cuda")."""
+        return dict(self._npg_groups)
+
+    def abort(self) -> None:
+        for pg in list(self._npg_groups.values()):
+            pg.abort()
+
+    def shutdown(self) -> None:
+        for pg in list(self._npg_groups.values()):
+            pg.shutdown()
+        self._npg_completer.stop()
+
+
+def _single(x: Sequence[Any]) -> Any:
+    """torch's one-entry-per-device lists: a process here drives one device."""
+    if len(x) != 1:
+        raise ValueError(f"nccl_pg: expected one tensor (list) per call, one device per process; got {len(x)}")
+    return x[0]

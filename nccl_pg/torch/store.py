@@ -1,0 +1,83 @@
+"""Our Store interface over the store torch hands a backend's creator.
+
+torch already ran the rendezvous (TCPStore, FileStore, ...) and gives each
+group a PrefixStore; opening a second rendezvous would need a second address
+and port. The adapter keeps our rules: every blocking call has a deadline
+(ours, not torch's 30-minute default) and failures raise our error types,
+which the host communicator's init and the watchdog catch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch.distributed as tdist
+
+from ..errors import DistNetworkError, DistStoreError
+from ..store.base import Store, Timeout, Value, check_key, check_keys, to_bytes
+
+T = TypeVar("T")
+
+
+def _ours(call: Callable[[], T], what: str) -> T:
+    try:
+        return call()
+    except tdist.DistNetworkError as exc:
+        raise DistNetworkError(f"{what}: {exc}") from exc
+    except tdist.DistStoreError as exc:
+        raise DistStoreError(f"{what}: {exc}") from exc
+
+
+class TorchStore(Store):
+    """A torch.distributed Store seen through nccl_pg's Store interface."""
+
+    def __init__(self, store: Any, timeout: Timeout) -> None:
+        super().__init__(timeout)
+        self._torch = store
+
+    def __repr__(self) -> str:
+        return f"TorchStore({self._torch!r})"
+
+    def set(self, key: str, value: Value) -> None:
+        _ours(lambda: self._torch.set(check_key(key), to_bytes(value, key)), f"set({key!r})")
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])  # bounded by our deadline; torch's get alone waits for torch's (30 min by default)
+        return bytes(_ours(lambda: self._torch.get(key), f"get({key!r})"))
+
+    def add(self, key: str, amount: int) -> int:
+        return int(_ours(lambda: self._torch.add(check_key(key), int(amount)), f"add({key!r})"))
+
+    def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:
+        return bytes(_ours(lambda: self._torch.compare_set(check_key(key), to_bytes(expected, key),
+                                                           to_bytes(desired, key)), f"compare_set({key!r})"))
+
+    def wait(self, keys: Sequence[str], timeout: Timeout | None = None) -> None:
+        ks = check_keys(keys)
+        limit = timedelta(seconds=self._deadline(timeout))
+        _ours(lambda: self._torch.wait(ks, limit), f"wait({ks!r})")
+
+    def check(self, keys: Sequence[str]) -> bool:
+        ks = check_keys(keys)
+        return bool(_ours(lambda: self._torch.check(ks), f"check({ks!r})"))
+
+    def delete_key(self, key: str) -> bool:
+        return bool(_ours(lambda: self._torch.delete_key(check_key(key)), f"delete_key({key!r})"))
+
+    def num_keys(self) -> int:
+        return int(_ours(self._torch.num_keys, "num_keys()"))
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        ks = check_keys(keys)
+        self.wait(ks)
+        return [bytes(v) for v in _ours(lambda: self._torch.multi_get(ks), f"multi_get({ks!r})")]
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
+        ks = check_keys(keys)
+        vs = [to_bytes(v, k) for k, v in zip(ks, values, strict=True)]
+        _ours(lambda: self._torch.multi_set(ks, vs), f"multi_set({ks!r})")
+
+    def append(self, key: str, value: Value) -> None:
+        _ours(lambda: self._torch.append(check_key(key), to_bytes(value, key)), f"append({key!r})")
