@@ -21,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch backend tests need PyTorch (pip install torch)")
 import torch.distributed as tdist  # noqa: E402
 from pg_harness import Rank, run_world  # noqa: E402
-from torch_harness import device, init  # noqa: E402
+from torch_harness import DEVICES, _need_cuda, device, init  # noqa: E402, F401 - _need_cuda: autouse
 
 import nccl_pg.torch  # noqa: E402
 from nccl_pg import errors  # noqa: E402
@@ -30,14 +30,6 @@ from nccl_pg.torch.store import TorchStore  # noqa: E402
 from nccl_pg.torch.work import to_torch  # noqa: E402
 
 pytestmark = pytest.mark.timeout(90)
-DEVICES = pytest.mark.parametrize("backend", ["host", pytest.param("nccl", marks=pytest.mark.gpu)])
-
-
-@pytest.fixture(autouse=True)
-def _need_cuda(request: pytest.FixtureRequest) -> None:
-    callspec = getattr(request.node, "callspec", None)
-    if callspec is not None and callspec.params.get("backend") == "nccl" and not torch.cuda.is_available():
-        pytest.skip("needs a GPU (torch.cuda.is_available() is False)")
 
 
 def _s_collectives(r: Rank) -> None:

@@ -19,21 +19,9 @@ import torch.nn.functional as F  # noqa: E402
 from pg_harness import Rank, run_world  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
-from torch_harness import device, init  # noqa: E402
+from torch_harness import DEVICES, _need_cuda, device, device_ids, init  # noqa: E402, F401 - _need_cuda: autouse
 
 pytestmark = pytest.mark.timeout(120)
-DEVICES = pytest.mark.parametrize("backend", ["host", pytest.param("nccl", marks=pytest.mark.gpu)])
-
-
-@pytest.fixture(autouse=True)
-def _need_cuda(request: pytest.FixtureRequest) -> None:
-    callspec = getattr(request.node, "callspec", None)
-    if callspec is not None and callspec.params.get("backend") == "nccl" and not torch.cuda.is_available():
-        pytest.skip("needs a GPU (torch.cuda.is_available() is False)")
-
-
-def _ids(dev: torch.device) -> list[int] | None:
-    return [dev.index] if dev.type == "cuda" else None
 
 
 class Net(nn.Module):
@@ -57,7 +45,7 @@ def _s_training(r: Rank, steps: int = 5) -> None:
         torch.manual_seed(2)
         ref = Net()
         model = copy.deepcopy(ref).to(dev)
-        ddp = DDP(model, device_ids=_ids(dev), gradient_as_bucket_view=as_view, bucket_cap_mb=0.0005)
+        ddp = DDP(model, device_ids=device_ids(dev), gradient_as_bucket_view=as_view, bucket_cap_mb=0.0005)
         opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
         mine = slice(4 * r.rank, 4 * (r.rank + 1))
@@ -131,12 +119,12 @@ def _unused_params(dev: torch.device, level: tdist.DebugLevel) -> None:
     try:
         x = torch.rand(4, 2, device=dev)
         for as_view in (False, True):
-            model = DDP(UnusedParamModule().to(dev), device_ids=_ids(dev), find_unused_parameters=True,
+            model = DDP(UnusedParamModule().to(dev), device_ids=device_ids(dev), find_unused_parameters=True,
                         gradient_as_bucket_view=as_view)
             for _ in range(2):
                 model(x).sum().backward()
             assert model.module.fc3.weight.grad is None
-            model = DDP(UnusedParamModule().to(dev), device_ids=_ids(dev), gradient_as_bucket_view=as_view)
+            model = DDP(UnusedParamModule().to(dev), device_ids=device_ids(dev), gradient_as_bucket_view=as_view)
             model(x).sum().backward()
             with pytest.raises(RuntimeError, match="Expected to have finished reduction in the prior iteration") \
                     as info:
@@ -171,7 +159,7 @@ def _s_ddp(r: Rank) -> None:
 
     # arbitrary forward return values (grad is a view of the bucket)
     for as_view in (False, True):
-        model = DDP(ArbitraryReturn().to(dev), device_ids=_ids(dev), gradient_as_bucket_view=as_view)
+        model = DDP(ArbitraryReturn().to(dev), device_ids=device_ids(dev), gradient_as_bucket_view=as_view)
         out = model(x, "nested")
         (out["a"].sum() + out["b"][0].sum()).backward()
         _grads_equal_everywhere(model)
@@ -182,7 +170,7 @@ def _s_ddp(r: Rank) -> None:
 
     # several outputs, several backward passes
     for as_view in (False, True):
-        model = DDP(MultipleOutputModule().to(dev), device_ids=_ids(dev), gradient_as_bucket_view=as_view)
+        model = DDP(MultipleOutputModule().to(dev), device_ids=device_ids(dev), gradient_as_bucket_view=as_view)
         target = torch.tensor([0, 1, 2, 3], device=dev)
         o1, o2 = model(x)
         F.cross_entropy(o1, target).backward()
@@ -190,7 +178,7 @@ def _s_ddp(r: Rank) -> None:
         _grads_equal_everywhere(model)
 
     # no_grad: no reduction, no grads
-    model = DDP(UnusedParamModule().to(dev), device_ids=_ids(dev))
+    model = DDP(UnusedParamModule().to(dev), device_ids=device_ids(dev))
     with torch.no_grad():
         assert isinstance(model(x), torch.Tensor)
     assert all(p.grad is None for p in model.parameters())
@@ -199,7 +187,7 @@ def _s_ddp(r: Rank) -> None:
     for as_view in (False, True):
         torch.manual_seed(3)
         local = nn.Linear(2, 4, bias=False).to(dev)
-        ddp = DDP(copy.deepcopy(local), device_ids=_ids(dev), gradient_as_bucket_view=as_view)
+        ddp = DDP(copy.deepcopy(local), device_ids=device_ids(dev), gradient_as_bucket_view=as_view)
         inp, tgt = torch.rand(n, 2, device=dev), torch.rand(n, 4, device=dev)
         for it in range(4):
             F.mse_loss(local(inp), tgt).backward()
@@ -216,14 +204,14 @@ def _s_ddp(r: Rank) -> None:
 
     # weight sharing
     shared = nn.Linear(4, 4, bias=False)
-    model = DDP(nn.Sequential(shared, nn.ReLU(), shared).to(dev), device_ids=_ids(dev))
+    model = DDP(nn.Sequential(shared, nn.ReLU(), shared).to(dev), device_ids=device_ids(dev))
     model(torch.rand(3, 4, device=dev)).sum().backward()
     _grads_equal_everywhere(model)
 
     # packed sequence through an RNN: DDP vs a local replica on the same input
     torch.manual_seed(4)
     rnn = nn.RNN(3, 5, batch_first=True).to(dev)
-    ddp_rnn = DDP(copy.deepcopy(rnn), device_ids=_ids(dev))
+    ddp_rnn = DDP(copy.deepcopy(rnn), device_ids=device_ids(dev))
     seqs = torch.rand(2, 4, 3, device=dev)
     packed = nn.utils.rnn.pack_padded_sequence(seqs, [4, 2], batch_first=True)
     out_local, _ = rnn(packed)
@@ -234,7 +222,7 @@ def _s_ddp(r: Rank) -> None:
     # complex parameters: DDP's grads equal a local model's (same inputs on every rank)
     torch.manual_seed(5)
     cplx = nn.Linear(3, 3, bias=False).to(dev).to(torch.cfloat)
-    ddp_c = DDP(copy.deepcopy(cplx), device_ids=_ids(dev))
+    ddp_c = DDP(copy.deepcopy(cplx), device_ids=device_ids(dev))
     xc = torch.rand(2, 3, dtype=torch.cfloat, device=dev)
     cplx(xc).abs().sum().backward()
     ddp_c(xc).abs().sum().backward()
@@ -246,7 +234,7 @@ def _s_ddp(r: Rank) -> None:
     if rank == 1:
         with torch.no_grad():
             conv.weight.add_(1.0)  # DDP's broadcast from rank 0 must overwrite it
-    ddp_conv = DDP(conv, device_ids=_ids(dev))
+    ddp_conv = DDP(conv, device_ids=device_ids(dev))
     ref = conv.weight.detach().clone()
     tdist.broadcast(ref, src=0)
     torch.testing.assert_close(conv.weight.detach(), ref)
@@ -257,11 +245,11 @@ def _s_ddp(r: Rank) -> None:
     # layouts that differ across ranks are refused at construction (on the ranks differing from rank 0)
     bad = nn.Conv2d(2, 4, 3).to(dev)
     if rank == 0:
-        DDP(bad, device_ids=_ids(dev))
+        DDP(bad, device_ids=device_ids(dev))
     else:
         bad = bad.to(memory_format=torch.channels_last)
         with pytest.raises(RuntimeError, match="appears not to match strides of the same param in process 0"):
-            DDP(bad, device_ids=_ids(dev))
+            DDP(bad, device_ids=device_ids(dev))
         # Rank 0's DDP goes on to broadcast its state; ours blocks on the CPU until every rank joins
         # (torch's NCCL would leave it queued on a stream), so join it here.
         tdist._broadcast_coalesced(pg, [p.detach() for p in bad.parameters()], 250 * 1024 * 1024, 0)
@@ -269,7 +257,7 @@ def _s_ddp(r: Rank) -> None:
     # DDP's join (uneven inputs): rank k runs k+2 iterations. Dividing by the live world size makes DDP keep
     # the forward pass's Work in C++ only and wait for it in backward.
     for by_initial in (True, False):
-        model = DDP(nn.Linear(2, 2).to(dev), device_ids=_ids(dev))
+        model = DDP(nn.Linear(2, 2).to(dev), device_ids=device_ids(dev))
         with model.join(divide_by_initial_world_size=by_initial):
             for _ in range(rank + 2):
                 model(x).sum().backward()
@@ -293,7 +281,7 @@ def _s_failure_recovery(r: Rank) -> None:
     for round_ in range(2):
         store = tdist.FileStore(f"{r.path}.recovery{round_}", r.world_size)
         tdist.init_process_group("nccl_pg", store=store, rank=r.rank, world_size=r.world_size)
-        model = DDP(Net().to(dev), device_ids=_ids(dev))
+        model = DDP(Net().to(dev), device_ids=device_ids(dev))
         for _ in range(2):
             model(torch.rand(2, 8, device=dev)).sum().backward()
         _grads_equal_everywhere(model)
@@ -314,7 +302,7 @@ def _s_completion_hooks(r: Rank) -> dict[str, int]:
 
     pg._register_on_completion_hook(hook)
     net = nn.Sequential(*[nn.Linear(100, 100, bias=False) for _ in range(5)]).to(dev)
-    ddp = DDP(net, device_ids=_ids(dev), process_group=pg, bucket_cap_mb=0.05)
+    ddp = DDP(net, device_ids=device_ids(dev), process_group=pg, bucket_cap_mb=0.05)
     pg._wait_for_pending_works()
     after_construction = dict(fired)
     for _ in range(2):  # the second iteration runs on the rebuilt buckets, of bucket_cap_mb

@@ -32,21 +32,9 @@ from pg_harness import Rank, run_world  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks import DDPCommHookType, register_ddp_comm_hook  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
-from torch_harness import device, init  # noqa: E402
+from torch_harness import DEVICES, _need_cuda, device, device_ids, init  # noqa: E402, F401 - _need_cuda: autouse
 
 pytestmark = pytest.mark.timeout(120)
-DEVICES = pytest.mark.parametrize("backend", ["host", pytest.param("nccl", marks=pytest.mark.gpu)])
-
-
-@pytest.fixture(autouse=True)
-def _need_cuda(request: pytest.FixtureRequest) -> None:
-    callspec = getattr(request.node, "callspec", None)
-    if callspec is not None and callspec.params.get("backend") == "nccl" and not torch.cuda.is_available():
-        pytest.skip("needs a GPU (torch.cuda.is_available() is False)")
-
-
-def _ids(dev: torch.device) -> list[int] | None:
-    return [dev.index] if dev.type == "cuda" else None
 
 
 # ================================ test_ddp_hooks.py ===========================================
@@ -72,7 +60,7 @@ class SeedHookModel(nn.Module):
 
 def _seed_grads(r: Rank, pg, hook_type: DDPCommHookType | None) -> torch.Tensor:
     dev = device(r)
-    model = DDP(SeedHookModel().to(dev), device_ids=_ids(dev), process_group=pg)
+    model = DDP(SeedHookModel().to(dev), device_ids=device_ids(dev), process_group=pg)
     if hook_type is not None:
         register_ddp_comm_hook(comm_hook_type=hook_type, model=model, state=pg)
     torch.manual_seed(2020)
@@ -91,7 +79,7 @@ def _is_last_hook(r: Rank) -> None:
         return fut
 
     model = nn.Sequential(nn.Linear(2, 400, bias=False), *[nn.Linear(400, 400, bias=False) for _ in range(10)])
-    ddp = DDP(model.to(dev), device_ids=_ids(dev), bucket_cap_mb=1)
+    ddp = DDP(model.to(dev), device_ids=device_ids(dev), bucket_cap_mb=1)
     ddp.register_comm_hook(state=flags, hook=hook)
     # torch 2.13 starts DDP with one bucket and splits them by bucket_cap_mb after the first iteration
     # (the seed's torch split them at once): check the second iteration.
@@ -124,7 +112,7 @@ class ModuleForHook(nn.Module):
 def _verify(r: Rank, pg, hook, expected: float, as_view: bool = False, state=None) -> None:
     """A model whose gradient is 0.25 everywhere without a hook; with it, ``expected``."""
     dev = device(r)
-    model = DDP(ModuleForHook().to(dev), device_ids=_ids(dev), process_group=pg, gradient_as_bucket_view=as_view)
+    model = DDP(ModuleForHook().to(dev), device_ids=device_ids(dev), process_group=pg, gradient_as_bucket_view=as_view)
     if hook is not None:
         model.register_comm_hook(state, hook)
     model(torch.full((2, 2), 8.0, device=dev), r.rank).mean().backward()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+import pytest
 import torch
 import torch._dynamo  # noqa: F401 - DDP's constructor imports it (1.3 s): once in the forkserver, not in every rank
 import torch.distributed as tdist
@@ -29,3 +30,20 @@ def init(r: Rank, timeout: float = 30.0, **kwargs: Any) -> tdist.ProcessGroup:
 def device(r: Rank) -> torch.device:
     """CPU tensors on the host backend; on a GPU machine every rank uses GPU 0."""
     return torch.device("cuda", 0) if r.backend == "nccl" else torch.device("cpu")
+
+
+# Each test parametrized with this runs on CPU tensors (host backend), and on CUDA tensors under ``gpu``.
+DEVICES = pytest.mark.parametrize("backend", ["host", pytest.param("nccl", marks=pytest.mark.gpu)])
+
+
+@pytest.fixture(autouse=True)
+def _need_cuda(request: pytest.FixtureRequest) -> None:
+    """Autouse in every test module that imports it: the CUDA variants skip without a GPU."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("backend") == "nccl" and not torch.cuda.is_available():
+        pytest.skip("needs a GPU (torch.cuda.is_available() is False)")
+
+
+def device_ids(dev: torch.device) -> list[int] | None:
+    """DDP's ``device_ids`` for a module on ``dev`` (None on CPU)."""
+    return [dev.index] if dev.type == "cuda" else None
