@@ -187,6 +187,33 @@ def test_timeout_names_the_missing_rank_and_dumps(tmp_path, backend):
     assert "trace_0" in dumps, dumps
 
 
+def _s_nan_check(r: Rank) -> str | None:
+    init(r)
+    t = torch.ones(8, device=device(r))
+    if r.rank == 1:
+        t[5] = float("nan")
+    error = None
+    try:
+        tdist.all_reduce(t)  # async mode: the collective runs; only the Work of the rank with the NaN fails
+    except tdist.DistBackendError as exc:
+        error = str(exc)
+    clean = torch.ones(4, device=device(r))
+    tdist.all_reduce(clean)  # the group is still usable
+    assert clean.tolist() == [2.0] * 4
+    tdist.destroy_process_group()
+    return error
+
+
+@DEVICES
+def test_nan_check_applies_to_torch_jobs(tmp_path, backend):
+    """NCCL_PG_NAN_CHECK=async on a torch job: the rank whose input has a NaN
+    gets a DistBackendError naming the rank, the op and the element; the
+    others' all_reduce completes; the group stays usable."""
+    results = run_world(_s_nan_check, 2, tmp_path, backend=backend, timeout=60, env={"NCCL_PG_NAN_CHECK": "async"})
+    assert results[0] is None
+    assert "NaN" in results[1] and "ALLREDUCE" in results[1] and "element 5" in results[1], results[1]
+
+
 def test_error_types_map_to_torch():
     for ours, theirs in ((errors.DistBackendError("a"), tdist.DistBackendError),
                          (errors.NanError("b"), tdist.DistBackendError),
