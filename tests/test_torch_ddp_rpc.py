@@ -20,17 +20,9 @@ from pg_harness import Rank, run_world  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.nn import RemoteModule  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
-from torch_harness import device, init  # noqa: E402
+from torch_harness import DEVICES, _need_cuda, device, init  # noqa: E402, F401 - _need_cuda: autouse
 
 pytestmark = pytest.mark.timeout(120)
-DEVICES = pytest.mark.parametrize("backend", ["host", pytest.param("nccl", marks=pytest.mark.gpu)])
-
-
-@pytest.fixture(autouse=True)
-def _need_cuda(request: pytest.FixtureRequest) -> None:
-    callspec = getattr(request.node, "callspec", None)
-    if callspec is not None and callspec.params.get("backend") == "nccl" and not torch.cuda.is_available():
-        pytest.skip("needs a GPU (torch.cuda.is_available() is False)")
 
 
 def _remote_grads(rref, context_id):

@@ -48,13 +48,7 @@ DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat
 
 def best(fn: Callable[[], Any], reps: int) -> float:
     """Fastest of ``reps`` timed calls, after one warm-up (seconds)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+    return min(_timed(fn, reps))
 
 
 # ------------------------------------------------------------------ host -------------
@@ -85,6 +79,7 @@ def _host_allreduce(rank: int, world: int, count: int, reps: int) -> dict[str, f
 
 
 def _timed(fn: Callable[[], Any], reps: int) -> list[float]:
+    """Seconds of each of ``reps`` calls, after one warm-up."""
     fn()
     times = []
     for _ in range(reps):
