@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import glob
 import os
+import subprocess
+import sys
 import warnings
 from datetime import timedelta
 
@@ -212,6 +214,21 @@ def test_nan_check_applies_to_torch_jobs(tmp_path, backend):
     results = run_world(_s_nan_check, 2, tmp_path, backend=backend, timeout=60, env={"NCCL_PG_NAN_CHECK": "async"})
     assert results[0] is None
     assert "NaN" in results[1] and "ALLREDUCE" in results[1] and "element 5" in results[1], results[1]
+
+
+def test_group_names_and_subgroup_destroy():
+    """torch reads ``group_name`` (e.g. to destroy a subgroup); a Python group
+    has no C++ backend to keep it on, so ours keeps it."""
+    code = ("import torch, torch.distributed as d, nccl_pg.torch\n"
+            "d.init_process_group('nccl_pg', store=d.HashStore(), rank=0, world_size=1)\n"
+            "g = d.new_group([0])\n"
+            "assert (d.group.WORLD.group_name, g.group_name) == ('0', '1'), (d.group.WORLD.group_name, g.group_name)\n"
+            "t = torch.ones(2); d.all_reduce(t, group=g); assert t.tolist() == [1.0, 1.0]\n"
+            "d.destroy_process_group(g)\n"
+            "assert d.get_world_size() == 1\n"
+            "d.destroy_process_group()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_error_types_map_to_torch():

@@ -61,6 +61,7 @@ class ProcessGroupTorch(tdist.ProcessGroup):
         self._npg_options = Options(timeout=seconds, is_high_priority_stream=bool(
             options and options.is_high_priority_stream), config=options.config if options else Options().config)
         self._npg_name = group_name
+        self._npg_torch_name = group_name  # torch sets the name it registers the group under
         self._npg_uid = int(group_name) if group_name.isdigit() else next(_extra_uids)
         self._npg_global_ranks = list(global_ranks) or None
         self._npg_groups: dict[str, ProcessGroup] = {}
@@ -74,6 +75,15 @@ class ProcessGroupTorch(tdist.ProcessGroup):
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return BACKEND_NAME
+
+    # torch's C++ ProcessGroup keeps its name on its backends, and a Python group has none: without these,
+    # ``group_name`` raises "ProcessGroup name not set" and destroy_process_group(subgroup) fails.
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        return self._npg_torch_name
+
+    def _set_group_name(self, name: str) -> None:
+        self._npg_torch_name = name
 
     # --- our groups -----------------------------------------------------------------------
 
