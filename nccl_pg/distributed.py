@@ -19,7 +19,6 @@ from datetime import timedelta
 from typing import Any
 
 from . import backends, env
-from .comm.base import check_exclude
 from .process_group import DEFAULT_TIMEOUT, SHRINK_ABORT, SHRINK_DEFAULT, Options, ProcessGroup, seconds
 from .reduce_op import ReduceOp
 from .rendezvous import rendezvous
@@ -200,13 +199,12 @@ def shrink_group(ranks_to_exclude: list[int], group: Group = None, shrink_flags:
         raise ValueError(f"Cannot shrink a process group with size {target.size()}")
     is_default = target is w.default_pg
     old_ranks = _ranks_of(target)
-    check_exclude(ranks_to_exclude, target.size(), target.rank())  # before a uid is taken
+    excluded = target._check_shrink(ranks_to_exclude, shrink_flags)  # before a uid is taken
     uid = w.group_count
     w.group_count += 1
-    new = target._shrink(ranks_to_exclude, shrink_flags, pg_options,
+    new = target._shrink(excluded, shrink_flags == SHRINK_ABORT, pg_options,
                          group_name=f"{target.group_name}:shrunk",
                          group_desc="default:shrunk" if is_default else f"{target.group_desc}:shrunk", uid=uid)
-    excluded = set(ranks_to_exclude)
     remaining = [g for i, g in enumerate(old_ranks) if i not in excluded]
     if is_default:  # global ranks change: every other group's mapping is wrong now
         for pg in [g for g in w.groups if g is not target]:

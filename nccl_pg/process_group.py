@@ -284,16 +284,18 @@ class ProcessGroup:
         backend), else through a fresh communicator of the survivors."""
         return True
 
-    def _shrink(self, exclude: Sequence[int], flags: int, options: Options | None, *, group_name: str,
-                group_desc: str, uid: int) -> ProcessGroup:
-        """Collective over the ranks not in ``exclude`` (group ranks; only the
-        survivors call it): a new group of the survivors, in their order.
-        This group is left to the caller to destroy."""
+    def _check_shrink(self, exclude: Sequence[int], flags: int) -> list[int]:
+        """The sorted group ranks to exclude; raises on bad arguments."""
         if isinstance(flags, bool) or flags not in (SHRINK_DEFAULT, SHRINK_ABORT):
             raise ValueError(f"invalid shrink_flags {flags!r}: use SHRINK_DEFAULT ({SHRINK_DEFAULT}) or "
                              f"SHRINK_ABORT ({SHRINK_ABORT}, to stop operations still in flight first)")
-        excluded = check_exclude(exclude, self._size, self._rank)
-        abort_first = flags == SHRINK_ABORT
+        return check_exclude(exclude, self._size, self._rank)
+
+    def _shrink(self, excluded: list[int], abort_first: bool, options: Options | None, *, group_name: str,
+                group_desc: str, uid: int) -> ProcessGroup:
+        """Collective over the ranks not in ``excluded`` (from
+        ``_check_shrink``; only the survivors call it): a new group of the
+        survivors, in their order. This group is left to the caller to destroy."""
         with self._lock:
             if self._closed == "destroyed":
                 raise DistBackendError(f"process group {self.uid} ({self.group_desc!r}) on rank {self._rank} was "

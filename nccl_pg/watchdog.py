@@ -110,7 +110,8 @@ class Watchdog:
     def _poll_loop(self) -> None:
         prepared: set[int] = set()  # backends whose prepare_poller() ran on this thread
         while True:
-            for pg in self.groups():
+            groups = self.groups()
+            for pg in groups:
                 if id(pg._backend) not in prepared:
                     prepared.add(id(pg._backend))
                     try:
@@ -124,14 +125,14 @@ class Watchdog:
                     w._poll()
                 except Exception:  # the watchdog must outlive any one bad Work
                     log.exception("watchdog: polling %r failed", w)
-            for pg in self.groups():
+            for pg in groups:
                 try:
                     pg._check_comm()
                 except Exception:
                     log.exception("watchdog: checking %r failed", pg)
             # The loop variables would keep the last Work, and through it its group, alive until the next poll
             # that has one: a group its user dropped (``del pg``) must be freed now.
-            works = w = pg = None  # type: ignore[assignment]
+            groups = works = w = pg = None  # type: ignore[assignment]
             with self._cond:
                 self._pending = [w for w in self._pending if not w._done.is_set()]
                 self._heartbeat = time.monotonic()
