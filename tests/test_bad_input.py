@@ -59,8 +59,8 @@ def test_unsupported_dtypes_raise_at_the_call_on_the_caller_only() -> None:
         if rank == 0:
             for dt in BAD_DTYPES:
                 calls = [lambda a: dist.all_reduce(a), lambda a: dist.broadcast(a, src=0),
-                         lambda a: dist.send(a, dst=1), lambda a: dist.all_gather([_bad(dt), _bad(dt)], a),
-                         lambda a: dist.all_to_all_single(_bad(dt), a), lambda a: dist.reduce(a, dst=0)]
+                         lambda a: dist.send(a, dst=1), lambda a: dist.all_gather([np.zeros_like(a), np.zeros_like(a)], a),
+                         lambda a: dist.all_to_all_single(np.zeros_like(a), a), lambda a: dist.reduce(a, dst=0)]
                 for call in calls:
                     with pytest.raises(TypeError, match=re.escape(f"dtype {dt} cannot be communicated")):
                         call(_bad(dt))
