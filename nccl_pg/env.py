@@ -207,10 +207,22 @@ TRACE_STACKS: Var[bool] = Var(
     "NCCL_PG_TRACE_STACKS", parse_bool, False,
     "Capture the Python stack of every operation into the flight recorder (costs microseconds per op).")
 
+# --- object collectives ------------------------------------------------------------
+OBJECT_SERIALIZER: Var[str] = Var(
+    "NCCL_PG_OBJECT_SERIALIZER", parse_choice("pickle", "safe"), "pickle",
+    "How object collectives (all_gather_object, broadcast_object_list, ...) serialize: pickle (torch's, any "
+    "object; loading runs code a peer chooses: trusted ranks only) or safe (pickle read by an unpickler that "
+    "builds plain data only: no code runs). A call's serializer= wins.")
+OBJECT_MAX_BYTES: Var[int] = Var(
+    "NCCL_PG_OBJECT_MAX_BYTES", parse_int(1, 2**62), 2**30,
+    "Largest serialized object (bytes) an object collective sends or accepts; a larger size announced by a "
+    "peer raises DistBackendError before anything is allocated.")
+
 ALL: tuple[Var, ...] = (STORE_SECRET, STORE_TIMEOUT, STORE_MAX_VALUE_SIZE, USE_AGENT_STORE, HOST_ADDR,
                         HOST_BROADCAST, USE_COMM_NONBLOCKING, ENABLE_TIMING, WATCHDOG_INTERVAL, DEBUG,
                         ASYNC_ERROR_HANDLING, BLOCKING_WAIT, HEARTBEAT_TIMEOUT, ENABLE_MONITORING,
-                        DUMP_ON_TIMEOUT, DUMP_FILE, NAN_CHECK, KERNEL_CACHE, TRACE_BUFFER_SIZE, TRACE_STACKS)
+                        DUMP_ON_TIMEOUT, DUMP_FILE, NAN_CHECK, KERNEL_CACHE, TRACE_BUFFER_SIZE, TRACE_STACKS,
+                        OBJECT_SERIALIZER, OBJECT_MAX_BYTES)
 
 
 def watchdog_timing(environ: Mapping[str, str] | None = None) -> tuple[float, float]:
