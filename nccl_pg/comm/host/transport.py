@@ -323,8 +323,7 @@ class Mesh:
             try:
                 chunk = sock.recv(min(skip, 1 << 16) if skip else HEADER.size - len(header))
             except (BlockingIOError, InterruptedError):
-                left = deadline - time.monotonic()
-                if left <= 0 or not select.select([sock], [], [], left)[0]:
+                if not _readable(sock, deadline):
                     return None
                 continue
             except OSError:
@@ -427,10 +426,8 @@ class Mesh:
             try:
                 chunk = sock.recv(min(nbytes, _GOODBYE_MAX) - len(text))
             except (BlockingIOError, InterruptedError):
-                left = deadline - time.monotonic()
-                if left <= 0:
+                if not _readable(sock, deadline):
                     break
-                select.select([sock], [], [], left)
                 continue
             except OSError:
                 break
@@ -452,6 +449,17 @@ class Mesh:
         fields += [_name(self._names.ops, op, "reduction")] if op != ANY else []
         fields += [f"root {root}"] if root != NO_ROOT else []
         return f"{self._op_name(kind)}({', '.join(fields)})" if fields else self._op_name(kind)
+
+
+def _readable(sock: socket.socket, deadline: float) -> bool:
+    """Wait (poll: descriptors may be above select's 1024) until ``sock``
+    has data or ``deadline`` passes."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return False
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(max(math.ceil(left * 1000), 1)))
 
 
 def _differ(theirs: Meta, ours: Meta) -> bool:
