@@ -1,34 +1,156 @@
-"""Each rank's first program under `nccl-pg run`: ties the rank to the
-launcher's life, then replaces itself with the rank's real command.
-
-Done here rather than in a Popen preexec_fn because the launcher runs the
-store server in a thread, and code between fork and exec in a threaded
-process is unsafe. PR_SET_PDEATHSIG survives execve, so if the launcher is
-killed outright (SIGKILL, OOM killer) the kernel kills the rank too, instead
-of leaving it running and holding its GPU.
+"""Each rank's first program under `nccl-pg run`: ties the rank and
+everything it starts to the launcher's life.
 
     python -m nccl_pg._rank_guard LAUNCHER_PID command [args...]
+
+The guard stays as the rank's parent: a small process that forks the rank's
+command and waits. It is done here rather than in a Popen preexec_fn because
+the launcher runs the store server in a thread, and code between fork and
+exec in a threaded process is unsafe.
+
+- If the launcher is killed outright (SIGKILL, OOM killer) the kernel sends
+  the guard its parent-death signal (PR_SET_PDEATHSIG); the guard then kills
+  the rank and every process below it, including those that left the rank's
+  process group or session (the guard is their subreaper,
+  PR_SET_CHILD_SUBREAPER, so orphans come back to it instead of init). The
+  rank itself dies with the guard in any case (its own parent-death signal).
+- When the rank exits, the guard kills what the rank left behind, then exits
+  the way the rank did (same code, or same signal), so the launcher sees the
+  rank's status.
+- Signals: the launcher signals the rank's whole process group, which
+  reaches the rank directly; the guard passes on only what someone sends to
+  it alone.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import signal
 import sys
+import time
 
 PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+_WATCHED = {signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+_CLEANUP_BUDGET = 5.0  # seconds to kill and reap every descendant
+
+
+def _prctl(libc: ctypes.CDLL, option: int, value: int, what: str) -> None:
+    if libc.prctl(option, value, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        print(f"nccl-pg run: cannot {what}: {os.strerror(err)}", file=sys.stderr, flush=True)
+
+
+def _descendants(root: int) -> list[int]:
+    """Live processes below ``root`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    out, todo = [], list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def _reap(rank: int, status: list[int]) -> None:
+    """Collect every exited child (orphans adopted as subreaper included);
+    the rank's wait status goes into ``status``."""
+    while True:
+        try:
+            pid, code = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        if pid == rank:
+            status.append(code)
+
+
+def _kill_descendants(rank: int, status: list[int]) -> None:
+    """SIGKILL everything below us until nothing is left (new orphans are
+    reparented to us while we work), bounded by _CLEANUP_BUDGET."""
+    deadline = time.monotonic() + _CLEANUP_BUDGET
+    while time.monotonic() < deadline:
+        pids = _descendants(os.getpid())
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.005)
+        _reap(rank, status)
+    _reap(rank, status)
+
+
+def _exit_like(status: int) -> None:
+    """End this process as the rank ended: its exit code, or its signal."""
+    code = os.waitstatus_to_exitcode(status)
+    if code >= 0:
+        os._exit(code)
+    sig = -code
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the rank has dumped its core, if any
+    if sig not in (signal.SIGKILL, signal.SIGSTOP):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
+    os.kill(os.getpid(), sig)
+    os._exit(128 + sig)
+
+
+def _supervise(rank: int, launcher: int) -> None:
+    status: list[int] = []
+    while True:
+        info = signal.sigwaitinfo(_WATCHED)
+        if info.si_signo == signal.SIGCHLD:
+            _reap(rank, status)
+            if status:
+                _kill_descendants(rank, status)
+                _exit_like(status[0])
+            continue
+        if os.getppid() != launcher:  # our parent-death signal: the launcher is gone
+            _kill_descendants(rank, status)
+            os._exit(128 + signal.SIGKILL)
+        if info.si_pid != launcher:  # sent to the guard alone: it was meant for the rank
+            try:
+                os.kill(rank, info.si_signo)
+            except ProcessLookupError:
+                pass
 
 
 def main(argv: list[str]) -> None:
     launcher, command = int(argv[0]), argv[1:]
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        print(f"nccl-pg run: cannot tie rank to the launcher: {os.strerror(err)}", file=sys.stderr)
+    _prctl(libc, PR_SET_PDEATHSIG, signal.SIGTERM, "tie the rank to the launcher")
+    _prctl(libc, PR_SET_CHILD_SUBREAPER, 1, "adopt the rank's orphans")
     if os.getppid() != launcher:  # the launcher died before prctl took effect
         sys.exit("nccl-pg run: the launcher exited before this rank started")
-    os.execv(command[0], command)
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _WATCHED)  # before the fork: none is lost
+    guard = os.getpid()
+    rank = os.fork()
+    if rank == 0:
+        try:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+            _prctl(libc, PR_SET_PDEATHSIG, signal.SIGKILL, "tie the rank to its guard")
+            if os.getppid() != guard:
+                os._exit(1)
+            os.execv(command[0], command)
+        except BaseException as exc:
+            print(f"nccl-pg run: cannot start {command[0]}: {exc}", file=sys.stderr, flush=True)
+        os._exit(127)
+    _supervise(rank, launcher)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,16 @@ def parse_seconds(raw: str) -> float:
     return value
 
 
+def parse_seconds_at_least(lo: float) -> Callable[[str], float]:
+    def parse(raw: str) -> float:
+        value = parse_seconds(raw)
+        if value < lo:
+            raise ValueError(f"must be >= {lo:g} s")
+        return value
+
+    return parse
+
+
 def parse_str(raw: str) -> str:
     return raw
 
@@ -120,12 +130,15 @@ ENABLE_TIMING: Var[bool] = Var(
     "Record a start event for every operation so Works report their duration (on by itself once a "
     "completion hook is registered).",
     aliases=("TORCH_NCCL_ENABLE_TIMING",))
+# Below this the watchdog's poller busy-loops a core for nothing: no completion needs noticing sooner.
+MIN_WATCHDOG_INTERVAL = 0.001
 WATCHDOG_INTERVAL: Var[float] = Var(
-    "NCCL_PG_WATCHDOG_INTERVAL", parse_seconds, 0.1,
-    "Seconds between two polls of pending operations by the watchdog thread.")
+    "NCCL_PG_WATCHDOG_INTERVAL", parse_seconds_at_least(MIN_WATCHDOG_INTERVAL), 0.1,
+    "Seconds between two polls of pending operations by the watchdog thread (at least 0.001).")
 DEBUG: Var[str] = Var(
     "NCCL_PG_DEBUG", parse_choice("off", "info", "detail"), "off",
-    "Debug level: off, info (log group creation), detail (also log every operation issued).",
+    "Debug level: off, info (log group creation), detail (also log every operation issued, and check before "
+    "each collective that every rank issued the same one: kind, dtype, count, reduction op, root).",
     aliases=("TORCH_DISTRIBUTED_DEBUG",))
 
 # --- failure handling --------------------------------------------------------
@@ -143,7 +156,7 @@ BLOCKING_WAIT: Var[bool] = Var(
 HEARTBEAT_TIMEOUT: Var[float] = Var(
     "NCCL_PG_HEARTBEAT_TIMEOUT", parse_seconds, 480.0,
     "Seconds the watchdog thread may go without completing a poll before the monitor writes a dump "
-    "and ends the process with SIGABRT.",
+    "and ends the process with SIGABRT (at least twice NCCL_PG_WATCHDOG_INTERVAL).",
     aliases=("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC",))
 ENABLE_MONITORING: Var[bool] = Var(
     "NCCL_PG_ENABLE_MONITORING", parse_bool, True,
@@ -194,13 +207,40 @@ TRACE_STACKS: Var[bool] = Var(
     "NCCL_PG_TRACE_STACKS", parse_bool, False,
     "Capture the Python stack of every operation into the flight recorder (costs microseconds per op).")
 
+# --- object collectives ------------------------------------------------------------
+OBJECT_SERIALIZER: Var[str] = Var(
+    "NCCL_PG_OBJECT_SERIALIZER", parse_choice("pickle", "safe"), "pickle",
+    "How object collectives (all_gather_object, broadcast_object_list, ...) serialize: pickle (torch's, any "
+    "object; loading runs code a peer chooses: trusted ranks only) or safe (pickle read by an unpickler that "
+    "builds plain data only: no code runs). A call's serializer= wins.")
+OBJECT_MAX_BYTES: Var[int] = Var(
+    "NCCL_PG_OBJECT_MAX_BYTES", parse_int(1, 2**62), 2**30,
+    "Largest serialized object (bytes) an object collective sends or accepts; a larger size announced by a "
+    "peer raises DistBackendError before anything is allocated.")
+
 ALL: tuple[Var, ...] = (STORE_SECRET, STORE_TIMEOUT, STORE_MAX_VALUE_SIZE, USE_AGENT_STORE, HOST_ADDR,
                         HOST_BROADCAST, USE_COMM_NONBLOCKING, ENABLE_TIMING, WATCHDOG_INTERVAL, DEBUG,
                         ASYNC_ERROR_HANDLING, BLOCKING_WAIT, HEARTBEAT_TIMEOUT, ENABLE_MONITORING,
-                        DUMP_ON_TIMEOUT, DUMP_FILE, NAN_CHECK, KERNEL_CACHE, TRACE_BUFFER_SIZE, TRACE_STACKS)
+                        DUMP_ON_TIMEOUT, DUMP_FILE, NAN_CHECK, KERNEL_CACHE, TRACE_BUFFER_SIZE, TRACE_STACKS,
+                        OBJECT_SERIALIZER, OBJECT_MAX_BYTES)
+
+
+def watchdog_timing(environ: Mapping[str, str] | None = None) -> tuple[float, float]:
+    """(poll interval, heartbeat timeout), checked against each other: a
+    heartbeat that expires between two healthy polls would SIGABRT a healthy
+    process, so it must span at least two of them (when monitoring is on)."""
+    interval, heartbeat = WATCHDOG_INTERVAL.get(environ), HEARTBEAT_TIMEOUT.get(environ)
+    if ENABLE_MONITORING.get(environ) and heartbeat < 2 * interval:
+        raise ValueError(
+            f"contradictory settings: {HEARTBEAT_TIMEOUT.name}={heartbeat:g} s is less than twice "
+            f"{WATCHDOG_INTERVAL.name}={interval:g} s: the heartbeat monitor would end healthy processes; raise "
+            f"{HEARTBEAT_TIMEOUT.name}, lower {WATCHDOG_INTERVAL.name}, or set {ENABLE_MONITORING.name}=0")
+    return interval, heartbeat
 
 
 def validate_all(environ: Mapping[str, str] | None = None) -> None:
-    """Parse every declared variable; raises on the first invalid one."""
+    """Parse every declared variable, then the ones that must agree with
+    each other; raises on the first invalid value or contradiction."""
     for var in ALL:
         var.get(environ)
+    watchdog_timing(environ)

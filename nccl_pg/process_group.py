@@ -25,8 +25,9 @@ import numpy as np
 
 from . import env, flight_recorder, nan_check, progress, watchdog
 from .backends import get_backend
-from .comm.base import Backend, CommConfig, CommState, Communicator, Stream, check_exclude
+from .comm.base import Backend, CommConfig, CommState, Communicator, Stream, check_dtype, check_exclude
 from .errors import DistBackendError, NanError
+from .fingerprint import Fingerprint, mismatch
 from .flight_recorder import Entry
 from .nan_check import NanCheck, Pending
 from .reduce_op import PremulSum, ReduceOp, resolve
@@ -58,10 +59,23 @@ Enqueue = Callable[[Communicator, Stream], None]
 Checked = Sequence[tuple[str, Any]]  # (argument name, array) pairs a NaN check scans
 
 
+# The longest deadline every blocking primitive can take (threading waits overflow beyond it, ~292 years).
+MAX_TIMEOUT = threading.TIMEOUT_MAX
+
+
 def seconds(timeout: timedelta | float | int) -> float:
-    value = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-    if not value > 0:
-        raise ValueError(f"timeout must be positive, got {timeout!r}")
+    """A group timeout in seconds: finite and > 0. Every operation of a group
+    has a deadline (the watchdog enforces it), so there is no "no limit"
+    value; inf, nan and what no deadline can hold are refused here, at the
+    call, rather than overflowing at the first collective."""
+    if isinstance(timeout, timedelta):
+        value = timeout.total_seconds()
+    elif isinstance(timeout, (int, float, np.integer, np.floating)) and not isinstance(timeout, bool):
+        value = float(timeout)
+    else:
+        raise TypeError(f"timeout must be a number of seconds or a timedelta, got {type(timeout).__name__}")
+    if not 0 < value <= MAX_TIMEOUT:  # also False for nan
+        raise ValueError(f"timeout must be a finite number of seconds > 0 and <= {MAX_TIMEOUT:.0f}, got {timeout!r}")
     return value
 
 
@@ -91,6 +105,9 @@ class Options:
     config: NCCLConfig = field(default_factory=NCCLConfig)
     nan_check: str | None = None
 
+    def __post_init__(self) -> None:
+        self.timeout = seconds(self.timeout)
+
     @property
     def _timeout(self) -> timedelta:
         return timedelta(seconds=self.timeout)
@@ -115,6 +132,7 @@ class ProcessGroup:
             raise ValueError(f"world size must be a positive int, got {size!r}")
         if not isinstance(rank, int) or not 0 <= rank < size:
             raise ValueError(f"rank {rank!r} out of range for world size {size}")
+        env.watchdog_timing()  # contradictory watchdog settings fail here, before the watchdog starts
         self._backend = get_backend(backend) if isinstance(backend, str) else backend
         self._store = store
         self._rank, self._size = rank, size
@@ -486,14 +504,19 @@ class ProcessGroup:
 
     def _issue(self, op_type: OpType, outputs: list[Any], enqueue: Enqueue,
                after: Callable[[Stream], None] | None = None, inputs: list[Any] | None = None,
-               name: str | None = None, peer: int | None = None, check: Checked | None = None) -> Work | None:
+               name: str | None = None, peer: int | None = None, check: Checked | None = None,
+               fingerprint: Fingerprint | bool | None = None) -> Work | None:
         """Enqueue one operation; ``after`` enqueues copy-outs behind it.
         ``inputs`` (default: ``outputs``, in place) and ``name`` are for the
         flight recorder; ``peer`` (group rank) makes it a send or recv.
         ``check``: the arrays the NaN check scans; callers pass
-        ``self._nan and [...]``, so that no list is built when it is off."""
+        ``self._nan and [...]``, so that no list is built when it is off.
+        ``fingerprint``: what every rank's collective must agree on, checked
+        in debug mode (callers pass ``self._detail and Fingerprint(...)``)."""
         p2p = peer is not None
         comm, stream = self._ready()
+        if isinstance(fingerprint, Fingerprint) and self._coalescing is None and not stream.capturing:
+            self._check_fingerprint(comm, stream, fingerprint)
         self._backend.wait_for_caller(stream, self._device)
         if stream.capturing:  # into a CUDA graph: it runs at each replay, unnumbered, unrecorded, unwatched,
             # and unchecked for NaNs (a check's result could only be read at a replay)
@@ -531,6 +554,29 @@ class ProcessGroup:
             after(stream)
         return self._watch(op_type, self._seq_p2p if p2p else self._seq, outputs, start, stream, [entry],
                            (peer,) if p2p else None, [nan] if nan is not None else None)
+
+    def _check_fingerprint(self, comm: Communicator, stream: Stream, fp: Fingerprint) -> None:
+        """Debug mode: every rank all-gathers its collective's fingerprint
+        before issuing it; on a mismatch every rank raises (nothing is
+        issued), naming ranks and fields. Unnumbered and unrecorded, so that
+        sequence numbers match those of a run without the check."""
+        mine = fp.encode()
+        rows = self._backend.empty(mine.size * self._size, mine.dtype, self._device)
+        comm.all_gather(self._backend.from_host(mine, self._device), rows, stream)
+        if not stream.record().synchronize(self._timeout):
+            self.abort()  # the stream holds an exchange that will never complete
+            raise DistBackendError(f"timeout: {self!r}: Timed out after {self._timeout:g} s in the collective "
+                                   f"fingerprint check (NCCL_PG_DEBUG=detail) before {fp.op.name}: not every rank "
+                                   "issued a collective; the group is aborted")
+        error = comm.async_error()
+        if error is not None:
+            raise error
+        everyone = self._backend.to_host(rows).reshape(self._size, mine.size)
+        ranks = [self._global_rank_of(r) for r in range(self._size)]
+        wrong = mismatch(everyone, ranks)
+        if wrong is not None:
+            raise DistBackendError(f"{self!r}: ranks issued different collectives (collective fingerprint check, "
+                                   f"NCCL_PG_DEBUG=detail): {wrong}")
 
     def _record(self, op_type: OpType, inputs: list[Any] | None, outputs: list[Any], p2p: bool,
                 name: str | None) -> Entry | None:
@@ -595,8 +641,18 @@ class ProcessGroup:
 
     # --- argument helpers -------------------------------------------------------------------
 
-    def _flat(self, array: Any, what: str) -> Any:
-        return self._backend.flat(array, what)
+    def _flat(self, array: Any, what: str, output: bool = False) -> Any:
+        """``array`` as the backend's flat array, or the argument error, raised
+        here on the caller's rank before anything is numbered or enqueued.
+        ``output``: this rank's operation writes it."""
+        flat = self._backend.flat(array, what)
+        check_dtype(self._backend.dtype(flat), what)
+        if output and not self._backend.writable(flat):
+            raise ValueError(f"{what}: the output array is read-only")
+        return flat
+
+    def _reducible(self, flat: Any, op: ReduceOp, scale: float | None, what: str) -> None:
+        self._backend.check_reduction(self._backend.dtype(flat), op, scale, what)
 
     def _same_dtype(self, flats: Sequence[Any], what: str) -> None:
         dtypes = {_real(self._backend.dtype(f)) for f in flats}
@@ -614,10 +670,10 @@ class ProcessGroup:
             raise ValueError(f"{what} {r!r} out of range for a group of {self._size} ranks")
         return int(r)
 
-    def _list(self, arrays: Sequence[Any], what: str, like: Any) -> list[Any]:
+    def _list(self, arrays: Sequence[Any], what: str, like: Any, output: bool = False) -> list[Any]:
         if len(arrays) != self._size:
             raise ValueError(f"{what}: expected {self._size} arrays (one per rank), got {len(arrays)}")
-        flats = [self._flat(a, f"{what}[{i}]") for i, a in enumerate(arrays)]
+        flats = [self._flat(a, f"{what}[{i}]", output) for i, a in enumerate(arrays)]
         self._same_dtype([like, *flats], what)
         for i, f in enumerate(flats):
             if f.size * f.itemsize != like.size * like.itemsize:
@@ -649,15 +705,19 @@ class ProcessGroup:
     # --- collectives (group ranks; in place where torch is) ----------------------------------
 
     def allreduce(self, tensor: Any, op: Op = ReduceOp.SUM) -> Work | None:
-        t = self._flat(_one(tensor), "all_reduce tensor")
+        t = self._flat(_one(tensor), "all_reduce tensor", output=True)
         rop, scale = resolve(op)
+        self._reducible(t, rop, scale, "all_reduce")
         return self._issue(OpType.ALLREDUCE, [tensor], lambda c, s: c.all_reduce(t, t, rop, s, scale),
-                           check=self._nan and [("tensor", _one(tensor))])
+                           check=self._nan and [("tensor", _one(tensor))],
+                           fingerprint=self._detail and Fingerprint(OpType.ALLREDUCE, self._backend.dtype(t), t.size, rop))
 
     def allreduce_coalesced(self, tensors: Sequence[Any], op: Op = ReduceOp.SUM) -> Work:
-        flats = [self._flat(t, f"all_reduce_coalesced tensors[{i}]") for i, t in enumerate(tensors)]
+        flats = [self._flat(t, f"all_reduce_coalesced tensors[{i}]", output=True) for i, t in enumerate(tensors)]
         self._same_dtype(flats, "all_reduce_coalesced")
         rop, scale = resolve(op)
+        if flats:  # one dtype for all (checked above)
+            self._reducible(flats[0], rop, scale, "all_reduce_coalesced")
         self._start_coalescing()
         try:
             self._check_up_front(OpType.ALLREDUCE_COALESCED, [(f"tensors[{i}]", t) for i, t in enumerate(tensors)])
@@ -692,70 +752,84 @@ class ProcessGroup:
             self._prechecked = True
 
     def broadcast(self, tensor: Any, root: int = 0) -> Work | None:
-        t = self._moved(self._flat(_one(tensor), "broadcast tensor"))
         root = self._group_rank(root, "broadcast root")
+        t = self._moved(self._flat(_one(tensor), "broadcast tensor", output=self._rank != root))
         # Only the root's array is sent; the others' are overwritten (torch checks the root's too).
         return self._issue(OpType.BROADCAST, [tensor], lambda c, s: c.broadcast(t, t, root, s),
-                           check=self._nan and self._rank == root and [("tensor", _one(tensor))])
+                           check=self._nan and self._rank == root and [("tensor", _one(tensor))],
+                           fingerprint=self._detail and Fingerprint(OpType.BROADCAST, self._backend.dtype(t), t.size, root=root))
 
     def reduce(self, tensor: Any, root: int = 0, op: Op = ReduceOp.SUM) -> Work | None:
-        t = self._flat(_one(tensor), "reduce tensor")
         root = self._group_rank(root, "reduce root")
+        t = self._flat(_one(tensor), "reduce tensor", output=self._rank == root)
         rop, scale = resolve(op)
+        self._reducible(t, rop, scale, "reduce")
         return self._issue(OpType.REDUCE, [tensor], lambda c, s: c.reduce(t, t, rop, root, s, scale),
-                           check=self._nan and [("tensor", _one(tensor))])
+                           check=self._nan and [("tensor", _one(tensor))],
+                           fingerprint=self._detail and Fingerprint(OpType.REDUCE, self._backend.dtype(t), t.size, rop, root))
 
     def allgather(self, output_list: Sequence[Any], tensor: Any) -> Work | None:
         inp = self._flat(_one(tensor), "all_gather input")
-        outs = self._list(_one_list(output_list), "all_gather output list", inp)
+        outs = self._list(_one_list(output_list), "all_gather output list", inp, output=True)
         inp = self._moved(inp)
         tmp, copy_out = self._gathered(outs, inp)
         return self._issue(OpType.ALLGATHER, list(output_list), lambda c, s: c.all_gather(inp, tmp, s),
-                           after=copy_out, inputs=[_one(tensor)], check=self._nan and [("tensor", _one(tensor))])
+                           after=copy_out, inputs=[_one(tensor)], check=self._nan and [("tensor", _one(tensor))],
+                           fingerprint=self._detail and Fingerprint(OpType.ALLGATHER, self._backend.dtype(inp), inp.size))
 
     def _allgather_base(self, output: Any, tensor: Any) -> Work | None:
-        inp, out = self._flat(tensor, "all_gather_into_tensor input"), self._flat(output, "all_gather_into_tensor output")
+        inp, out = self._flat(tensor, "all_gather_into_tensor input"), self._flat(output, "all_gather_into_tensor output", output=True)
         self._same_dtype([inp, out], "all_gather_into_tensor")
         if out.size != inp.size * self._size:
             raise ValueError(f"all_gather_into_tensor: output has {out.size} elements; expected "
                              f"{self._size} x {inp.size}")
         inp, out = self._moved(inp), self._moved(out)
         return self._issue(OpType._ALLGATHER_BASE, [output], lambda c, s: c.all_gather(inp, out, s),
-                           inputs=[tensor], check=self._nan and [("input_tensor", tensor)])
+                           inputs=[tensor], check=self._nan and [("input_tensor", tensor)],
+                           fingerprint=self._detail and Fingerprint(OpType._ALLGATHER_BASE, self._backend.dtype(inp), inp.size))
 
     def reduce_scatter(self, output: Any, input_list: Sequence[Any], op: Op = ReduceOp.SUM) -> Work | None:
-        out = self._flat(_one(output), "reduce_scatter output")
+        out = self._flat(_one(output), "reduce_scatter output", output=True)
         ins = self._list(_one_list(input_list), "reduce_scatter input list", out)
         rop, scale = resolve(op)
+        self._reducible(out, rop, scale, "reduce_scatter")
         _, stream = self._ready()
         tmp = self._packed(ins, out, stream)
         ins_given = list(_one_list(input_list))
         return self._issue(OpType.REDUCE_SCATTER, [output],
                            lambda c, s: c.reduce_scatter(tmp, out, rop, s, scale), inputs=ins_given,
-                           check=self._nan and [(f"input_list[{i}]", a) for i, a in enumerate(ins_given)])
+                           check=self._nan and [(f"input_list[{i}]", a) for i, a in enumerate(ins_given)],
+                           fingerprint=self._detail and Fingerprint(OpType.REDUCE_SCATTER, self._backend.dtype(out), out.size, rop))
 
     def _reduce_scatter_base(self, output: Any, tensor: Any, op: Op = ReduceOp.SUM) -> Work | None:
-        out, inp = self._flat(output, "reduce_scatter_tensor output"), self._flat(tensor, "reduce_scatter_tensor input")
+        out = self._flat(output, "reduce_scatter_tensor output", output=True)
+        inp = self._flat(tensor, "reduce_scatter_tensor input")
         self._same_dtype([inp, out], "reduce_scatter_tensor")
         if inp.size != out.size * self._size:
             raise ValueError(f"reduce_scatter_tensor: input has {inp.size} elements; expected "
                              f"{self._size} x {out.size}")
         rop, scale = resolve(op)
+        self._reducible(out, rop, scale, "reduce_scatter_tensor")
         return self._issue(OpType._REDUCE_SCATTER_BASE, [output],
                            lambda c, s: c.reduce_scatter(inp, out, rop, s, scale), inputs=[tensor],
-                           check=self._nan and [("input", tensor)])
+                           check=self._nan and [("input", tensor)],
+                           fingerprint=self._detail and Fingerprint(OpType._REDUCE_SCATTER_BASE, self._backend.dtype(out), out.size,
+                                                                    rop))
 
     def alltoall_base(self, output: Any, tensor: Any, output_split_sizes: Sequence[int] | None = None,
                       input_split_sizes: Sequence[int] | None = None) -> Work | None:
-        out, inp = self._flat(output, "all_to_all_single output"), self._flat(tensor, "all_to_all_single input")
+        out = self._flat(output, "all_to_all_single output", output=True)
+        inp = self._flat(tensor, "all_to_all_single input")
         self._same_dtype([inp, out], "all_to_all_single")
         sc = self._counts(tensor, inp, input_split_sizes, "input_split_sizes")
         rc = self._counts(output, out, output_split_sizes, "output_split_sizes")
         k = 2 if np.issubdtype(self._backend.dtype(inp), np.complexfloating) else 1  # complex: 2 reals each
         out, inp = self._moved(out), self._moved(inp)
         sc, rc = [c * k for c in sc], [c * k for c in rc]
+        # Split sizes may differ by rank: only the operation and dtype must agree.
         return self._issue(OpType.ALLTOALL_BASE, [output], lambda c, s: c.all_to_all(inp, out, s, sc, rc),
-                           inputs=[tensor], check=self._nan and [("input", tensor)])
+                           inputs=[tensor], check=self._nan and [("input", tensor)],
+                           fingerprint=self._detail and Fingerprint(OpType.ALLTOALL_BASE, self._backend.dtype(inp)))
 
     def _counts(self, array: Any, flat: Any, splits: Sequence[int] | None, what: str) -> list[int]:
         """Element counts per peer from split sizes along the first dimension."""
@@ -775,7 +849,7 @@ class ProcessGroup:
         if len(output_list) != self._size or len(input_list) != self._size:
             raise ValueError(f"all_to_all: expected {self._size} input and output arrays, got "
                              f"{len(input_list)} and {len(output_list)}")
-        outs = [self._flat(a, f"all_to_all output[{i}]") for i, a in enumerate(output_list)]
+        outs = [self._flat(a, f"all_to_all output[{i}]", output=True) for i, a in enumerate(output_list)]
         ins = [self._flat(a, f"all_to_all input[{i}]") for i, a in enumerate(input_list)]
         self._same_dtype(outs + ins, "all_to_all")
         outs, ins = [self._moved(o) for o in outs], [self._moved(i) for i in ins]
@@ -793,7 +867,8 @@ class ProcessGroup:
         return self._issue(OpType.ALLTOALL, list(output_list),
                            lambda c, s: c.all_to_all(tmp_in, tmp_out, s, sc, rc), after=copy_out,
                            inputs=list(input_list),
-                           check=self._nan and [(f"input_list[{i}]", a) for i, a in enumerate(input_list)])
+                           check=self._nan and [(f"input_list[{i}]", a) for i, a in enumerate(input_list)],
+                           fingerprint=self._detail and Fingerprint(OpType.ALLTOALL, self._backend.dtype(tmp_in)))
 
     def gather(self, tensor: Any, gather_list: Sequence[Any] | None, root: int = 0) -> Work | None:
         inp = self._flat(tensor, "gather input")
@@ -803,19 +878,21 @@ class ProcessGroup:
         if self._rank == root:
             if gather_list is None:
                 raise ValueError("gather: the destination rank must pass gather_list")
-            outs = self._list(gather_list, "gather gather_list", inp)
+            outs = self._list(gather_list, "gather gather_list", inp, output=True)
             inp = self._moved(inp)
             tmp, copy_out = self._gathered(outs, inp)
             return self._issue(OpType.GATHER, list(gather_list), lambda c, s: c.gather(inp, tmp, root, s),
-                               after=copy_out, inputs=[tensor], check=self._nan and [("tensor", tensor)])
+                               after=copy_out, inputs=[tensor], check=self._nan and [("tensor", tensor)],
+                               fingerprint=self._detail and Fingerprint(OpType.GATHER, self._backend.dtype(inp), inp.size, root=root))
         if gather_list:
             raise ValueError("gather: gather_list must be given on the destination rank only")
         inp = self._moved(inp)
         return self._issue(OpType.GATHER, [], lambda c, s: c.gather(inp, None, root, s), inputs=[tensor],
-                           check=self._nan and [("tensor", tensor)])
+                           check=self._nan and [("tensor", tensor)],
+                           fingerprint=self._detail and Fingerprint(OpType.GATHER, self._backend.dtype(inp), inp.size, root=root))
 
     def scatter(self, tensor: Any, scatter_list: Sequence[Any] | None, root: int = 0) -> Work | None:
-        out = self._flat(tensor, "scatter output")
+        out = self._flat(tensor, "scatter output", output=True)
         root = self._group_rank(root, "scatter src")
         if scatter_list and self._rank != root:  # dtypes first on every rank (as torch), then roles
             self._same_dtype([out, *(self._flat(a, "scatter scatter_list") for a in scatter_list)], "scatter")
@@ -828,11 +905,13 @@ class ProcessGroup:
             tmp = self._packed(ins, out, stream)
             return self._issue(OpType.SCATTER, [tensor], lambda c, s: c.scatter(tmp, out, root, s),
                                inputs=list(scatter_list),
-                               check=self._nan and [(f"scatter_list[{i}]", a) for i, a in enumerate(scatter_list)])
+                               check=self._nan and [(f"scatter_list[{i}]", a) for i, a in enumerate(scatter_list)],
+                               fingerprint=self._detail and Fingerprint(OpType.SCATTER, self._backend.dtype(out), out.size, root=root))
         if scatter_list:
             raise ValueError("scatter: scatter_list must be given on the source rank only")
         out = self._moved(out)
-        return self._issue(OpType.SCATTER, [tensor], lambda c, s: c.scatter(None, out, root, s))
+        return self._issue(OpType.SCATTER, [tensor], lambda c, s: c.scatter(None, out, root, s),
+                           fingerprint=self._detail and Fingerprint(OpType.SCATTER, self._backend.dtype(out), out.size, root=root))
 
     def send(self, tensor: Any, dst: int, tag: int = 0) -> Work | None:
         t = self._moved(self._flat(_one(tensor), "send tensor"))
@@ -841,7 +920,7 @@ class ProcessGroup:
                            name=f"nccl:send {self._rank}->{dst}", peer=dst, check=self._nan and [("tensor", _one(tensor))])
 
     def recv(self, tensor: Any, src: int, tag: int = 0) -> Work | None:
-        t = self._moved(self._flat(_one(tensor), "recv tensor"))
+        t = self._moved(self._flat(_one(tensor), "recv tensor", output=True))
         src = self._peer(src, "recv src")
         return self._issue(OpType.RECV, [tensor], lambda c, s: c.recv(t, src, s),
                            name=f"nccl:recv {self._rank}<-{src}", peer=src)
@@ -855,7 +934,8 @@ class ProcessGroup:
     def barrier(self) -> Work | None:
         """An all_reduce of one byte: complete once every rank has issued it."""
         buf = self._backend.from_host(np.zeros(1, np.uint8), self._device)
-        return self._issue(OpType.BARRIER, [], lambda c, s: c.all_reduce(buf, buf, ReduceOp.SUM, s))
+        return self._issue(OpType.BARRIER, [], lambda c, s: c.all_reduce(buf, buf, ReduceOp.SUM, s),
+                           fingerprint=self._detail and Fingerprint(OpType.BARRIER))
 
     # --- teardown ------------------------------------------------------------------------------
 

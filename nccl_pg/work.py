@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import enum
+import numbers
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +30,20 @@ if TYPE_CHECKING:
 
 # Longest slice wait() blocks on an event before re-checking errors and deadlines.
 _WAIT_SLICE = 0.05
+
+
+def _wait_seconds(timeout: object) -> float:
+    """``Work.wait``'s limit: a number of seconds >= 0 (or a timedelta); nan
+    is refused rather than read as "no limit"."""
+    if isinstance(timeout, timedelta):
+        value = timeout.total_seconds()
+    elif isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
+        value = float(timeout)
+    else:
+        raise TypeError(f"wait(timeout): expected a number of seconds or a timedelta, got {type(timeout).__name__}")
+    if not value >= 0:  # also True for nan
+        raise ValueError(f"wait(timeout): expected a number of seconds >= 0, got {timeout!r}")
+    return value
 
 
 class OpType(enum.Enum):
@@ -264,14 +279,16 @@ class Work:
         self._poll()
         return self._error
 
-    def wait(self, timeout: float | None = None) -> bool:
+    def wait(self, timeout: float | timedelta | None = None) -> bool:
         """Block until the operation completes and its outputs can be read;
         raise DistBackendError if it failed, timed out (group timeout), or is
         still running after ``timeout`` seconds. In blocking-wait mode
         (``NCCL_PG_BLOCKING_WAIT``) a wait that raises aborts the group
         first, as torch's does: later operations fail at once, with the
-        reason, instead of queueing behind the failed one."""
-        limit = None if timeout is None else time.monotonic() + timeout
+        reason, instead of queueing behind the failed one. ``timeout=None``
+        or ``inf``: no limit of the wait's own (the group timeout still ends
+        the operation)."""
+        limit = None if timeout is None else time.monotonic() + _wait_seconds(timeout)
         backend = self._group._backend
         if self._captured:
             backend.make_caller_wait(self._end, self._group._device)

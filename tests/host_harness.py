@@ -982,6 +982,37 @@ def abort_during_init(ctx: Ctx) -> dict:
             "state": comm.state.value, "threads_left": left}
 
 
+class _FreezeOnPeerAddresses(PrefixStore):
+    """The store of a rank that freezes (SIGSTOP to itself) once it has read
+    rank 0's address: its own is published and its listener is up (the
+    kernel accepts connections for it), but it never takes part in the
+    connection handshake."""
+
+    def _freeze(self, keys: Sequence[str]) -> None:
+        if "addr/0" in keys:
+            self.underlying_store.set("frozen", b"1")
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    def get(self, key: str) -> bytes:
+        value = super().get(key)
+        self._freeze([key])
+        return value
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        values = super().multi_get(keys)
+        self._freeze(keys)
+        return values
+
+
+@scenario
+def frozen_in_init(ctx: Ctx) -> dict:
+    """The victim: joins the communicator's rendezvous, then freezes before
+    the connections are made. The parent kills it."""
+    HostCommunicator.create(_FreezeOnPeerAddresses("comm", ctx.store), ctx.n, ctx.rank,
+                            CommConfig(timeout=60))
+    return {}
+
+
 @scenario
 def destroy_pending(ctx: Ctx) -> dict:
     """Rank 0 has ops pending on several streams (a recv rank 1 never

@@ -907,6 +907,35 @@ def test_mismatched_sizes_are_named(make_comms: Callable[..., list[HostCommunica
         assert any("40" in e and "48" in e for e in errors), errors  # the byte counts of both sides
 
 
+@pytest.mark.parametrize("field, size", [("dtype", 10), ("dtype", 300_000), ("op", 10), ("op", 300_000),
+                                         ("root", 300_000)])
+def test_mismatched_dtype_op_and_root_fail_every_rank_naming_both_values(
+        make_comms: Callable[..., list[HostCommunicator]], field: str, size: int) -> None:
+    """Ranks agree on the operation and the byte count but not on its dtype
+    (float32 vs int32), its reduction (SUM vs MAX) or its root: before, the
+    result was silently wrong. Now every rank fails, within a second, with a
+    message naming both ranks' values (the ranks that did not read the
+    mismatch themselves learn it from the goodbye of one that did)."""
+    n = 3 if field == "root" else 2
+    comms = make_comms(n)
+    streams = [c.new_stream() for c in comms]
+    values = {"dtype": ("float32", "int32"), "op": ("SUM", "MAX"), "root": ("root 0", "root 1")}[field]
+    t0 = time.monotonic()
+    for r, (c, s) in enumerate(zip(comms, streams, strict=True)):
+        odd = r == n - 1
+        if field == "root":  # a large reduce: a ring through every rank, then the root collects
+            x = np.ones(size, np.float32)
+            c.reduce(x, x, SUM, 1 if odd else 0, s)
+        else:
+            x = np.ones(size, np.int32 if field == "dtype" and odd else np.float32)
+            c.all_reduce(x, x, ReduceOp.MAX if field == "op" and odd else SUM, s)
+    for c, s in zip(comms, streams, strict=True):
+        assert s.synchronize(10), "a mismatch must not hang"
+        error = str(c.async_error())
+        assert all(v in error for v in values), error
+    assert time.monotonic() - t0 < 1.0
+
+
 # --- misc -----------------------------------------------------------------------------------------
 
 

@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 
 import host_harness as H
 import pytest
+
+from nccl_pg.comm.base import CommConfig
+from nccl_pg.comm.host import HostCommunicator
+from nccl_pg.errors import DistBackendError
+from nccl_pg.store import PrefixStore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -33,7 +39,8 @@ def no_children_left() -> Iterator[None]:
 @pytest.mark.parametrize("n, victim", [(4, 1), (3, 0)])
 def test_sigkill_during_all_reduce(n: int, victim: int) -> None:
     """Every survivor's async_error() appears, and its stream drains, within
-    1 s of the kill; later ops raise at once; destroy() is prompt."""
+    1 s of the kill, and names the killed rank; later ops raise at once;
+    destroy() is prompt."""
     args = {"size": 1 << 21, "count": 400, "victim": victim}  # 8 MiB all_reduces: the ring path, many seconds' worth
     with H.ProcWorld(n, "killed_peer", args) as w:
         for r in range(n):
@@ -51,7 +58,10 @@ def test_sigkill_during_all_reduce(n: int, victim: int) -> None:
         assert res["t_err"] - t_kill < BOUND, (r, res["t_err"] - t_kill, res["err"])
         assert res["t_drain"] - t_kill < BOUND, (r, res["t_drain"] - t_kill)
         assert res["err_is_backend_error"], res["err"]
-        assert "rank" in res["err"] and res["state"] == "error", res
+        assert res["state"] == "error", res
+        # Every survivor names the rank that died, not a healthy neighbour that failed after it
+        # (the survivors' goodbyes carry the culprit).
+        assert f"rank {victim} exited or crashed" in res["err"], res["err"]
         assert res["raised_after"] is not None and res["raise_s"] < BOUND, res
         assert res["destroy_s"] < BOUND, res
 
@@ -94,7 +104,9 @@ def test_abort_from_another_thread_unblocks_recv() -> None:
         assert raised is not None and "aborted" in raised, (what, raised)
     assert res["stream_query"] and res["sync_after"], res
     assert res["destroy_s"] < BOUND, res
-    assert results[0]["peer_drained"] and "rank 1" in results[0]["peer_err"], results[0]
+    assert results[0]["peer_drained"], results[0]
+    # Rank 0 learns that rank 1 aborted on purpose (its goodbye), not that it crashed.
+    assert "rank 1: it aborted its communicator" in results[0]["peer_err"], results[0]
 
 
 @pytest.mark.parametrize("n, rank", [(2, 0), (3, 2)], ids=["accepting", "waiting-for-addresses"])
@@ -121,3 +133,59 @@ def test_destroy_with_pending_ops() -> None:
     assert res["pending"], res
     assert res["destroy_s"] < BOUND and res["drained"], res
     assert res["state"] == "destroyed" and "destroyed" in res["err"], res
+
+
+def _survivors(w: H.ProcWorld, n: int, ranks: list[int], timeout: float) -> dict[int, HostCommunicator]:
+    cfg = CommConfig(timeout=timeout, blocking=False)
+    return {r: HostCommunicator.create(PrefixStore("comm", w.store), n, r, cfg) for r in ranks}
+
+
+def test_peer_frozen_in_init_fails_every_rank_at_the_deadline_naming_it() -> None:
+    """Rank 1 of 3 (a process) publishes its address, then freezes (SIGSTOP)
+    before the connection handshake; its kernel still accepts connections.
+    Both survivors fail at the init deadline (not later), naming rank 1 and
+    what it failed to do (before: rank 2 blocked in a post-connect exchange
+    beyond the deadline and abort's reach; the message named nobody)."""
+    n, victim, timeout = 3, 1, 3.0
+    with H.ProcWorld(n, "frozen_in_init", ranks=[victim]) as w:
+        t0 = time.monotonic()
+        comms = _survivors(w, n, [0, 2], timeout)
+        try:
+            w.wait_key("frozen")
+            for r in (2, 0):  # rank 2 first: it connected to the frozen rank (the case that hung before)
+                c = comms[r]
+                with pytest.raises(DistBackendError) as info:
+                    c.wait_ready(timeout + 5)
+                elapsed = time.monotonic() - t0
+                text = str(info.value)
+                assert timeout * 0.9 <= elapsed < timeout + BOUND, (r, elapsed, text)
+                assert text.startswith("timeout") and "Timed out after 3 s waiting for ranks [1]" in text, text
+                detail = "rank 1 accepted the connection but never answered" if r == 2 else \
+                    "ranks [1] never connected to rank 0"
+                assert detail in text, text
+        finally:
+            H.destroy_all(list(comms.values()))
+
+
+def test_abort_releases_an_init_blocked_on_a_frozen_peer() -> None:
+    """Same frozen peer; the survivors abort during the handshake (well
+    before the 30 s deadline): released within the abort bound, and their
+    init threads end."""
+    n, victim = 3, 1
+    with H.ProcWorld(n, "frozen_in_init", ranks=[victim]) as w:
+        comms = _survivors(w, n, [0, 2], 30.0)
+        try:
+            w.wait_key("frozen")
+            time.sleep(0.3)  # let the survivors reach the handshake (an earlier abort passes too)
+            for c in (comms[2], comms[0]):  # rank 2 first: its half-built mesh was beyond abort's reach
+                t0 = time.monotonic()
+                c.abort()
+                with pytest.raises(DistBackendError, match="aborted"):
+                    c.wait_ready(BOUND)
+                assert time.monotonic() - t0 < BOUND
+            deadline = time.monotonic() + BOUND
+            while any(t.name.startswith("nccl_pg-init") for t in threading.enumerate()):
+                assert time.monotonic() < deadline, [t.name for t in threading.enumerate()]
+                time.sleep(0.01)
+        finally:
+            H.destroy_all(list(comms.values()))

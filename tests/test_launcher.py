@@ -290,6 +290,26 @@ def test_ranks_die_with_a_sigkilled_launcher(tmp_path: Path, start) -> None:
     assert_gone(pids)
 
 
+@pytest.mark.timeout(30)
+def test_the_ranks_own_children_die_with_a_sigkilled_launcher(tmp_path: Path, start) -> None:
+    """The ranks' children die too: one in the rank's process group, and one
+    that left it for a session of its own (as a daemonizing helper does).
+    Before, the parent-death signal reached the ranks only; their children
+    were orphaned and kept running."""
+    write_job(tmp_path, '''
+        same_group = subprocess.Popen(["sleep", "1000"])
+        own_session = subprocess.Popen(["sleep", "1000"], start_new_session=True)
+        ready(same_group.pid, own_session.pid)
+        time.sleep(1000)
+    ''')
+    proc = start("--nproc", "2", "job.py")
+    pids = wait_ready(tmp_path, [0, 1], proc)
+    assert len(pids) == 6 and all(running(p) for p in pids)
+    proc.kill()
+    proc.wait(10)
+    assert_gone(pids)
+
+
 def test_rank_guard_refuses_when_the_launcher_is_already_gone(tmp_path: Path) -> None:
     """The guard's own check covers the launcher dying before prctl takes effect."""
     result = subprocess.run([sys.executable, "-m", "nccl_pg._rank_guard", "1", sys.executable, "-c", "print('ran')"],

@@ -1,24 +1,30 @@
 """Benchmark the host backend's collectives against torch.distributed's Gloo backend in one run.
 
+Public API against public API: ``nccl_pg``'s module functions
+(``init_process_group("host")``, ``all_reduce(..., async_op=True)``, Works)
+against ``torch.distributed``'s with Gloo. A third row, ``comm``, times our
+raw ``HostCommunicator`` on a stream, the layer under our API: the gap
+between it and ``nccl_pg`` is the group layer's cost per op (numbering, the
+flight recorder, Work objects, the watchdog).
+
 For each process count, the script launches that many worker processes on
-loopback. Every worker joins both a nccl_pg HostCommunicator and a Gloo
-process group. Then, for each operation and size, both backends get the same
-harness:
+loopback. Every worker joins all three. Then, for each operation and size,
+each gets the same harness:
 
   1. one op on fresh data, whose result is checked on every rank;
   2. the remaining warmup ops;
-  3. ``--repeat`` timed rounds per backend, interleaved (ours, gloo, gloo,
-     ours, ...) so that drift in the machine's load hits both alike. A round
-     is a barrier (a multiprocessing.Barrier, neutral to both backends), then
+  3. ``--repeat`` timed rounds per backend, interleaved (the order rotates
+     every round) so that drift in the machine's load hits all alike. A
+     round is a barrier (a multiprocessing.Barrier, neutral to all), then
      ``iters`` ops issued back to back, then one wait for all of them.
 
 A round follows nccl-tests: time per op = wall time / iters, averaged over
 ranks (nccl-tests' default ``-a 1``); the reported time is the median round
-(every round, and its rank maximum, are in the JSON). nccl_pg
-ops go on one stream and the timer stops at ``stream.synchronize()``; Gloo ops
-are issued with ``async_op=True`` and the timer stops when every work object
-has been waited on. Bandwidths use nccl-tests' formulas (``size`` is the
-larger of the send and receive buffers, in bytes):
+(every round, and its rank maximum, are in the JSON). Both APIs issue with
+``async_op=True`` and the timer stops once every Work has been waited on;
+``comm`` ops go on one stream and the timer stops at ``stream.synchronize()``.
+Bandwidths use nccl-tests' formulas (``size`` is the larger of the send and
+receive buffers, in bytes):
 
   all_reduce   algbw = size / t   busbw = algbw * 2(n-1)/n   (in place, like Gloo's)
   all_gather   algbw = size / t   busbw = algbw * (n-1)/n    (out of place; size = n * per-rank bytes)
@@ -26,7 +32,7 @@ larger of the send and receive buffers, in bytes):
 
 Big sizes get fewer iterations: a timed round is at most ``--budget`` bytes
 (iters x size), and at least 3 ops. Arrays are float32. With more processes
-than cores (4 on a 2-core machine) the ranks share cores: both backends alike.
+than cores (4 on a 2-core machine) the ranks share cores: all backends alike.
 
     python3 tools/bench_host.py [--quick] [--nproc 2 4] [--ops all_reduce ...] [--json out.json]
 """
@@ -53,7 +59,7 @@ import numpy as np
 
 HOST = "127.0.0.1"
 OPS = ("all_reduce", "all_gather", "broadcast")
-BACKENDS = ("nccl_pg", "gloo")
+BACKENDS = ("nccl_pg", "gloo", "comm")  # our public API, Gloo's, and our raw communicator (a breakdown)
 BUSBW_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
                 "broadcast": lambda n: 1.0}
 MIN_ITERS = 3
@@ -97,11 +103,32 @@ class _Case:
             mine = np.full(count, -1.0, dtype=np.float32)
         self.recv = np.empty(count * n, dtype=np.float32) if op == "all_gather" else mine
         if backend == "nccl_pg":
-            self._setup_ours(op, mine, ctx)
+            self._setup_api(op, mine)
+        elif backend == "comm":
+            self._setup_comm(op, mine, ctx)
         else:
             self._setup_gloo(op, mine)
 
-    def _setup_ours(self, op: str, mine: np.ndarray, ctx: dict[str, Any]) -> None:
+    def _setup_api(self, op: str, mine: np.ndarray) -> None:
+        import nccl_pg
+
+        recv = self.recv
+        works: list[Any] = []
+        if op == "all_reduce":
+            self.issue = lambda: works.append(nccl_pg.all_reduce(recv, async_op=True))
+        elif op == "all_gather":
+            self.issue = lambda: works.append(nccl_pg.all_gather_into_tensor(recv, mine, async_op=True))
+        else:
+            self.issue = lambda: works.append(nccl_pg.broadcast(recv, ROOT, async_op=True))
+
+        def wait_all() -> None:
+            for w in works:
+                w.wait(TIMEOUT)
+            works.clear()
+
+        self.wait_all = wait_all
+
+    def _setup_comm(self, op: str, mine: np.ndarray, ctx: dict[str, Any]) -> None:
         from nccl_pg.reduce_op import ReduceOp
 
         comm, stream = ctx["comm"], ctx["stream"]
@@ -115,7 +142,7 @@ class _Case:
 
         def wait_all() -> None:
             if not stream.synchronize(TIMEOUT):
-                raise TimeoutError(f"nccl_pg {op}: stream not done after {TIMEOUT} s")
+                raise TimeoutError(f"comm {op}: stream not done after {TIMEOUT} s")
             if comm.async_error() is not None:
                 raise comm.async_error()
 
@@ -155,8 +182,9 @@ class _Case:
 
 
 def _order(k: int) -> tuple[str, ...]:
-    """Which backend goes first in measurement round ``k``: alternate, so drift hits both alike."""
-    return BACKENDS if k % 2 == 0 else BACKENDS[::-1]
+    """The backends' order in measurement round ``k``: rotated, so drift hits all alike."""
+    k %= len(BACKENDS)
+    return BACKENDS[k:] + BACKENDS[:k]
 
 
 def _worker(rank: int, n: int, store_port: int, torch_port: int, plan: list[tuple[str, int, int, int]],
@@ -167,6 +195,7 @@ def _worker(rank: int, n: int, store_port: int, torch_port: int, plan: list[tupl
         import torch
         import torch.distributed as dist
 
+        import nccl_pg
         from nccl_pg.comm import CommConfig
         from nccl_pg.comm.host import HostCommunicator
         from nccl_pg.store import PrefixStore, TCPStore
@@ -175,6 +204,7 @@ def _worker(rank: int, n: int, store_port: int, torch_port: int, plan: list[tupl
         tstore = dist.TCPStore(HOST, torch_port, is_master=False, timeout=timedelta(seconds=60))
         dist.init_process_group("gloo", store=tstore, rank=rank, world_size=n, timeout=timedelta(seconds=TIMEOUT))
         store = TCPStore(HOST, store_port, timeout=60)
+        nccl_pg.init_process_group("host", store=store, rank=rank, world_size=n, timeout=TIMEOUT)
         comm = HostCommunicator.create(PrefixStore("bench", store), n, rank, CommConfig(timeout=60))
         ctx = {"comm": comm, "stream": comm.new_stream()}
         for k, (op, size, iters, warmup) in enumerate(plan):
@@ -200,6 +230,7 @@ def _worker(rank: int, n: int, store_port: int, torch_port: int, plan: list[tupl
                     conn.send((time.perf_counter() - t0) / iters)
             del base, cases, case
         comm.destroy()
+        nccl_pg.destroy_process_group()
         store.close()
         dist.destroy_process_group()
     except BaseException:
@@ -287,21 +318,24 @@ def _human(nbytes: int) -> str:
 
 
 def _table(rows: list[dict[str, Any]], n: int, op: str) -> str:
-    """Markdown: one line per size, both backends, ratio = gloo time / our time (>1: we are faster)."""
-    ours = {r["bytes"]: r for r in rows if r["nproc"] == n and r["op"] == op and r["backend"] == "nccl_pg"}
-    gloo = {r["bytes"]: r for r in rows if r["nproc"] == n and r["op"] == op and r["backend"] == "gloo"}
+    """Markdown: one line per size; ratio = gloo time / nccl_pg time (>1: our public API is faster);
+    comm: our raw communicator, and the group layer's cost per op (nccl_pg - comm)."""
+    by = {b: {r["bytes"]: r for r in rows if r["nproc"] == n and r["op"] == op and r["backend"] == b}
+          for b in BACKENDS}
     lines = [f"**{op}, {n} processes**", "",
-             "| size | iters | nccl_pg µs | algbw | busbw | gloo µs | algbw | busbw | ratio | goal |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|:--|"]
-    for size in sorted(ours):
-        a, b = ours[size], gloo.get(size)
-        if b is None:
+             "| size | iters | nccl_pg µs | algbw | busbw | gloo µs | algbw | busbw | ratio | goal | comm µs | "
+             "API cost µs |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|:--|---:|---:|"]
+    for size in sorted(by["nccl_pg"]):
+        a, b, c = by["nccl_pg"][size], by["gloo"].get(size), by["comm"].get(size)
+        if b is None or c is None:
             continue
         ratio = b["time_us"] / a["time_us"]
         need = 1.0 if size >= 1 << 20 else 0.5
         lines.append(f"| {_human(size)} | {a['iters']} | {a['time_us']:.0f} | {a['algbw_GBps']:.3f} | "
                      f"{a['busbw_GBps']:.3f} | {b['time_us']:.0f} | {b['algbw_GBps']:.3f} | {b['busbw_GBps']:.3f} | "
-                     f"{ratio:.2f} | {'ok' if ratio >= need else 'MISS'} (≥{need:g}) |")
+                     f"{ratio:.2f} | {'ok' if ratio >= need else 'MISS'} (≥{need:g}) | {c['time_us']:.0f} | "
+                     f"{a['time_us'] - c['time_us']:.0f} |")
     return "\n".join(lines)
 
 
@@ -358,8 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.nproc:
         rows += _run_nproc(n, args, _progress)
     print(f"\nAll results checked; {time.monotonic() - start:.0f} s. Time per op = wall time / iters, mean over "
-          f"ranks; ratio = gloo time / nccl_pg time (= bandwidth ratio); goal: ratio >= 1 from 1 MB up, "
-          f">= 0.5 below.\n")
+          f"ranks; ratio = gloo time / nccl_pg time (public APIs; = bandwidth ratio); goal: ratio >= 1 from 1 MB "
+          f"up, >= 0.5 below. comm: our raw communicator; API cost = nccl_pg - comm.\n")
     for n in args.nproc:
         for op in args.ops:
             print(_table(rows, n, op) + "\n")

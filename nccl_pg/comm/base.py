@@ -10,10 +10,13 @@ and return at once; completion is observed through Events, failures through
 from __future__ import annotations
 
 import enum
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from ..reduce_op import ReduceOp
 
@@ -46,6 +49,11 @@ class CommConfig:
     max_ctas: int | None = None
     net_name: str | None = None
     split_share: bool | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) \
+                or not 0 < self.timeout <= threading.TIMEOUT_MAX:
+            raise ValueError(f"CommConfig.timeout must be a finite number of seconds > 0, got {self.timeout!r}")
 
 
 class Event(ABC):
@@ -222,6 +230,36 @@ def check_exclude(exclude: Sequence[int], nranks: int, rank: int) -> list[int]:
     return sorted(out)
 
 
+# Types numpy sees as opaque (kind "V") that are numbers all the same: ml_dtypes' bfloat16 and 8-bit floats.
+_ML_NUMBERS = frozenset({"bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3", "float8_e4m3fnuz",
+                         "float8_e5m2fnuz", "float8_e4m3b11fnuz", "float8_e3m4", "float8_e8m0fnu"})
+
+
+def check_dtype(dtype: np.dtype, what: str) -> None:
+    """Refuse element types no backend can communicate (objects hold
+    pointers; strings, dates, void and structured records have no reduction
+    and no wire format), at the call rather than inside the stream."""
+    if (dtype.kind in "biufc" and dtype.fields is None) or dtype.name in _ML_NUMBERS:
+        return
+    raise TypeError(f"{what}: arrays of dtype {dtype} cannot be communicated; use a numeric dtype "
+                    "(bool, integers, floats, complex, bfloat16, float8)")
+
+
+def check_reduction(dtype: np.dtype, op: ReduceOp, scale: float | None, what: str) -> None:
+    """The reductions both backends refuse (NCCL's rules: no float8
+    reductions, complex only sums, no mean of booleans)."""
+    if not isinstance(op, ReduceOp):
+        raise TypeError(f"{what}: op must be a ReduceOp, got {op!r}")
+    if dtype.name in _ML_NUMBERS and dtype.name != "bfloat16":
+        raise TypeError(f"{what}: Float8 dtypes are not supported for NCCL reductions")
+    if dtype.kind == "c" and op not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise TypeError(f"{what}: {op!r} is not supported on complex arrays (only SUM and AVG)")
+    if dtype == np.bool_ and op in (ReduceOp.AVG, ReduceOp.PREMUL_SUM):
+        raise TypeError(f"{what}: Cannot use {op!r} with boolean inputs")
+    if (op is ReduceOp.PREMUL_SUM) != (scale is not None):
+        raise ValueError(f"{what}: PREMUL_SUM needs a scale factor, and only PREMUL_SUM takes one")
+
+
 class Backend(ABC):
     """What the process-group core needs from a backend besides its
     Communicator: how to create one, and how to view, allocate and copy the
@@ -242,6 +280,17 @@ class Backend(ABC):
     @abstractmethod
     def dtype(self, array: Any) -> Any:
         """The numpy dtype of ``array``."""
+
+    def writable(self, array: Any) -> bool:
+        """False for a flat array (from ``flat``) that must not be written,
+        such as a read-only numpy view; outputs are checked with it before
+        anything is enqueued."""
+        return True
+
+    def check_reduction(self, dtype: Any, op: ReduceOp, scale: float | None, what: str) -> None:
+        """Raise TypeError/ValueError for a reduction this backend cannot do,
+        before anything is enqueued (default: the rules of ``check_reduction``)."""
+        check_reduction(dtype, op, scale, what)
 
     @abstractmethod
     def empty(self, count: int, dtype: Any, device: Any = None) -> Any:

@@ -11,16 +11,39 @@ ends with bit-identical results, as with NCCL.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 from ...reduce_op import ReduceOp
-from .transport import Mesh, Recv, Send
+from .transport import ANY, NO_ROOT, Mesh, Meta, Recv, Send, WireNames
 
 # Kinds of operation, sent in every message header (names for error messages).
 OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter",
        "send/recv")
 KIND = {name: i for i, name in enumerate(OPS)}
+# Element types and reductions by their code in message headers (a dtype not listed goes unchecked).
+DTYPES = ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "float32",
+          "float64", "float128", "complex64", "complex128", "complex256", "bfloat16", "float8_e4m3fn", "float8_e5m2",
+          "float8_e4m3", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e4m3b11fnuz", "float8_e3m4", "float8_e8m0fnu")
+_DTYPE_CODE = {name: i for i, name in enumerate(DTYPES)}
+_OP_CODE = {op: i for i, op in enumerate(ReduceOp)}
+WIRE_NAMES = WireNames(OPS, DTYPES, tuple(op.name for op in ReduceOp))
+
+
+class Tag(NamedTuple):
+    """What every message of one operation carries for the peers to check."""
+
+    kind: int
+    meta: Meta
+
+
+def tag(kind: str, dtype: np.dtype, op: ReduceOp | None = None, root: int = NO_ROOT) -> Tag:
+    return Tag(KIND[kind], (_DTYPE_CODE.get(dtype.name, ANY), ANY if op is None else _OP_CODE[op], root))
+
+
+def _x(mesh: Mesh, t: Tag, sends: list[Send], recvs: list[Recv]) -> None:
+    mesh.exchange(t.kind, sends, recvs, t.meta)
 
 SMALL_BYTES = 64 * 1024  # below this, one-round algorithms win on latency
 CHUNK_BYTES = 1 << 20  # ring/chain chunk
@@ -101,31 +124,32 @@ def _reduce_in_rank_order(parts: Sequence[np.ndarray], out: np.ndarray, combine:
 
 def all_reduce(mesh: Mesh, send: np.ndarray, recv: np.ndarray, op: ReduceOp, scale: float | None) -> None:
     n, me = mesh.nranks, mesh.rank
+    t = tag("all_reduce", send.dtype, op)
     mine = prescale(send, op, scale)
     combine = combiner(op, send.dtype)
     if n == 1 or send.nbytes <= SMALL_BYTES * max(1, n // 2):
-        parts = _all_gather_small(mesh, KIND["all_reduce"], mine)
+        parts = _all_gather_small(mesh, t, mine)
         _reduce_in_rank_order(parts, recv, combine)
     else:
         if mine is not recv:
             np.copyto(recv, mine)
-        _ring_reduce_scatter(mesh, KIND["all_reduce"], recv, segments(recv.size, n), combine)
-        _ring_all_gather(mesh, KIND["all_reduce"], recv, segments(recv.size, n), owner_shift=1)
+        _ring_reduce_scatter(mesh, t, recv, segments(recv.size, n), combine)
+        _ring_all_gather(mesh, t, recv, segments(recv.size, n), owner_shift=1)
     finish(recv, op, n)
     del me
 
 
-def _all_gather_small(mesh: Mesh, kind: int, mine: np.ndarray) -> list[np.ndarray]:
+def _all_gather_small(mesh: Mesh, t: Tag, mine: np.ndarray) -> list[np.ndarray]:
     """Everyone's array, in rank order, in one round."""
     n, me = mesh.nranks, mesh.rank
     theirs = np.empty((n, mine.size), dtype=mine.dtype)
     peers = [p for p in range(n) if p != me]
-    mesh.exchange(kind, [(p, u8(mine)) for p in peers], [(p, u8(theirs[p]), None) for p in peers])
+    _x(mesh, t, [(p, u8(mine)) for p in peers], [(p, u8(theirs[p]), None) for p in peers])
     theirs[me] = mine
     return list(theirs)
 
 
-def _ring_reduce_scatter(mesh: Mesh, kind: int, buf: np.ndarray, segs: list[tuple[int, int]],
+def _ring_reduce_scatter(mesh: Mesh, t: Tag, buf: np.ndarray, segs: list[tuple[int, int]],
                          combine: Callable) -> None:
     """After n-1 steps, rank r holds the full reduction of segment (r+1) % n.
     Each step: send the segment reduced so far to the next rank, receive the
@@ -143,10 +167,10 @@ def _ring_reduce_scatter(mesh: Mesh, kind: int, buf: np.ndarray, segs: list[tupl
             view = scratch[:c_hi - c_lo]
             recvs.append((prv, u8(view), lambda v=view, lo=c_lo, hi=c_hi: combine(buf[lo:hi], v)))
         sends: list[Send] = [(nxt, u8(buf[a:b])) for a, b in chunks(s_lo, s_hi, buf.itemsize)]
-        mesh.exchange(kind, sends, recvs)
+        _x(mesh, t, sends, recvs)
 
 
-def _ring_all_gather(mesh: Mesh, kind: int, buf: np.ndarray, segs: list[tuple[int, int]], owner_shift: int) -> None:
+def _ring_all_gather(mesh: Mesh, t: Tag, buf: np.ndarray, segs: list[tuple[int, int]], owner_shift: int) -> None:
     """Rank r starts owning segment (r + owner_shift) % n; each step forwards
     the segment received last to the next rank."""
     n, me = mesh.nranks, mesh.rank
@@ -156,24 +180,24 @@ def _ring_all_gather(mesh: Mesh, kind: int, buf: np.ndarray, segs: list[tuple[in
         r_lo, r_hi = segs[(me + owner_shift - step - 1) % n]
         sends: list[Send] = [(nxt, u8(buf[a:b])) for a, b in chunks(s_lo, s_hi, buf.itemsize)]
         recvs: list[Recv] = [(prv, u8(buf[a:b]), None) for a, b in chunks(r_lo, r_hi, buf.itemsize)]
-        mesh.exchange(kind, sends, recvs)
+        _x(mesh, t, sends, recvs)
 
 
 def broadcast(mesh: Mesh, send: np.ndarray, recv: np.ndarray, root: int) -> None:
     n, me = mesh.nranks, mesh.rank
-    kind = KIND["broadcast"]
+    t = tag("broadcast", recv.dtype, root=root)
     if me == root and send is not recv:
         np.copyto(recv, send)
     if n == 1:
         return
     if recv.nbytes <= SMALL_BYTES:
         if me == root:
-            mesh.exchange(kind, [(p, u8(recv)) for p in range(n) if p != root], [])
+            _x(mesh, t, [(p, u8(recv)) for p in range(n) if p != root], [])
         else:
-            mesh.exchange(kind, [], [(root, u8(recv), None)])
+            _x(mesh, t, [], [(root, u8(recv), None)])
         return
     if mesh.tree_broadcast:
-        _tree_broadcast(mesh, kind, recv, root)
+        _tree_broadcast(mesh, t, recv, root)
         return
     # A chain root -> root+1 -> ...: while receiving chunk k, forward chunk k-1. The root only
     # sends and the last rank only receives, so each posts all its chunks in one exchange.
@@ -181,18 +205,18 @@ def broadcast(mesh: Mesh, send: np.ndarray, recv: np.ndarray, root: int) -> None
     nxt, prv = (me + 1) % n, (me - 1) % n
     parts = chunks(0, recv.size, recv.itemsize)
     if pos == 0:
-        mesh.exchange(kind, [(nxt, u8(recv[a:b])) for a, b in parts], [])
+        _x(mesh, t, [(nxt, u8(recv[a:b])) for a, b in parts], [])
         return
     if pos == n - 1:
-        mesh.exchange(kind, [], [(prv, u8(recv[a:b]), None) for a, b in parts])
+        _x(mesh, t, [], [(prv, u8(recv[a:b]), None) for a, b in parts])
         return
     for k in range(len(parts) + 1):
         sends: list[Send] = [(nxt, u8(recv[slice(*parts[k - 1])]))] if k > 0 else []
         recvs: list[Recv] = [(prv, u8(recv[slice(*parts[k])]), None)] if k < len(parts) else []
-        mesh.exchange(kind, sends, recvs)
+        _x(mesh, t, sends, recvs)
 
 
-def _tree_broadcast(mesh: Mesh, kind: int, buf: np.ndarray, root: int) -> None:
+def _tree_broadcast(mesh: Mesh, t: Tag, buf: np.ndarray, root: int) -> None:
     """Binomial tree, whole buffer per step: ceil(log2 n) steps. Slower than
     the chain when every rank has its own core, but when a host's ranks
     outnumber its CPUs the chain's many handoffs between time-sliced ranks
@@ -201,9 +225,9 @@ def _tree_broadcast(mesh: Mesh, kind: int, buf: np.ndarray, root: int) -> None:
     mask = 1
     while mask < n:
         if v < mask and v + mask < n:
-            mesh.exchange(kind, [((v + mask + root) % n, u8(buf))], [])
+            _x(mesh, t, [((v + mask + root) % n, u8(buf))], [])
         elif mask <= v < 2 * mask:
-            mesh.exchange(kind, [], [((v - mask + root) % n, u8(buf), None)])
+            _x(mesh, t, [], [((v - mask + root) % n, u8(buf), None)])
         mask <<= 1
 
 
@@ -211,16 +235,16 @@ def reduce(mesh: Mesh, send: np.ndarray, recv: np.ndarray | None, op: ReduceOp, 
            scale: float | None) -> None:
     """``recv`` is only written on the root."""
     n, me = mesh.nranks, mesh.rank
-    kind = KIND["reduce"]
+    t = tag("reduce", send.dtype, op, root)
     mine = prescale(send, op, scale)
     combine = combiner(op, send.dtype)
     if n == 1 or send.nbytes <= SMALL_BYTES:
         if me != root:
-            mesh.exchange(kind, [(root, u8(mine))], [])
+            _x(mesh, t, [(root, u8(mine))], [])
             return
         theirs = np.empty((n, send.size), dtype=send.dtype)
         peers = [p for p in range(n) if p != root]
-        mesh.exchange(kind, [], [(p, u8(theirs[p]), None) for p in peers])
+        _x(mesh, t, [], [(p, u8(theirs[p]), None) for p in peers])
         theirs[root] = mine
         assert recv is not None
         _reduce_in_rank_order(list(theirs), recv, combine)
@@ -229,22 +253,22 @@ def reduce(mesh: Mesh, send: np.ndarray, recv: np.ndarray | None, op: ReduceOp, 
     # Large: ring reduce-scatter in scratch, then every owner sends its segment to the root.
     work = np.array(mine, copy=True)
     segs = segments(work.size, n)
-    _ring_reduce_scatter(mesh, kind, work, segs, combine)
+    _ring_reduce_scatter(mesh, t, work, segs, combine)
     own = (me + 1) % n
     if me != root:
-        mesh.exchange(kind, [(root, u8(work[segs[own][0]:segs[own][1]]))], [])
+        _x(mesh, t, [(root, u8(work[segs[own][0]:segs[own][1]]))], [])
         return
     assert recv is not None
     np.copyto(recv[segs[own][0]:segs[own][1]], work[segs[own][0]:segs[own][1]])
     owners = [((p + 1) % n, p) for p in range(n) if p != root]
-    mesh.exchange(kind, [], [(p, u8(recv[segs[s][0]:segs[s][1]]), None) for s, p in owners])
+    _x(mesh, t, [], [(p, u8(recv[segs[s][0]:segs[s][1]]), None) for s, p in owners])
     finish(recv, op, n)
 
 
 def all_gather(mesh: Mesh, send: np.ndarray, recv: np.ndarray) -> None:
     """``recv`` holds n blocks of send.size, in rank order."""
     n, me = mesh.nranks, mesh.rank
-    kind = KIND["all_gather"]
+    t = tag("all_gather", send.dtype)
     blocks = recv.reshape(n, send.size)
     if blocks[me].ctypes.data != send.ctypes.data:
         np.copyto(blocks[me], send)
@@ -252,22 +276,22 @@ def all_gather(mesh: Mesh, send: np.ndarray, recv: np.ndarray) -> None:
         return
     if send.nbytes <= SMALL_BYTES:
         peers = [p for p in range(n) if p != me]
-        mesh.exchange(kind, [(p, u8(send)) for p in peers], [(p, u8(blocks[p]), None) for p in peers])
+        _x(mesh, t, [(p, u8(send)) for p in peers], [(p, u8(blocks[p]), None) for p in peers])
         return
     segs = [(i * send.size, (i + 1) * send.size) for i in range(n)]
-    _ring_all_gather(mesh, kind, recv, segs, owner_shift=0)
+    _ring_all_gather(mesh, t, recv, segs, owner_shift=0)
 
 
 def reduce_scatter(mesh: Mesh, send: np.ndarray, recv: np.ndarray, op: ReduceOp, scale: float | None) -> None:
     """``send`` holds n blocks of recv.size; rank r gets the reduction of block r."""
     n, me = mesh.nranks, mesh.rank
-    kind = KIND["reduce_scatter"]
+    t = tag("reduce_scatter", send.dtype, op)
     combine = combiner(op, send.dtype)
     mine = prescale(send, op, scale).reshape(n, recv.size)
     if n == 1 or recv.nbytes <= SMALL_BYTES:
         theirs = np.empty((n, recv.size), dtype=recv.dtype)
         peers = [p for p in range(n) if p != me]
-        mesh.exchange(kind, [(p, u8(mine[p])) for p in peers], [(p, u8(theirs[p]), None) for p in peers])
+        _x(mesh, t, [(p, u8(mine[p])) for p in peers], [(p, u8(theirs[p]), None) for p in peers])
         theirs[me] = mine[me]
         _reduce_in_rank_order(list(theirs), recv, combine)
     else:
@@ -275,7 +299,7 @@ def reduce_scatter(mesh: Mesh, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
         work = np.array(mine, copy=True).reshape(-1)
         order = [(me_b - 1) % n for me_b in range(n)]
         segs = [(order[i] * recv.size, (order[i] + 1) * recv.size) for i in range(n)]
-        _ring_reduce_scatter(mesh, kind, work, segs, combine)
+        _ring_reduce_scatter(mesh, t, work, segs, combine)
         np.copyto(recv, work[me * recv.size:(me + 1) * recv.size])
     finish(recv, op, n)
 
@@ -290,27 +314,27 @@ def all_to_all(mesh: Mesh, send: np.ndarray, recv: np.ndarray, send_counts: Sequ
     if recv[r_off[me]:r_off[me + 1]].ctypes.data != send[s_off[me]:s_off[me + 1]].ctypes.data:
         np.copyto(recv[r_off[me]:r_off[me + 1]], send[s_off[me]:s_off[me + 1]])
     peers = [p for p in range(n) if p != me]
-    mesh.exchange(KIND["all_to_all"], [(p, u8(send[s_off[p]:s_off[p + 1]])) for p in peers],
+    _x(mesh, tag("all_to_all", send.dtype), [(p, u8(send[s_off[p]:s_off[p + 1]])) for p in peers],
                   [(p, u8(recv[r_off[p]:r_off[p + 1]]), None) for p in peers])
 
 
 def gather(mesh: Mesh, send: np.ndarray, recv: np.ndarray | None, root: int) -> None:
     n, me = mesh.nranks, mesh.rank
     if me != root:
-        mesh.exchange(KIND["gather"], [(root, u8(send))], [])
+        _x(mesh, tag("gather", send.dtype, root=root), [(root, u8(send))], [])
         return
     assert recv is not None
     blocks = recv.reshape(n, send.size)
     np.copyto(blocks[me], send)
-    mesh.exchange(KIND["gather"], [], [(p, u8(blocks[p]), None) for p in range(n) if p != me])
+    _x(mesh, tag("gather", send.dtype, root=root), [], [(p, u8(blocks[p]), None) for p in range(n) if p != me])
 
 
 def scatter(mesh: Mesh, send: np.ndarray | None, recv: np.ndarray, root: int) -> None:
     n, me = mesh.nranks, mesh.rank
     if me != root:
-        mesh.exchange(KIND["scatter"], [], [(root, u8(recv), None)])
+        _x(mesh, tag("scatter", recv.dtype, root=root), [], [(root, u8(recv), None)])
         return
     assert send is not None
     blocks = send.reshape(n, recv.size)
     np.copyto(recv, blocks[me])
-    mesh.exchange(KIND["scatter"], [(p, u8(blocks[p])) for p in range(n) if p != me], [])
+    _x(mesh, tag("scatter", recv.dtype, root=root), [(p, u8(blocks[p])) for p in range(n) if p != me], [])

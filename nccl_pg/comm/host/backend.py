@@ -76,6 +76,9 @@ class HostBackend(Backend):
     def dtype(self, array: Any) -> np.dtype:
         return array.dtype
 
+    def writable(self, array: Any) -> bool:
+        return bool(array.flags.writeable)
+
     def empty(self, count: int, dtype: Any, device: Any = None) -> np.ndarray:
         return np.empty(count, dtype=dtype)
 

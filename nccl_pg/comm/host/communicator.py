@@ -17,14 +17,17 @@ from ... import env
 from ...errors import DistBackendError, DistStoreError
 from ...reduce_op import ReduceOp
 from ...store import PrefixStore, Store, TCPStore
-from ..base import CommConfig, CommState, Communicator, Stream, check_exclude
+from ..base import CommConfig, CommState, Communicator, Stream, check_dtype, check_exclude, check_reduction
 from . import algorithms as alg
 from .stream import HostEvent, HostStream
-from .transport import Mesh, MeshTimeoutError, Recv, Send, connect_mesh, listen
+from .transport import Mesh, MeshBuilder, MeshTimeoutError, Recv, Send, listen
 
-_FP8 = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3", "float8_e4m3fnuz", "float8_e5m2fnuz")
 # Stream threads wait this much past the init deadline before giving up on init themselves.
 _INIT_GRACE = 2.0
+# A rank's address in the store: token (rank 0's; zeros from the others), port, then the host.
+_ADDR_RECORD = struct.Struct("<16sH")
+_ALL_JOINED = b"all joined"
+_EXPLAIN_CHECKS = 64  # store requests a timed-out rendezvous may spend finding who never joined
 # (color, key, port, token, host) published by every rank in a split
 _SPLIT_RECORD = struct.Struct("<qqH16s64s")
 
@@ -49,7 +52,7 @@ class _Bootstrap:
     """What a new rank needs to join its mesh."""
 
     listener: socket.socket
-    lower: dict[int, tuple[str, int]] | None  # None: read the addresses from the store
+    lower: dict[int, tuple[str, int]]
     token: bytes
 
 
@@ -58,20 +61,16 @@ def _flat(a: Any, what: str) -> np.ndarray:
         raise TypeError(f"{what}: the host backend takes numpy arrays, got {type(a).__name__}")
     if not a.flags.c_contiguous:
         raise ValueError(f"{what}: array must be contiguous")
+    check_dtype(a.dtype, what)
     return a.reshape(-1)
 
 
-def _check_reducible(a: np.ndarray, op: ReduceOp, scale: float | None) -> None:
-    if not isinstance(op, ReduceOp):
-        raise TypeError(f"op must be a ReduceOp, got {op!r}")
-    if a.dtype.name in _FP8:
-        raise TypeError("Float8 dtypes are not supported for NCCL reductions")
-    if a.dtype.kind == "c" and op not in (ReduceOp.SUM, ReduceOp.AVG):
-        raise TypeError(f"{op!r} is not supported on complex arrays (only SUM and AVG)")
-    if a.dtype == np.bool_ and op in (ReduceOp.AVG, ReduceOp.PREMUL_SUM):
-        raise TypeError(f"Cannot use {op!r} with boolean inputs")
-    if (op is ReduceOp.PREMUL_SUM) != (scale is not None):
-        raise ValueError("PREMUL_SUM needs a scale factor, and only PREMUL_SUM takes one")
+def _out(a: Any, what: str) -> np.ndarray:
+    """An array the operation writes."""
+    flat = _flat(a, what)
+    if not flat.flags.writeable:
+        raise ValueError(f"{what}: the output array is read-only")
+    return flat
 
 
 class HostCommunicator(Communicator):
@@ -93,6 +92,8 @@ class HostCommunicator(Communicator):
         self._shrink_count = 0
         self._store = store  # shrink() meets the survivors here (a split child gets its parent's)
         self._token = b""  # shared by every rank of this communicator: names its shrinks in the store
+        self._rendezvous_store: Store | None = None  # set while init waits there: abort wakes it through it
+        self._builder: MeshBuilder | None = None  # set while init connects: abort cancels it
         self._internal = self.new_stream()
         deadline = time.monotonic() + config.timeout
         if config.blocking:
@@ -117,100 +118,151 @@ class HostCommunicator(Communicator):
     # --- init ----------------------------------------------------------------------
 
     def _init(self, store: Store | None, boot: _Bootstrap | None, deadline: float) -> None:
+        """Every step has the init deadline, names the ranks it did not hear
+        from, and ends soon after abort(): the store wait is woken through
+        the store, the connections are cancelled, and the mesh is failed."""
         try:
             if boot is None:
                 assert store is not None
-                boot = self._publish(store, deadline)
-            if boot.lower is None:
-                assert store is not None
-                boot.lower = self._read_addresses(store, deadline)
+                boot = self._rendezvous(store, deadline)
             self._token = boot.token
+            builder = MeshBuilder(self.rank, self.nranks, boot.listener, boot.token, self.name)
+            with self._lock:
+                self._builder = builder
             try:
-                socks = connect_mesh(self.rank, self.nranks, boot.listener, boot.lower, boot.token, deadline,
-                                     self.name, aborted=lambda: self._error is not None)
-            except MeshTimeoutError as exc:
-                raise self._explain(exc, store) from None
-            mesh = Mesh(self.rank, self.nranks, socks, self.name, alg.OPS)
-            mesh.tree_broadcast = self._agree_on_tree_broadcast(mesh)
+                if self._error is not None:
+                    raise self._error
+                socks = builder.build(boot.lower, deadline, self.config.timeout)
+            finally:
+                with self._lock:
+                    self._builder = None
+            mesh = Mesh(self.rank, self.nranks, socks, self.name, alg.WIRE_NAMES)
             with self._lock:
                 if self._error is not None:  # aborted while connecting
                     mesh.close()
                     return
-                self._mesh = mesh
-                self._state = CommState.READY
+                self._mesh = mesh  # within abort's reach from here on
+            mesh.tree_broadcast = self._agree_on_tree_broadcast(mesh, deadline)
+            with self._lock:
+                if self._error is None:
+                    self._state = CommState.READY
         except BaseException as exc:
-            if boot is not None:
-                boot.listener.close()
             with self._lock:
                 if self._error is None:
                     self._error = exc if isinstance(exc, DistBackendError) else DistBackendError(
                         f"{self.name}: init failed on rank {self.rank}: {exc}")
                     self._state = CommState.ERROR
         finally:
+            if boot is not None:
+                boot.listener.close()
             self._ready.set()
 
-    def _agree_on_tree_broadcast(self, mesh: Mesh) -> bool:
+    def _agree_on_tree_broadcast(self, mesh: Mesh, deadline: float) -> bool:
         """Every rank must run the same broadcast algorithm, but each one's
         preference depends on its own host (ranks vs CPUs) and environment:
         take the tree when any rank wants it."""
         algo = env.HOST_BROADCAST.get()
-        mine = algo == "tree" or (algo == "auto" and mesh.local_ranks > len(os.sched_getaffinity(0)))
-        votes = np.empty(self.nranks, dtype=np.uint8)
-        alg.all_gather(mesh, np.array([mine], dtype=np.uint8), votes)
+        votes = np.zeros(self.nranks, dtype=np.uint8)
+        votes[self.rank] = algo == "tree" or (algo == "auto" and mesh.local_ranks > len(os.sched_getaffinity(0)))
+        peers = [p for p in range(self.nranks) if p != self.rank]
+        mine = alg.u8(votes[self.rank:self.rank + 1])
+        try:
+            mesh.exchange(alg.KIND["all_gather"], [(p, mine) for p in peers],
+                          [(p, alg.u8(votes[p:p + 1]), None) for p in peers], deadline=deadline)
+        except MeshTimeoutError as exc:
+            raise MeshTimeoutError(
+                f"timeout: {self.name}: rank {self.rank}: Timed out after {self.config.timeout:g} s waiting for ranks "
+                f"{exc.missing} to finish the init handshake: they connected, then fell silent (frozen?)",
+                exc.missing) from None
         return bool(votes.any())
 
-    def _explain(self, exc: MeshTimeoutError, store: Store | None) -> DistBackendError:
-        """Tell the ranks that never joined from those that joined but wait,
-        like us, for the missing ones (only the store knows who published)."""
-        if store is None:
-            return exc
-        try:
-            absent = [r for r in exc.missing if not store.check([f"addr/{r}"])]
-        except Exception:  # the store itself may be gone; the plain message still holds
-            return exc
-        waiting = [r for r in exc.missing if r not in absent]
-        detail = f"ranks {absent} never joined" if absent else f"ranks {waiting} joined but never connected"
-        if absent and waiting:
-            detail += f"; ranks {waiting} joined and are waiting for them too"
-        return DistBackendError(f"timeout: {self.name}: rank {self.rank} waited {self.config.timeout:.1f} s "
-                                f"to build the communicator: {detail}")
-
-    def _publish(self, store: Store, deadline: float) -> _Bootstrap:
-        if self.rank == 0:
-            token = os.urandom(16)
-            store.set("token", token)
-        else:
-            token = self._store_wait(store, ["token"], deadline)[0]
+    def _rendezvous(self, store: Store, deadline: float) -> _Bootstrap:
+        """O(1) store requests per rank, whatever the number of ranks: publish
+        our address, count ourselves in, wait for the last rank to say all
+        joined, then fetch the lower ranks' addresses in one request (the
+        higher ones connect to us)."""
         listener = listen(_host_address(store))
-        host, port = listener.getsockname()[:2]
-        store.set(f"addr/{self.rank}", f"{host}:{port}")
-        return _Bootstrap(listener, None, token)
-
-    def _read_addresses(self, store: Store, deadline: float) -> dict[int, tuple[str, int]]:
-        values = self._store_wait(store, [f"addr/{r}" for r in range(self.rank)], deadline)
-        out = {}
-        for r, v in enumerate(values):
-            host, _, port = v.decode().rpartition(":")
-            out[r] = (host, int(port))
-        return out
-
-    def _store_wait(self, store: Store, keys: list[str], deadline: float) -> list[bytes]:
-        """Wait in short slices so that abort() interrupts a stuck init."""
-        while True:
-            if self._error is not None:
-                raise self._error
-            left = deadline - time.monotonic()
+        try:
+            host, port = listener.getsockname()[:2]
+            token = os.urandom(16) if self.rank == 0 else bytes(16)
+            with self._lock:
+                if self._error is not None:
+                    raise self._error
+                self._rendezvous_store = store
+            store.set(f"addr/{self.rank}", _ADDR_RECORD.pack(token, port) + host.encode())
+            if store.add("joined", 1) == self.nranks:
+                store.compare_set("all", b"", _ALL_JOINED)
             try:
-                store.wait(keys, timeout=max(min(left, 0.1), 0.001))
-                return [store.get(k) for k in keys]
+                store.wait(["all"], timeout=max(deadline - time.monotonic(), 0.001))
             except DistStoreError:
-                if time.monotonic() >= deadline:
-                    missing = [k for k in keys if not store.check([k])]
-                    ranks = sorted(int(k.split("/")[1]) if "/" in k else 0 for k in missing)
-                    raise DistBackendError(
-                        f"timeout: {self.name}: rank {self.rank} waited {self.config.timeout:.1f} s for ranks "
-                        f"{ranks} to join the communicator"
-                    ) from None
+                if self._error is not None:
+                    raise self._error from None
+                raise self._rendezvous_timeout(store) from None
+            values = store.multi_get(["all", *(f"addr/{r}" for r in range(self.rank))])
+        except BaseException:
+            listener.close()
+            raise
+        finally:
+            with self._lock:
+                self._rendezvous_store = None
+        if values[0] != _ALL_JOINED:  # a rank aborted its init and woke everyone (see _wake_rendezvous)
+            listener.close()
+            raise self._error or DistBackendError(f"{self.name}: rank {self.rank}: init failed: "
+                                                  f"{values[0].decode(errors='replace')}")
+        lower = {}
+        for r, record in enumerate(values[1:]):
+            their_token, their_port = _ADDR_RECORD.unpack_from(record)
+            lower[r] = (record[_ADDR_RECORD.size:].decode(), their_port)
+            if r == 0:
+                token = their_token
+        return _Bootstrap(listener, lower, token)
+
+    def _rendezvous_timeout(self, store: Store) -> DistBackendError:
+        """Name the ranks that never published their address: a bisection of
+        ``check`` requests (a few per absent rank, bounded), not one per rank."""
+        absent: list[int] = []
+        budget = [_EXPLAIN_CHECKS]
+
+        def search(lo: int, hi: int) -> None:
+            if budget[0] <= 0:
+                return
+            budget[0] -= 1
+            if store.check([f"addr/{r}" for r in range(lo, hi)]):
+                return
+            if hi - lo == 1:
+                absent.append(lo)
+                return
+            mid = (lo + hi) // 2
+            search(lo, mid)
+            search(mid, hi)
+
+        head = (f"timeout: {self.name}: rank {self.rank}: Timed out after {self.config.timeout:g} s waiting for "
+                f"the other ranks to join the communicator")
+        try:
+            joined = store.add("joined", 0)
+            search(0, self.nranks)
+        except Exception as exc:  # the store itself may be gone; say what is known
+            return DistBackendError(f"{head}; the store could not tell who is missing ({exc})")
+        more = " (and maybe others: the search stopped at its budget)" if budget[0] <= 0 else ""
+        return DistBackendError(f"{head}: {joined} of {self.nranks} joined; ranks {absent}{more} never joined")
+
+    def _wake_rendezvous(self) -> None:
+        """Abort during the store wait: end it now for every rank (none can
+        finish without us) by marking the rendezvous aborted. On a thread of
+        its own: abort() never waits for the store."""
+        with self._lock:
+            store = self._rendezvous_store
+        if store is None:
+            return
+        why = f"rank {self.rank} aborted its init".encode()
+
+        def wake() -> None:
+            try:
+                store.compare_set("all", b"", why)
+            except Exception:  # the store is gone: the waits end at their deadline instead
+                pass
+
+        threading.Thread(target=wake, name=f"nccl_pg-abort-{self.name}", daemon=True).start()
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -260,6 +312,7 @@ class HostCommunicator(Communicator):
                 self._error = DistBackendError(f"{self.name}: communicator destroyed on rank {self.rank}")
             self._state = CommState.DESTROYED
             mesh = self._mesh
+        self._release_init()
         if mesh is not None:
             mesh.fail(self._error)
             mesh.close()
@@ -334,14 +387,14 @@ class HostCommunicator(Communicator):
     # --- operations -------------------------------------------------------------------
 
     def all_reduce(self, send: Any, recv: Any, op: ReduceOp, stream: Stream, scale: float | None = None) -> None:
-        s, r = _flat(send, "all_reduce send"), _flat(recv, "all_reduce recv")
+        s, r = _flat(send, "all_reduce send"), _out(recv, "all_reduce recv")
         self._same(s, r, "all_reduce", s.size, s.size)
-        _check_reducible(s, op, scale)
+        check_reduction(s.dtype, op, scale, "all_reduce")
         self._enqueue(stream, "all_reduce", lambda m: alg.all_reduce(m, s, r, op, scale))
 
     def broadcast(self, send: Any, recv: Any, root: int, stream: Stream) -> None:
         root = self._root(root)
-        r = _flat(recv, "broadcast recv")
+        r = _out(recv, "broadcast recv") if self.rank != root else _flat(recv, "broadcast recv")
         s = _flat(send, "broadcast send") if self.rank == root else r
         self._same(s, r, "broadcast", r.size, r.size)
         self._enqueue(stream, "broadcast", lambda m: alg.broadcast(m, s, r, root))
@@ -350,26 +403,26 @@ class HostCommunicator(Communicator):
                scale: float | None = None) -> None:
         root = self._root(root)
         s = _flat(send, "reduce send")
-        r = _flat(recv, "reduce recv") if self.rank == root else None
+        r = _out(recv, "reduce recv") if self.rank == root else None
         if r is not None:
             self._same(s, r, "reduce", s.size, s.size)
-        _check_reducible(s, op, scale)
+        check_reduction(s.dtype, op, scale, "reduce")
         self._enqueue(stream, "reduce", lambda m: alg.reduce(m, s, r, op, root, scale))
 
     def all_gather(self, send: Any, recv: Any, stream: Stream) -> None:
-        s, r = _flat(send, "all_gather send"), _flat(recv, "all_gather recv")
+        s, r = _flat(send, "all_gather send"), _out(recv, "all_gather recv")
         self._same(s, r, "all_gather", s.size, s.size * self.nranks)
         self._enqueue(stream, "all_gather", lambda m: alg.all_gather(m, s, r))
 
     def reduce_scatter(self, send: Any, recv: Any, op: ReduceOp, stream: Stream, scale: float | None = None) -> None:
-        s, r = _flat(send, "reduce_scatter send"), _flat(recv, "reduce_scatter recv")
+        s, r = _flat(send, "reduce_scatter send"), _out(recv, "reduce_scatter recv")
         self._same(s, r, "reduce_scatter", r.size * self.nranks, r.size)
-        _check_reducible(s, op, scale)
+        check_reduction(s.dtype, op, scale, "reduce_scatter")
         self._enqueue(stream, "reduce_scatter", lambda m: alg.reduce_scatter(m, s, r, op, scale))
 
     def all_to_all(self, send: Any, recv: Any, stream: Stream, send_counts: Sequence[int] | None = None,
                    recv_counts: Sequence[int] | None = None) -> None:
-        s, r = _flat(send, "all_to_all send"), _flat(recv, "all_to_all recv")
+        s, r = _flat(send, "all_to_all send"), _out(recv, "all_to_all recv")
         n = self.nranks
         if send_counts is None and recv_counts is None:
             if s.size % n or s.size != r.size:
@@ -387,14 +440,14 @@ class HostCommunicator(Communicator):
     def gather(self, send: Any, recv: Any, root: int, stream: Stream) -> None:
         root = self._root(root)
         s = _flat(send, "gather send")
-        r = _flat(recv, "gather recv") if self.rank == root else None
+        r = _out(recv, "gather recv") if self.rank == root else None
         if r is not None:
             self._same(s, r, "gather", s.size, s.size * self.nranks)
         self._enqueue(stream, "gather", lambda m: alg.gather(m, s, r, root))
 
     def scatter(self, send: Any, recv: Any, root: int, stream: Stream) -> None:
         root = self._root(root)
-        r = _flat(recv, "scatter recv")
+        r = _out(recv, "scatter recv")
         s = _flat(send, "scatter send") if self.rank == root else None
         if s is not None:
             self._same(s, r, "scatter", r.size * self.nranks, r.size)
@@ -404,7 +457,7 @@ class HostCommunicator(Communicator):
         self._p2p(stream, [(self._peer(peer), alg.u8(_flat(buf, "send buf")))], [])
 
     def recv(self, buf: Any, peer: int, stream: Stream) -> None:
-        self._p2p(stream, [], [(self._peer(peer), alg.u8(_flat(buf, "recv buf")), None)])
+        self._p2p(stream, [], [(self._peer(peer), alg.u8(_out(buf, "recv buf")), None)])
 
     def _p2p(self, stream: Stream, sends: list[Send], recvs: list[Recv]) -> None:
         self._usable()
@@ -475,14 +528,14 @@ class HostCommunicator(Communicator):
             raise self._error
         if color is None:
             return None
-        records = [_SPLIT_RECORD.unpack_from(everyone, i * _SPLIT_RECORD.size) for i in range(self.nranks)]
+        records = [_SPLIT_RECORD.unpack_from(everyone.data, i * _SPLIT_RECORD.size) for i in range(self.nranks)]
         members = sorted((rec[1], r) for r, rec in enumerate(records) if rec[0] == color)
         ranks = [r for _, r in members]
         child_rank = ranks.index(self.rank)
         lower = {i: (records[r][4].rstrip(b"\0").decode(), records[r][2]) for i, r in enumerate(ranks[:child_rank])}
         token = records[ranks[0]][3]
-        boot = _Bootstrap(listener, lower, token)
         assert listener is not None
+        boot = _Bootstrap(listener, lower, token)
         child = HostCommunicator(child_rank, len(ranks), cfg, f"{self.name}.{color}", bootstrap=boot)
         child._store = self._store
         return child
@@ -521,8 +574,22 @@ class HostCommunicator(Communicator):
         with self._lock:
             if self._state is not CommState.DESTROYED:
                 self._state = state
+        self._release_init()
         for s in self._streams:
             s.aborted = True  # unblock streams waiting on events that will never come
+
+    def _release_init(self) -> None:
+        """An init still running ends now: its waiters are released at once
+        and its thread soon after (the store wait woken, the connections
+        cancelled; a mesh already built was failed by _fail)."""
+        if self._ready.is_set():
+            return
+        self._wake_rendezvous()
+        with self._lock:
+            builder = self._builder
+        if builder is not None:
+            builder.cancel()
+        self._ready.set()
 
     def _my_address(self) -> str:
         return (self._mesh.local_address() if self._mesh else None) or env.HOST_ADDR.get() or "127.0.0.1"

@@ -4,19 +4,31 @@ and the engine that moves data over it.
 Every algorithm is a sequence of ``exchange()`` steps: a set of sends and
 receives that progress together on non-blocking sockets (so paired sends
 never deadlock, whatever their size). Each message carries a header with a
-per-peer sequence number, the operation's kind and its size, so ranks that
-disagree (one in all_reduce, another in broadcast; different sizes) get an
-error naming the peer and the difference, instead of garbage or a hang.
+per-peer sequence number, the operation's kind, dtype, reduction op, root and
+size, so ranks that disagree (one in all_reduce, another in broadcast; float32
+against int32; SUM against MAX; different roots or sizes) get an error naming
+the peer and both values, instead of garbage or a hang.
 
 Peer death shows up as EOF or a reset on that peer's socket; the mesh is then
-broken: it closes every connection, so the peers' peers see EOF too and the
+broken: it says goodbye to every peer (a last frame naming the rank whose
+failure started it, so that errors name the rank that died rather than the
+healthy ones that aborted after it) and closes every connection, so the
 failure spreads within milliseconds instead of leaving ranks blocked.
 ``abort()`` wakes a blocked exchange through a pipe and does the same.
+
+``MeshBuilder`` connects the mesh at init: every connection, outgoing and
+incoming, progresses at once on non-blocking sockets with the init deadline,
+a connection must prove it belongs to this communicator (its token) before it
+counts, strangers and silent connections are dropped without delaying the
+others, and ``cancel()`` (abort) ends the build at once.
 """
 
 from __future__ import annotations
 
+import errno
+import hmac
 import itertools
+import math
 import os
 import select
 import socket
@@ -29,11 +41,29 @@ from dataclasses import dataclass, field
 
 from ...errors import DistBackendError, DistNetworkError
 
-HEADER = struct.Struct("<QB3xQ")  # per-peer seq, op kind, payload bytes
-HELLO = struct.Struct("<16sI")  # communicator token, connecting rank
+# per-peer seq, op kind, dtype code, reduction-op code, root (in a goodbye: the culprit), payload bytes
+HEADER = struct.Struct("<QBBBxiQ")
+# communicator token, sender's rank, communicator size
+HELLO = struct.Struct("<16sII")
+ANY = 255  # dtype or op code of a message whose dtype or op is not checked (point-to-point, raw bytes)
+NO_ROOT = -1
+Meta = tuple[int, int, int]  # (dtype code, op code, root) of an operation, checked against every peer's
+NO_META: Meta = (ANY, ANY, NO_ROOT)
+GOODBYE = 255  # op kind of the last frame a rank sends on each connection when it leaves a broken mesh
+_GOODBYE_MAX = 2000  # bytes of reason text in a goodbye
+_FAREWELL_BUDGET = 0.25  # seconds a failing rank spends finishing half-sent messages and saying goodbye
 _IOV_MESSAGES = 64  # messages per gather write: 2 parts each, well under Linux's IOV_MAX of 1024
 
 _POLLERR = select.POLLERR | select.POLLHUP | select.POLLNVAL
+
+
+@dataclass(frozen=True)
+class WireNames:
+    """Names of the codes in message headers, for error messages."""
+
+    kinds: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    ops: tuple[str, ...]
 
 
 class MeshTimeoutError(DistBackendError):
@@ -45,12 +75,33 @@ class MeshTimeoutError(DistBackendError):
 
 
 class PeerLostError(DistBackendError):
-    """A peer's connection ended (EOF or reset): it exited, crashed or aborted."""
+    """A peer's connection ended: it exited, crashed or aborted. ``culprit``
+    is the rank whose failure started it (the peer itself, or the rank the
+    peer's goodbye named), ``reason`` what happened to the culprit."""
+
+    def __init__(self, message: str, culprit: int, reason: str) -> None:
+        super().__init__(message)
+        self.culprit, self.reason = culprit, reason
 
 
 @dataclass
 class _Out:
     parts: list[memoryview]
+    sent: int = 0
+
+
+def _advance(parts: list[memoryview], n: int) -> int:
+    """Drop the first ``n`` bytes (at most all of them) from ``parts``;
+    returns how many were dropped."""
+    done = 0
+    while parts and done < n:
+        k = min(n - done, parts[0].nbytes)
+        done += k
+        if k == parts[0].nbytes:
+            parts.pop(0)
+        else:
+            parts[0] = parts[0][k:]
+    return done
 
 
 @dataclass
@@ -68,9 +119,9 @@ Recv = tuple[int, memoryview, Callable[[], None] | None]
 
 class Mesh:
     def __init__(self, rank: int, nranks: int, socks: dict[int, socket.socket], name: str,
-                 op_names: tuple[str, ...]) -> None:
+                 names: WireNames) -> None:
         self.rank, self.nranks, self.name = rank, nranks, name
-        self._op_names = op_names
+        self._names = names
         self._socks = socks
         self._fd_peer = {s.fileno(): p for p, s in socks.items()}
         # Ranks of this mesh on this host (peers reached at our own address), us included.
@@ -83,9 +134,11 @@ class Mesh:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held by the exchange in progress (one at a time)
         self.error: BaseException | None = None
         self._closed = False
+        self._partial: dict[int, list[memoryview]] = {}  # per peer: the rest of a message half sent
+        self._said_goodbye = False
 
     def local_address(self) -> str | None:
         """The address this rank's connections use (None for one rank)."""
@@ -96,19 +149,24 @@ class Mesh:
     # --- failure ---------------------------------------------------------------
 
     def fail(self, error: BaseException) -> None:
-        """Break the mesh: wake any exchange and close every connection, so
-        peers blocked on us see EOF instead of waiting forever."""
+        """Break the mesh: wake any exchange, say goodbye to every peer and
+        close every connection, so peers blocked on us see the reason (or
+        EOF) instead of waiting forever. Never blocks on an exchange in
+        progress: that one says goodbye as it ends."""
         if self.error is None:
             self.error = error
         try:
             os.write(self._wake_w, b"x")
         except OSError:
             pass
-        for s in self._socks.values():
+        self._try_farewell()
+
+    def _try_farewell(self) -> None:
+        if self._lock.acquire(blocking=False):
             try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+                self._farewell()
+            finally:
+                self._lock.release()
 
     def close(self) -> None:
         with self._lock:  # an exchange in progress finishes (or is failed) first
@@ -120,29 +178,89 @@ class Mesh:
             os.close(self._wake_r)
             os.close(self._wake_w)
 
+    # --- goodbyes --------------------------------------------------------------
+
+    def _culprit(self) -> tuple[int, str]:
+        """Who broke the mesh, and what happened to them (for our goodbye)."""
+        err = self.error
+        if isinstance(err, PeerLostError):
+            return err.culprit, err.reason
+        return self.rank, f"aborted its communicator ({err})"
+
+    def _farewell(self) -> None:
+        """With the lock held: finish the messages half sent (a peer could
+        not parse what follows them), send each peer a goodbye naming the
+        culprit, then shut every connection down; all bounded by
+        _FAREWELL_BUDGET. A peer that is not reading gets only EOF."""
+        if self._said_goodbye or self._closed:
+            return
+        self._said_goodbye = True
+        culprit, reason = self._culprit()
+        text = reason.encode(errors="replace")[:_GOODBYE_MAX]
+        frame = memoryview(HEADER.pack(0, GOODBYE, ANY, ANY, culprit, len(text)) + text)
+        pending = {p: [*self._partial.pop(p, []), frame] for p in self._socks if p != culprit}
+        deadline = time.monotonic() + _FAREWELL_BUDGET
+        poller = select.poll()
+        by_fd = {self._socks[p].fileno(): p for p in pending}
+        for fd in by_fd:
+            poller.register(fd, select.POLLOUT)
+        while pending:
+            for peer in list(pending):
+                parts = pending[peer]
+                try:
+                    while parts:
+                        n = self._socks[peer].sendmsg(parts)
+                        _advance(parts, n)
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    parts.clear()
+                if not parts:
+                    del pending[peer]
+                    poller.unregister(self._socks[peer].fileno())
+            left = deadline - time.monotonic()
+            if not pending or left <= 0:
+                break
+            poller.poll(max(math.ceil(left * 1000), 1))
+        self._partial.clear()
+        for s in self._socks.values():
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
     # --- the engine ------------------------------------------------------------
 
-    def exchange(self, kind: int, sends: list[Send], recvs: list[Recv]) -> None:
+    def exchange(self, kind: int, sends: list[Send], recvs: list[Recv], meta: Meta = NO_META,
+                 deadline: float | None = None) -> None:
         """Deliver every send and fill every receive, all progressing at once;
         per peer, messages go in list order. ``on_done`` callbacks run as each
-        receive completes (e.g. to reduce a chunk while the next arrives)."""
+        receive completes (e.g. to reduce a chunk while the next arrives).
+        ``meta``: the operation's dtype, reduction op and root, which every
+        peer's messages must match. ``deadline`` (time.monotonic()): raise
+        MeshTimeoutError naming the peers still owing data (collectives
+        have none: the watchdog times them out)."""
         with self._lock:
             if self.error is not None:
+                self._farewell()
                 raise self.error
             if self._closed:
                 raise DistBackendError(f"{self.name}: communicator is destroyed")
             try:
-                self._exchange(kind, sends, recvs)
+                self._exchange(kind, sends, recvs, meta, deadline)
             except BaseException as exc:
                 if self.error is None:
-                    self.fail(exc)
+                    self.error = exc
+                self._farewell()
                 raise self.error from None
+        if self.error is not None:  # failed by another thread while this exchange held the lock
+            self._try_farewell()
 
-    def _exchange(self, kind: int, sends: list[Send], recvs: list[Recv]) -> None:
+    def _exchange(self, kind: int, sends: list[Send], recvs: list[Recv], meta: Meta, deadline: float | None) -> None:
         outs: dict[int, deque[_Out]] = {}
         ins: dict[int, deque[_In]] = {}
         for peer, data in sends:
-            hdr = HEADER.pack(self._send_seq[peer], kind, data.nbytes)
+            hdr = HEADER.pack(self._send_seq[peer], kind, *meta, data.nbytes)
             self._send_seq[peer] += 1
             parts = [memoryview(hdr), data.cast("B")] if data.nbytes else [memoryview(hdr)]
             outs.setdefault(peer, deque()).append(_Out(parts))
@@ -166,26 +284,63 @@ class Mesh:
         for peer in set(outs) | set(ins):
             if peer not in self._socks:
                 raise DistBackendError(f"{self.name}: no connection to rank {peer}")
-            self._progress_out(peer, outs)  # most small messages go out without a poll
+            self._progress_out(peer, outs, ins)  # most small messages go out without a poll
             update(peer)
         while any(outs.values()) or any(ins.values()):
-            for fd, ev in poller.poll():
+            wait = None if deadline is None else max(math.ceil((deadline - time.monotonic()) * 1000), 0)
+            events = poller.poll(wait)
+            if not events and deadline is not None and time.monotonic() >= deadline:
+                late = sorted(p for p in set(outs) | set(ins) if outs.get(p) or ins.get(p))
+                raise MeshTimeoutError(f"{self.name}: ranks {late} did not answer before the deadline", late)
+            for fd, ev in events:
                 if fd == self._wake_r:
                     raise self.error or DistBackendError(f"{self.name}: aborted")
                 peer = self._fd_peer[fd]
                 if ev & (select.POLLIN | _POLLERR) and ins.get(peer):
-                    self._progress_in(kind, peer, ins)
+                    self._progress_in(kind, meta, peer, ins)
                 if ev & (select.POLLOUT | _POLLERR) and outs.get(peer):
-                    self._progress_out(peer, outs)
+                    self._progress_out(peer, outs, ins)
                 update(peer)
 
-    def _lost(self, peer: int, why: str) -> PeerLostError:
-        return PeerLostError(
-            f"{self.name}: lost the connection to rank {peer} ({why}); that rank exited, crashed, "
-            f"or aborted its communicator"
-        )
+    def _lost(self, peer: int, why: str, pending: deque[_In] | None = None) -> PeerLostError:
+        """The connection to ``peer`` failed on a send: a goodbye may wait
+        in what it sent us (``pending``: our receives from it); else it died."""
+        return self._last_words(peer, pending) or PeerLostError(
+            f"{self.name}: lost the connection to rank {peer} ({why}) with no goodbye: rank {peer} exited or "
+            f"crashed", peer, f"exited or crashed (its connection to rank {self.rank} ended: {why})")
 
-    def _progress_out(self, peer: int, outs: dict[int, deque[_Out]]) -> None:
+    def _last_words(self, peer: int, pending: deque[_In] | None) -> PeerLostError | None:
+        """Read on (skipping data: the mesh is broken) from where our
+        receives from ``peer`` stand, for a goodbye; bounded by _FAREWELL_BUDGET."""
+        sock = self._socks[peer]
+        cur = pending[0] if pending else None
+        header = bytearray(cur.header[:cur.got_header]) if cur is not None else bytearray()
+        skip = cur.target.nbytes - cur.got if cur is not None and cur.got_header == HEADER.size else 0
+        if skip:
+            header = bytearray()
+        deadline = time.monotonic() + _FAREWELL_BUDGET
+        while True:
+            try:
+                chunk = sock.recv(min(skip, 1 << 16) if skip else HEADER.size - len(header))
+            except (BlockingIOError, InterruptedError):
+                if not _readable(sock, deadline):
+                    return None
+                continue
+            except OSError:
+                return None
+            if not chunk:
+                return None
+            if skip:
+                skip -= len(chunk)
+                continue
+            header += chunk
+            if len(header) == HEADER.size:
+                _, kind, _, _, root, nbytes = HEADER.unpack(header)
+                if kind == GOODBYE:
+                    return self._goodbye(peer, root, nbytes)
+                header, skip = bytearray(), nbytes
+
+    def _progress_out(self, peer: int, outs: dict[int, deque[_Out]], ins: dict[int, deque[_In]]) -> None:
         sock, queue = self._socks[peer], outs.get(peer)
         while queue:
             # One gather write for the queued messages: a header never leaves as a tiny segment
@@ -196,22 +351,23 @@ class Mesh:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                raise self._lost(peer, exc.strerror or str(exc)) from None
+                raise self._lost(peer, exc.strerror or str(exc), ins.get(peer)) from None
             full = n < sum(p.nbytes for p in iov)
             while n:
-                parts = queue[0].parts
-                k = min(n, parts[0].nbytes)
+                head = queue[0]
+                k = _advance(head.parts, n)
+                head.sent += k
                 n -= k
-                if k == parts[0].nbytes:
-                    parts.pop(0)
-                else:
-                    parts[0] = parts[0][k:]
-                if not parts:
+                if not head.parts:
                     queue.popleft()
+            if queue and queue[0].sent:
+                self._partial[peer] = queue[0].parts  # a goodbye must wait for the rest of this message
+            else:
+                self._partial.pop(peer, None)
             if full:  # the socket buffer is full: wait for POLLOUT rather than try again now
                 return
 
-    def _progress_in(self, kind: int, peer: int, ins: dict[int, deque[_In]]) -> None:
+    def _progress_in(self, kind: int, meta: Meta, peer: int, ins: dict[int, deque[_In]]) -> None:
         sock, queue = self._socks[peer], ins[peer]
         while queue:
             cur = queue[0]
@@ -223,7 +379,7 @@ class Mesh:
                     cur.got_header += n
                     if cur.got_header < HEADER.size:
                         continue
-                    self._check_header(kind, peer, cur)
+                    self._check_header(kind, meta, peer, cur)
                 if cur.got < cur.target.nbytes:
                     n = sock.recv_into(cur.target[cur.got:])
                     if n == 0:
@@ -241,16 +397,19 @@ class Mesh:
             if cur.on_done is not None:
                 cur.on_done()
 
-    def _check_header(self, kind: int, peer: int, cur: _In) -> None:
-        seq, their_kind, nbytes = HEADER.unpack(cur.header)
+    def _check_header(self, kind: int, meta: Meta, peer: int, cur: _In) -> None:
+        seq, their_kind, dtype, op, root, nbytes = HEADER.unpack(cur.header)
+        if their_kind == GOODBYE:
+            raise self._goodbye(peer, root, nbytes)
         if seq != self._recv_seq[peer]:
             raise DistBackendError(f"{self.name}: message {seq} from rank {peer} arrived when message "
                                    f"{self._recv_seq[peer]} was due; the stream is corrupt")
         self._recv_seq[peer] += 1
-        if their_kind != kind:
+        theirs = (dtype, op, root)
+        if their_kind != kind or _differ(theirs, meta):
             raise DistBackendError(
-                f"{self.name}: rank {peer} is in {self._op_name(their_kind)} while rank {self.rank} is in "
-                f"{self._op_name(kind)}: ranks issued different operations"
+                f"{self.name}: rank {peer} is in {self._describe(their_kind, theirs)} while rank {self.rank} is in "
+                f"{self._describe(kind, meta)}: ranks issued different operations"
             )
         if nbytes != cur.target.nbytes:
             raise DistBackendError(
@@ -258,11 +417,66 @@ class Mesh:
                 f"{self.rank} expected {cur.target.nbytes}: array sizes differ across ranks"
             )
 
+    def _goodbye(self, peer: int, culprit: int, nbytes: int) -> PeerLostError:
+        """The peer left the mesh: read why, and blame the rank it names."""
+        sock = self._socks[peer]
+        text = bytearray()
+        deadline = time.monotonic() + _FAREWELL_BUDGET
+        while len(text) < min(nbytes, _GOODBYE_MAX):
+            try:
+                chunk = sock.recv(min(nbytes, _GOODBYE_MAX) - len(text))
+            except (BlockingIOError, InterruptedError):
+                if not _readable(sock, deadline):
+                    break
+                continue
+            except OSError:
+                break
+            if not chunk:
+                break
+            text += chunk
+        reason = text.decode(errors="replace") or "left without saying why"
+        if culprit in (peer, self.rank) or not 0 <= culprit < self.nranks:
+            return PeerLostError(f"{self.name}: lost the connection to rank {peer}: it {reason}", peer, reason)
+        return PeerLostError(f"{self.name}: rank {culprit} {reason}; rank {peer} saw it and closed its connection "
+                             f"to rank {self.rank}", culprit, reason)
+
     def _op_name(self, kind: int) -> str:
-        return self._op_names[kind] if kind < len(self._op_names) else f"op #{kind}"
+        return _name(self._names.kinds, kind, "op")
+
+    def _describe(self, kind: int, meta: Meta) -> str:
+        dtype, op, root = meta
+        fields = [_name(self._names.dtypes, dtype, "dtype")] if dtype != ANY else []
+        fields += [_name(self._names.ops, op, "reduction")] if op != ANY else []
+        fields += [f"root {root}"] if root != NO_ROOT else []
+        return f"{self._op_name(kind)}({', '.join(fields)})" if fields else self._op_name(kind)
+
+
+def _readable(sock: socket.socket, deadline: float) -> bool:
+    """Wait (poll: descriptors may be above select's 1024) until ``sock``
+    has data or ``deadline`` passes."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return False
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(max(math.ceil(left * 1000), 1)))
+
+
+def _differ(theirs: Meta, ours: Meta) -> bool:
+    """Fields both sides give (not ANY / NO_ROOT) must be equal."""
+    unset = (ANY, ANY, NO_ROOT)
+    return any(a != b and a != u and b != u for a, b, u in zip(theirs, ours, unset, strict=True))
+
+
+def _name(names: tuple[str, ...], code: int, what: str) -> str:
+    return names[code] if code < len(names) else f"{what} #{code}"
 
 
 # --- building the mesh ------------------------------------------------------------
+
+_HELLO_TIMEOUT = 2.0  # seconds an incoming connection may stay silent before it is dropped
+_MAX_PENDING = 64  # unproven incoming connections kept at once, besides one per rank still expected
+_RETRY_FIRST, _RETRY_MAX = 0.01, 0.2  # backoff between connection attempts to a listener not up (yet)
 
 
 def listen(host: str) -> socket.socket:
@@ -282,64 +496,249 @@ def _tune(sock: socket.socket) -> socket.socket:
     return sock
 
 
-def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        sock.settimeout(max(deadline - time.monotonic(), 0.001))
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("connection closed during the hello")
-        buf += chunk
-    return bytes(buf)
+@dataclass
+class _Dial:
+    """Our connection to a lower rank: connect, send our hello, read its answer."""
+
+    addr: tuple[str, int]
+    sock: socket.socket | None = None
+    stage: str = "idle"  # idle (retry at ``retry_at``) -> connecting -> hello -> done
+    answer: bytearray = field(default_factory=bytearray)
+    retry_at: float = 0.0
+    backoff: float = _RETRY_FIRST
+    error: str = "no attempt yet"
 
 
-def connect_mesh(rank: int, nranks: int, listener: socket.socket, lower: dict[int, tuple[str, int]],
-                 token: bytes, deadline: float, name: str,
-                 aborted: Callable[[], bool] = lambda: False) -> dict[int, socket.socket]:
-    """Connect to every lower rank (their listeners are up before their
-    addresses are published) and accept every higher one. Raises a
-    DistBackendError naming the ranks missing at the deadline."""
-    socks: dict[int, socket.socket] = {}
-    try:
-        for peer, addr in sorted(lower.items()):
-            while True:
+@dataclass
+class _Caller:
+    """An incoming connection that has not proven yet which rank it is."""
+
+    sock: socket.socket
+    since: float
+    hello: bytearray = field(default_factory=bytearray)
+
+
+class MeshBuilder:
+    """Connects one rank to every other: out to each lower rank, and in from
+    each higher one through ``listener`` (up before our address was
+    published). Each connection carries a hello both ways (token, rank,
+    size), so a connection counts only once the other side proved it
+    belongs to this communicator, and a frozen peer (whose kernel accepts
+    connections for it) is told from a live one."""
+
+    def __init__(self, rank: int, nranks: int, listener: socket.socket, token: bytes, name: str) -> None:
+        self.rank, self.nranks, self.name = rank, nranks, name
+        self._listener, self._token = listener, token
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._cancelled = False
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def cancel(self) -> None:
+        """End ``build()`` at once (abort); safe from any thread."""
+        with self._lock:
+            self._cancelled = True
+            if not self._closed:
                 try:
-                    sock = socket.create_connection(addr, timeout=max(deadline - time.monotonic(), 0.001))
-                    break
-                except OSError as exc:
-                    if time.monotonic() >= deadline or aborted():
-                        raise DistBackendError(f"{name}: cannot connect to rank {peer} at {addr[0]}:{addr[1]}: "
-                                               f"{exc}") from None
-                    time.sleep(0.01)
-            socks[peer] = _tune(sock)
-            sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            sock.sendall(HELLO.pack(token, rank))
-        expected = set(range(rank + 1, nranks))
-        while expected:
-            if aborted():
-                raise DistBackendError(f"{name}: aborted during init")
-            listener.settimeout(min(max(deadline - time.monotonic(), 0.001), 0.1))
-            try:
-                sock, _ = listener.accept()
-            except TimeoutError:
-                if time.monotonic() >= deadline:
-                    raise MeshTimeoutError(f"timeout: {name}: ranks {sorted(expected)} did not connect to rank "
-                                           f"{rank} before the init deadline", sorted(expected)) from None
-                continue
-            try:
-                their_token, peer = HELLO.unpack(_recv_exact(sock, HELLO.size, deadline))
-            except (OSError, ConnectionError, struct.error):
+                    os.write(self._wake_w, b"x")
+                except OSError:
+                    pass
+
+    def _close(self) -> None:
+        with self._lock:
+            self._closed = True
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    def _hello(self) -> bytes:
+        return HELLO.pack(self._token, self.rank, self.nranks)
+
+    def build(self, lower: dict[int, tuple[str, int]], deadline: float, timeout: float) -> dict[int, socket.socket]:
+        """The connections to every other rank.
+        Raises MeshTimeoutError naming the ranks missing at ``deadline``
+        (``timeout`` seconds after init began), or DistBackendError when
+        cancelled or when a peer is not of this communicator."""
+        dials = {peer: _Dial(addr) for peer, addr in lower.items()}
+        callers: dict[int, _Caller] = {}
+        expected = set(range(self.rank + 1, self.nranks))
+        done: dict[int, socket.socket] = {}
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        self._listener.setblocking(False)
+        if expected:
+            poller.register(self._listener, select.POLLIN)
+        dial_fds: dict[int, int] = {}
+
+        def drop_dial(peer: int, why: str) -> None:
+            d = dials[peer]
+            if d.sock is not None:
+                dial_fds.pop(d.sock.fileno(), None)
+                poller.unregister(d.sock)
+                d.sock.close()
+            d.sock, d.stage, d.error = None, "idle", why
+            d.retry_at, d.backoff = time.monotonic() + d.backoff, min(d.backoff * 2, _RETRY_MAX)
+
+        def drop_caller(fd: int) -> None:
+            c = callers.pop(fd)
+            poller.unregister(fd)
+            c.sock.close()
+
+        try:
+            while dials or expected:
+                now = time.monotonic()
+                if self._cancelled:
+                    raise DistBackendError(f"{self.name}: aborted during init on rank {self.rank}")
+                if now >= deadline:
+                    raise self._timeout(dials, expected, timeout)
+                for peer, d in dials.items():
+                    if d.stage == "idle" and d.retry_at <= now:
+                        self._dial(peer, d)
+                        if d.sock is None:
+                            drop_dial(peer, d.error)
+                        else:
+                            dial_fds[d.sock.fileno()] = peer
+                            poller.register(d.sock, select.POLLOUT)
+                for fd in [fd for fd, c in callers.items() if now - c.since > _HELLO_TIMEOUT]:
+                    drop_caller(fd)  # silent: a stranger, or a peer that will dial again
+                wake = min([deadline] + [d.retry_at for d in dials.values() if d.stage == "idle"]
+                           + [c.since + _HELLO_TIMEOUT for c in callers.values()])
+                for fd, ev in poller.poll(max(math.ceil((wake - now) * 1000), 1)):
+                    if fd == self._wake_r:
+                        continue  # cancelled: raised at the top of the loop
+                    if fd == self._listener.fileno():
+                        self._accept(poller, callers, len(expected) + _MAX_PENDING, drop_caller)
+                    elif fd in dial_fds:
+                        peer = dial_fds[fd]
+                        d = dials[peer]
+                        try:
+                            if self._progress_dial(peer, d, ev, poller):
+                                del dials[peer], dial_fds[fd]
+                                poller.unregister(fd)
+                                assert d.sock is not None
+                                done[peer] = _tune(d.sock)
+                        except OSError as exc:
+                            drop_dial(peer, exc.strerror or str(exc))
+                    elif fd in callers:
+                        proven = self._progress_caller(callers[fd], expected)
+                        if proven is None:
+                            continue
+                        c = callers.pop(fd)
+                        poller.unregister(fd)
+                        if proven < 0:
+                            c.sock.close()
+                            continue
+                        expected.discard(proven)
+                        done[proven] = _tune(c.sock)
+        except BaseException:
+            for sock in done.values():
                 sock.close()
-                continue
-            if their_token != token or peer not in expected:
-                sock.close()  # a stray or a stale connection: not one of ours
-                continue
-            expected.discard(peer)
-            socks[peer] = _tune(sock)
-    except BaseException:
-        for s in socks.values():
-            s.close()
-        raise
-    finally:
-        listener.close()
-    return socks
+            for d in dials.values():
+                if d.sock is not None:
+                    d.sock.close()
+            raise
+        finally:
+            for c in callers.values():
+                c.sock.close()
+            self._close()
+        return done
+
+    def _dial(self, peer: int, d: _Dial) -> None:
+        host, port = d.addr
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            sock = socket.socket(infos[0][0], socket.SOCK_STREAM)
+        except OSError as exc:
+            d.error = f"cannot reach {host}:{port}: {exc}"
+            return
+        sock.setblocking(False)
+        err = sock.connect_ex(infos[0][4])
+        if err not in (0, errno.EINPROGRESS):
+            sock.close()
+            d.error = f"{os.strerror(err)} at {host}:{port}"
+            return
+        d.sock, d.stage, d.answer = sock, "connecting", bytearray()
+
+    def _progress_dial(self, peer: int, d: _Dial, ev: int, poller: select.poll) -> bool:
+        """True once the peer's answer proved it is rank ``peer`` of this communicator."""
+        assert d.sock is not None
+        if d.stage == "connecting":
+            err = d.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err:
+                raise OSError(err, f"{os.strerror(err)} at {d.addr[0]}:{d.addr[1]}")
+            d.sock.send(self._hello())  # a few bytes into an empty socket buffer: they fit
+            d.stage = "hello"
+            poller.modify(d.sock, select.POLLIN)
+            return False
+        chunk = d.sock.recv(HELLO.size - len(d.answer))
+        if not chunk:
+            raise OSError(errno.ECONNRESET, f"rank {peer} closed the connection before answering the hello")
+        d.answer += chunk
+        if len(d.answer) < HELLO.size:
+            return False
+        token, their_rank, their_size = HELLO.unpack(d.answer)
+        if not hmac.compare_digest(token, self._token) or their_rank != peer:
+            raise DistBackendError(f"{self.name}: the listener at {d.addr[0]}:{d.addr[1]}, published as rank "
+                                   f"{peer}'s, belongs to another communicator or rank")
+        if their_size != self.nranks:
+            raise DistBackendError(f"{self.name}: rank {peer} has a communicator of {their_size} ranks; rank "
+                                   f"{self.rank} has {self.nranks}: ranks disagree on the group size")
+        return True
+
+    def _accept(self, poller: select.poll, callers: dict[int, _Caller], limit: int,
+                drop: Callable[[int], None]) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # out of descriptors, say: the silent ones go first, then we try again
+                if callers:
+                    drop(min(callers, key=lambda fd: callers[fd].since))
+                return
+            sock.setblocking(False)
+            callers[sock.fileno()] = _Caller(sock, time.monotonic())
+            poller.register(sock, select.POLLIN)
+            if len(callers) > limit:
+                drop(min(callers, key=lambda fd: callers[fd].since))
+
+    def _progress_caller(self, c: _Caller, expected: set[int]) -> int | None:
+        """The rank a caller proved to be (after answering it), -1 to drop
+        it, None while its hello is incomplete."""
+        try:
+            chunk = c.sock.recv(HELLO.size - len(c.hello))
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError:
+            return -1
+        if not chunk:
+            return -1
+        c.hello += chunk
+        if len(c.hello) < HELLO.size:
+            return None
+        token, peer, size = HELLO.unpack(c.hello)
+        if not hmac.compare_digest(token, self._token) or peer not in expected:
+            return -1  # a stranger, or a stale or duplicate connection: not one of ours
+        if size != self.nranks:
+            raise DistBackendError(f"{self.name}: rank {peer} has a communicator of {size} ranks; rank "
+                                   f"{self.rank} has {self.nranks}: ranks disagree on the group size")
+        try:
+            c.sock.send(self._hello())
+        except OSError:
+            return -1  # gone already; it will dial again
+        return peer
+
+    def _timeout(self, dials: dict[int, _Dial], expected: set[int], timeout: float) -> MeshTimeoutError:
+        missing = sorted([*dials, *expected])
+        why = []
+        for peer in sorted(dials):
+            d = dials[peer]
+            if d.stage == "hello":
+                why.append(f"rank {peer} accepted the connection but never answered the hello (frozen?)")
+            else:
+                why.append(f"rank {peer} could not be reached ({d.error})")
+        if expected:
+            why.append(f"ranks {sorted(expected)} never connected to rank {self.rank}")
+        return MeshTimeoutError(f"timeout: {self.name}: rank {self.rank}: Timed out after {timeout:g} s waiting "
+                                f"for ranks {missing} to connect: {'; '.join(why)}", missing)
