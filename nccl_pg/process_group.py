@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from . import env, flight_recorder, nan_check, progress, watchdog
+from . import env, flight_recorder, forks, nan_check, progress, watchdog
 from .backends import get_backend
 from .comm.base import Backend, CommConfig, CommState, Communicator, Stream, check_exclude
 from .errors import DistBackendError, NanError
@@ -115,6 +115,7 @@ class ProcessGroup:
             raise ValueError(f"world size must be a positive int, got {size!r}")
         if not isinstance(rank, int) or not 0 <= rank < size:
             raise ValueError(f"rank {rank!r} out of range for world size {size}")
+        self._owner = forks.Owner()  # a forked child's copy of this group must not abort it
         self._backend = get_backend(backend) if isinstance(backend, str) else backend
         self._store = store
         self._rank, self._size = rank, size
@@ -896,19 +897,22 @@ class ProcessGroup:
 
     def __del__(self) -> None:
         # Dropped without destroy: free the communicator's threads and sockets
-        # now rather than at exit (never blocks: abort first).
+        # now rather than at exit (never blocks: abort first). Not in a forked
+        # child: the sockets are the parent's too.
+        owner = getattr(self, "_owner", None)
         comm = getattr(self, "_comm", None)
-        if comm is not None and getattr(self, "_closed", None) != "destroyed":
+        if owner is not None and owner.here() and comm is not None and getattr(self, "_closed", None) != "destroyed":
             comm.abort()
             comm.destroy()
 
 
 def _close_leftovers() -> None:
     """At exit: groups never destroyed are aborted (bounded), with a warning
-    instead of a hang or a silent loss of pending work."""
+    instead of a hang or a silent loss of pending work. Only this process's
+    own groups: a forked child leaves its parent's alone."""
     dog = watchdog.existing()
     for pg in dog.groups() if dog is not None else []:
-        if pg._closed is None and pg._comm is not None:
+        if pg._closed is None and pg._comm is not None and pg._owner.here():
             pending = len(pg._pending)
             print(f"nccl_pg: warning: {pg!r} was not destroyed before exit ({pending} operations pending); "
                   "aborting it. Call destroy_process_group() to flush pending work first.",

@@ -28,7 +28,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from . import dump, env, progress
+from . import dump, env, forks, progress
 
 if TYPE_CHECKING:
     from .process_group import ProcessGroup
@@ -56,7 +56,8 @@ class Watchdog:
         self._threads: dict[str, threading.Thread] = {}
         self._dump_on_timeout = env.DUMP_ON_TIMEOUT.get()
         self._pipe: tuple[int, int, str] | None = None  # (rank, fd, path) of the dump pipe
-        atexit.register(self._close_pipe, True)
+        self._owner = forks.Owner()
+        atexit.register(self._at_exit)
         self._start("poller", self._poll_loop)
         self._start("hooks", self._hook_loop)
         self._start("reporter", self._report_loop)
@@ -232,6 +233,10 @@ class Watchdog:
         except OSError as exc:  # e.g. an unwritable directory: dumps on timeout still work
             log.debug("nccl_pg: no dump pipe at %s: %s", path, exc)
             self._dump_on_timeout = False
+
+    def _at_exit(self) -> None:
+        if self._owner.here():  # a forked child's exit must not unlink its parent's pipe
+            self._close_pipe(for_good=True)
 
     def _close_pipe(self, for_good: bool = False) -> None:
         if for_good:  # at exit: the reporter, still running, must not create the pipe again
