@@ -795,3 +795,53 @@ def fork_child(ctx: Ctx) -> dict | None:
     shard.pg.shutdown()
     dist.destroy_process_group()
     return res
+
+
+# --- scenarios: diagnosis on demand (tests/test_diagnosis.py) -------------------------------------
+
+def _job(ctx: Ctx, **groups: list[int]) -> tuple[Any, dict[str, Any]]:
+    """Init on the job's own store (``args["job_port"]``: a server whose
+    requests the parent counts, with none of the harness's traffic) and make
+    ``groups``; returns (the job store, {name: group or None})."""
+    import nccl_pg as dist  # noqa: PLC0415
+    from nccl_pg.store import TCPStore  # noqa: PLC0415
+
+    job = TCPStore(HOST, ctx.args["job_port"], timeout=30)
+    dist.init_process_group("host", store=job, rank=ctx.rank, world_size=ctx.n,
+                            timeout=ctx.args.get("timeout", 30.0))
+    made = {}
+    for name, ranks in groups.items():
+        g = dist.new_group(ranks, group_desc=name)
+        made[name] = g if ctx.rank in ranks else None
+    return job, made
+
+
+@scenario
+def steady_state(ctx: Ctx) -> dict | None:
+    """Three groups besides the default one, recorder and watchdog on: warm
+    up, then collectives on every group for ``duration`` seconds (rank 0
+    decides when to stop, through the default group) between the parent's
+    two counts of the job store's requests."""
+    import nccl_pg as dist  # noqa: PLC0415
+
+    _, groups = _job(ctx, left=[0, 1], right=[1, 2], all=list(range(ctx.n)))
+
+    def step(stop: float) -> bool:
+        for g in groups.values():
+            if g is not None:
+                dist.all_reduce(ones(), group=g)
+        flag = np.array([stop], np.float32)
+        dist.all_reduce(flag)
+        return bool(flag[0])
+
+    step(0.0)
+    ctx.barrier("ready")
+    ctx.wait("go")
+    t0, k = time.monotonic(), 0
+    while not step(float(ctx.rank == 0 and time.monotonic() - t0 >= ctx.args["duration"])):
+        k += 1
+    res = {"iterations": k, "elapsed": time.monotonic() - t0}
+    ctx.set(f"done/{ctx.rank}")
+    ctx.wait("exit")
+    dist.destroy_process_group()
+    return res
