@@ -134,7 +134,9 @@ class Channel:
         self.latest = 0  # newest incident seen or raised here
         self.recent: collections.deque[int] = collections.deque(maxlen=LOOKBACK + 1)
         self._dumped: collections.OrderedDict[int, str | None] = collections.OrderedDict()
-        self.busy: threading.Thread | None = None  # this store's incident work in flight
+        self._job: Callable[[], None] | None = None  # this store's incident work, queued or running
+        self._jobs = threading.Condition(self._lock)
+        self._runner: threading.Thread | None = None
         self.thread = threading.Thread(target=self._listen, name="nccl_pg-signals", daemon=True)
 
     def views(self) -> list[GroupView]:
@@ -197,6 +199,35 @@ class Channel:
         if views:
             self.store.multi_set([_answer_key(gen, v.ident, v.rank) for v in views],
                                  [progress.snapshot(v).encode() for v in views])
+
+    # --- incident work ----------------------------------------------------------------------
+
+    def run(self, job: Callable[[], None]) -> bool:
+        """Run ``job`` on this store's incident thread (one per store, kept:
+        no thread or connection per incident). False, and not run, while an
+        earlier job has not finished: the store has not answered it yet."""
+        with self._lock:
+            if self._job is not None:
+                return False
+            self._job = job
+            if self._runner is None:
+                self._runner = threading.Thread(target=self._run_jobs, name="nccl_pg-incident", daemon=True)
+                self._runner.start()
+            self._jobs.notify_all()
+        return True
+
+    def _run_jobs(self) -> None:
+        while True:
+            with self._lock:
+                while self._job is None:
+                    self._jobs.wait()
+                job = self._job
+            try:
+                job()
+            except Exception:
+                log.exception("nccl_pg: incident work on %r failed", self.store)
+            with self._lock:
+                self._job = job = None  # type: ignore[assignment]
 
     # --- raising ----------------------------------------------------------------------------
 
@@ -295,8 +326,9 @@ class _Incident:
     keeps no reference to the operations (only to views), so that a finished
     incident, kept for reuse, does not keep their groups alive."""
 
-    def __init__(self, channel: Channel, requests: list[Timeout], dump: bool, stuck: bool) -> None:
-        self.channel, self.dump, self.stuck = channel, dump, stuck
+    def __init__(self, channel: Channel, requests: list[Timeout], dump: bool) -> None:
+        self.channel, self.dump = channel, dump
+        self.stuck = False  # not run: the store's incident thread is still busy with an earlier one
         self.budget = max(budget(r.timeout) for r in requests)
         self.start = time.monotonic()
         self.claims: dict[tuple[str, str], _Claim] = {}
@@ -522,14 +554,10 @@ class Diagnosis:
 
     def _incident(self, requests: list[Timeout]) -> None:
         ch = self.watch(requests[0].view)
-        busy = ch.busy
-        stuck = busy is not None and busy.is_alive()  # the store has not answered an earlier incident yet
-        inc = _Incident(ch, requests, self._dumps(), stuck)
-        if stuck:
+        inc = _Incident(ch, requests, self._dumps())
+        if not ch.run(inc.run):  # the store has not answered an earlier incident yet
+            inc.stuck = True
             inc.out.update(done=True)
-        else:
-            ch.busy = threading.Thread(target=inc.run, name="nccl_pg-incident", daemon=True)
-            ch.busy.start()
         out = inc.out
         with out.cond:
             while not out.done:
@@ -558,9 +586,6 @@ class Diagnosis:
         """Ask every rank on ``view``'s store for its dump, off the caller's
         thread, and not while the store has not answered an earlier request."""
         ch = self.watch(view)
-        busy = ch.busy
-        if busy is not None and busy.is_alive():
-            return
 
         def send() -> None:
             try:
@@ -568,5 +593,4 @@ class Diagnosis:
             except Exception as exc:
                 log.debug("nccl_pg: could not ask the other ranks to dump: %s", exc)
 
-        ch.busy = threading.Thread(target=send, name="nccl_pg-incident", daemon=True)
-        ch.busy.start()
+        ch.run(send)

@@ -5,6 +5,10 @@ store servers (tests/eh_harness.py); requests are counted at the server."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -13,6 +17,10 @@ import pytest
 from host_harness import live_children
 
 from nccl_pg.store import TCPStoreServer
+
+T = 1.0  # the group timeout of these worlds
+BUDGET = 0.1  # min(2 s, T / 10): how long a timed-out rank waits for answers
+BOUND = 1.0  # the contract (tests/test_error_handling.py): failures surface within timeout + 1 s
 
 
 @pytest.fixture(autouse=True)
@@ -61,3 +69,86 @@ def test_steady_state_sends_the_store_nothing(tmp_path, job_server):
     assert delta == {}, f"store requests during {res[0]['elapsed']:.1f} s of steady state: {delta}"
     assert res[0]["elapsed"] >= 2.0 and res[0]["iterations"] > 10, res
     assert parked == 3, parked
+
+
+@pytest.fixture
+def job_server_process() -> Iterator[tuple[subprocess.Popen, int]]:
+    """The job's store served by a process of its own (to be frozen)."""
+    code = ("from nccl_pg.store import TCPStoreServer; s = TCPStoreServer('127.0.0.1', 0); "
+            "print(s.port, flush=True); s.serve_forever()")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        yield proc, int(proc.stdout.readline())
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.timeout(60)
+def test_timeout_with_the_store_frozen(tmp_path, job_server_process):
+    """Issue 14 item 7: the store is frozen (SIGSTOP) when rank 0's all_reduce times out: the error comes at
+    about T + the budget (not T + the store's timeout) and says the progress could not be read."""
+    proc, port = job_server_process
+    with H.World(2, "timeout_store_frozen", tmp_path,
+                 args={"job_port": port, "timeout": T, "store_timeout": 5.0}) as w:
+        for r in range(2):
+            w.wait_key(f"warm/{r}")
+        os.kill(proc.pid, signal.SIGSTOP)
+        w.set("frozen")
+        w.wait_key("result/0", timeout=30)
+        w.set("exit")
+        res = w.results(timeout=30)[0]["op"]
+    assert not res["ok"] and res["backend"], res
+    assert "timeout" in res["msg"] and "could not read the other ranks' progress from the store within 0.10 s" \
+        in res["msg"], res["msg"]
+    assert T <= res["t1"] - res["t0"] < T + BOUND, res
+
+
+@pytest.mark.timeout(90)
+def test_many_timed_out_ops_are_one_incident(tmp_path, job_server):
+    """Issue 14 item 12: 500 async all_reduces time out together: each names the missing rank, a bounded
+    number of extra threads meanwhile (not one per operation), one dump per rank, and at most one extra
+    store connection per process."""
+    env = {"NCCL_PG_ASYNC_ERROR_HANDLING": "0"}  # every operation fails by its own timeout
+    with H.World(2, "many_timeouts", tmp_path, args={"job_port": job_server.port, "timeout": T, "count": 500},
+                 env=env) as w:
+        for r in range(2):
+            w.wait_key(f"warm/{r}")
+        conns = job_server.num_connections
+        for r in range(2):
+            w.wait_key(f"done/{r}", timeout=60)
+        conns_after = job_server.num_connections
+        w.set("exit")
+        res = w.results(timeout=30)[0]
+        logs = [w.log(r) for r in range(2)]
+    assert res["failed"] == 500 and res["named"] == 500, res
+    assert res["extra_threads"] <= 3, res
+    assert [log.count("wrote a debug dump") for log in logs] == [1, 1], logs
+    assert conns_after <= conns + 2, (conns, conns_after)
+
+
+@pytest.mark.timeout(60)
+def test_frozen_rank_is_named_as_not_answering(tmp_path, job_server):
+    """Issue 14 item 19: a frozen rank (SIGSTOP) is named as not answering, with what it answered at an
+    earlier incident marked as old, instead of a stale "last sequence number issued"."""
+    with H.World(3, "frozen_rank", tmp_path, args={"job_port": job_server.port, "timeout": T}) as w:
+        for r in range(3):
+            w.wait_key(f"phase1/{r}")
+        os.kill(w.procs[2].pid, signal.SIGSTOP)
+        try:
+            w.set("frozen")
+            for r in (0, 1):
+                w.wait_key(f"done/{r}", timeout=30)
+        finally:
+            os.kill(w.procs[2].pid, signal.SIGCONT)
+        w.set("exit")
+        res = w.results(timeout=30)
+    assert "ranks [2] never issued this collective" in res[0]["pair"]["msg"], res[0]
+    for r in (0, 1):
+        msg = res[r]["default"]["msg"]
+        assert "timeout" in msg and f"ranks [2] did not answer within {BUDGET:.2f} s (dead, frozen" in msg, msg
+        assert "their last answers, to an earlier diagnosis, are old: rank 2: issued 1, completed 1" in msg, msg
+        assert "never issued" not in msg, msg
+        assert T <= res[r]["default"]["t1"] - res[r]["default"]["t0"] < T + BOUND, res[r]
