@@ -152,3 +152,35 @@ def test_frozen_rank_is_named_as_not_answering(tmp_path, job_server):
         assert "their last answers, to an earlier diagnosis, are old: rank 2: issued 1, completed 1" in msg, msg
         assert "never issued" not in msg, msg
         assert T <= res[r]["default"]["t1"] - res[r]["default"]["t0"] < T + BOUND, res[r]
+
+
+@pytest.mark.timeout(30)
+def test_torch_store_wait_blocks_only_its_thread():
+    """The signal listener parks a wait on the torch backend's store too: torch's TCPStore client holds a lock
+    for a whole wait, so our adapter waits on a per-thread clone; another thread's set() is not held up."""
+    tdist = pytest.importorskip("torch.distributed", reason="needs torch (pip install torch; CI has none)")
+    import threading
+    from datetime import timedelta
+
+    from nccl_pg.torch.store import TorchStore
+
+    server = tdist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10))
+    store = TorchStore(tdist.PrefixStore("g", tdist.TCPStore("127.0.0.1", server.port, 1, False,
+                                                             timedelta(seconds=10))), 10.0)
+    waiting = threading.Event()
+
+    def park() -> None:
+        waiting.set()
+        store.wait(["signal"], 5.0)
+
+    t = threading.Thread(target=park, daemon=True)
+    t.start()
+    waiting.wait()
+    time.sleep(0.2)  # let the wait reach the server (not needed for the check to be right, only to be relevant)
+    t0 = time.monotonic()
+    store.set("other", b"1")
+    took = time.monotonic() - t0
+    store.set("signal", b"1")
+    t.join(10)
+    assert not t.is_alive()
+    assert took < 1.0, f"set() waited {took:.2f} s behind another thread's wait"
