@@ -104,19 +104,21 @@ class Timeout:
 class _Signal:
     gen: int
     reason: str
-    origin: str
+    origin: str  # the raising channel's token
     answer: bool
     dump: bool
+    claims: list[str]  # the timed-out operations it is about: ranks that timed out on them too dumped already
 
     def encode(self) -> bytes:
         return json.dumps({"reason": self.reason, "origin": self.origin, "answer": self.answer, "dump": self.dump,
-                           "time": time.time()}).encode()
+                           "claims": self.claims, "time": time.time()}).encode()
 
     @classmethod
     def decode(cls, gen: int, raw: bytes) -> _Signal | None:
         try:
             d = json.loads(raw)
-            return cls(gen, str(d["reason"]), str(d["origin"]), bool(d["answer"]), bool(d["dump"]))
+            return cls(gen, str(d["reason"]), str(d["origin"]), bool(d["answer"]), bool(d["dump"]),
+                       [str(c) for c in d["claims"]])
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -133,7 +135,8 @@ class Channel:
         self._lock = threading.Lock()
         self.latest = 0  # newest incident seen or raised here
         self.recent: collections.deque[int] = collections.deque(maxlen=LOOKBACK + 1)
-        self._dumped: collections.OrderedDict[int, str | None] = collections.OrderedDict()
+        # this rank's dumps by what they were for (incident numbers, timed-out operations' claims)
+        self._dumped: collections.OrderedDict[str, str | None] = collections.OrderedDict()
         self._job: Callable[[], None] | None = None  # this store's incident work, queued or running
         self._jobs = threading.Condition(self._lock)
         self._runner: threading.Thread | None = None
@@ -191,7 +194,7 @@ class Channel:
         if sig.answer:
             self.answer(gen)
         if sig.dump and sig.origin != self.token and self._dumps():
-            self.dump_once(gen, f"signalled: {sig.reason}")
+            self.dump_once([f"gen {gen}", *sig.claims], f"signalled: {sig.reason}")
 
     def answer(self, gen: int) -> None:
         """This process's progress on every group it has on this store: one request."""
@@ -231,11 +234,11 @@ class Channel:
 
     # --- raising ----------------------------------------------------------------------------
 
-    def raise_signal(self, reason: str, answer: bool, dump: bool) -> int:
+    def raise_signal(self, reason: str, answer: bool, dump: bool, claims: list[str] | None = None) -> int:
         """A new incident; returns its number."""
         with self._lock:
             gen = self.latest + 1
-        value = _Signal(0, reason, self.token, answer, dump).encode()
+        value = _Signal(0, reason, self.token, answer, dump, claims or []).encode()
         while self.store.compare_set(_signal_key(gen), "", value) != value:
             gen += 1  # taken by another incident: the next one
         self._saw(gen)
@@ -257,16 +260,17 @@ class Channel:
         views = sorted(self.views(), key=lambda v: v.uid)
         return views[0].global_rank(views[0].rank) if views else -1
 
-    def dump_once(self, gen: int | None, reason: str) -> str | None:
-        """This rank's dump for incident ``gen`` (None: unknown), written once."""
+    def dump_once(self, about: list[str], reason: str) -> str | None:
+        """This rank's dump for an incident, known by any of ``about``
+        (its number, the claims of its timed-out operations): written once,
+        whether the signal or this rank's own timeout comes first."""
         with self._lock:
-            if gen is not None and gen in self._dumped:
-                return self._dumped[gen]
-            path = self._write_dump(reason, self.rank())
-            if gen is not None:
-                self._dumped[gen] = path
-                while len(self._dumped) > 16:
-                    self._dumped.popitem(last=False)
+            seen = [a for a in about if a in self._dumped]
+            path = self._dumped[seen[0]] if seen else self._write_dump(reason, self.rank())
+            for a in about:
+                self._dumped[a] = path
+            while len(self._dumped) > 64:
+                self._dumped.popitem(last=False)
             return path
 
 
@@ -360,7 +364,7 @@ class _Incident:
 
     def _raise_and_collect(self, won: list[_Claim]) -> None:
         out, ch, store = self.out, self.channel, self.channel.store
-        gen = ch.raise_signal(f"timeout of {won[0].what}", answer=True, dump=self.dump)
+        gen = ch.raise_signal(f"timeout of {won[0].what}", answer=True, dump=self.dump, claims=[c.key for c in won])
         out.update(gen=gen)
         wanted: dict[str, set[int]] = collections.defaultdict(set)
         for c in won:
@@ -457,13 +461,6 @@ class _Incident:
             return verdict[1]
         return f"{verdict[1]} (said of seq {c.seq}, this group's first operation to time out here)"
 
-    def gen(self) -> int | None:
-        """The incident's number, once known here."""
-        with self.out.cond:
-            if self.out.gen is not None:
-                return self.out.gen
-            return next((g for g, _ in self.out.verdicts.values()), None)
-
 
 class Diagnosis:
     """The process's diagnosis: a channel per store, one thread that turns
@@ -555,6 +552,9 @@ class Diagnosis:
     def _incident(self, requests: list[Timeout]) -> None:
         ch = self.watch(requests[0].view)
         inc = _Incident(ch, requests, self._dumps())
+        # This rank's dump first, as it is now: a peer answering the signal may end meanwhile, and this rank
+        # with its failure (error handling), before the others' answers are in.
+        path = ch.dump_once([c.key for c in inc.claims.values()], requests[0].text) if self._dumps() else None
         if not ch.run(inc.run):  # the store has not answered an earlier incident yet
             inc.stuck = True
             inc.out.update(done=True)
@@ -567,7 +567,6 @@ class Diagnosis:
                     break
                 out.cond.wait(limit - now)
         whys = [inc.why(r) for r in requests]
-        path = ch.dump_once(inc.gen(), f"{requests[0].text}; {whys[0]}") if self._dumps() else None
         now = time.monotonic()
         for r in requests:
             self._last[r.view.ident] = (now, inc, path)
