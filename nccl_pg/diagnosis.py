@@ -102,7 +102,6 @@ class Timeout:
 
 @dataclass
 class _Signal:
-    gen: int
     reason: str
     origin: str  # the raising channel's token
     answer: bool
@@ -114,10 +113,10 @@ class _Signal:
                            "claims": self.claims, "time": time.time()}).encode()
 
     @classmethod
-    def decode(cls, gen: int, raw: bytes) -> _Signal | None:
+    def decode(cls, raw: bytes) -> _Signal | None:
         try:
             d = json.loads(raw)
-            return cls(gen, str(d["reason"]), str(d["origin"]), bool(d["answer"]), bool(d["dump"]),
+            return cls(str(d["reason"]), str(d["origin"]), bool(d["answer"]), bool(d["dump"]),
                        [str(c) for c in d["claims"]])
         except (ValueError, KeyError, TypeError):
             return None
@@ -187,7 +186,7 @@ class Channel:
                 self.recent.append(gen)
 
     def _on_signal(self, gen: int) -> None:
-        sig = _Signal.decode(gen, self.store.get(_signal_key(gen)))
+        sig = _Signal.decode(self.store.get(_signal_key(gen)))
         self._saw(gen)
         if sig is None:
             return
@@ -238,7 +237,7 @@ class Channel:
         """A new incident; returns its number."""
         with self._lock:
             gen = self.latest + 1
-        value = _Signal(0, reason, self.token, answer, dump, claims or []).encode()
+        value = _Signal(reason, self.token, answer, dump, claims or []).encode()
         while self.store.compare_set(_signal_key(gen), "", value) != value:
             gen += 1  # taken by another incident: the next one
         self._saw(gen)
@@ -298,20 +297,18 @@ class _Outcome:
             self.cond.notify_all()
 
 
-def _present(store: Store, keys: list[str], deadline: float) -> tuple[list[str], bool]:
-    """The keys that exist, by halving: a few ``check`` requests per missing
-    key. False: the deadline cut the search short."""
+def _present(store: Store, keys: list[str], deadline: float) -> list[str]:
+    """The keys that exist, by halving: about 2 log2(n/k) ``check`` requests
+    per missing key. Keys not reached by ``deadline`` count as missing."""
     found: list[str] = []
     todo = [keys] if keys else []
-    while todo:
-        if time.monotonic() > deadline:
-            return found, False
+    while todo and time.monotonic() < deadline:
         ks = todo.pop()
         if store.check(ks):
             found += ks
         elif len(ks) > 1:
             todo += [ks[len(ks) // 2:], ks[:len(ks) // 2]]
-    return found, True
+    return found
 
 
 @dataclass(frozen=True)
@@ -376,7 +373,7 @@ class _Incident:
             store.wait(list(keys), self.budget)
             present = list(keys)
         except Exception:  # someone did not answer in time (or the store failed: the search says)
-            present, _ = _present(store, list(keys), t0 + self.budget + _finish_time(self.budget))
+            present = _present(store, list(keys), t0 + self.budget + _finish_time(self.budget))
         waited = min(time.monotonic() - t0, self.budget)
         answers: dict[tuple[str, int], Answer] = {}
         if present:
@@ -398,7 +395,7 @@ class _Incident:
         deadline = self.start + self.budget + _finish_time(self.budget)
         for g in self.channel.earlier(gen):
             todo = {_answer_key(g, i, p): (i, p) for i, p in silent if (i, p) not in old}
-            found, _ = _present(store, list(todo), deadline)
+            found = _present(store, list(todo), deadline)
             if found:
                 for k, raw in zip(found, store.multi_get(found), strict=True):
                     a = Answer.decode(raw)
@@ -412,7 +409,7 @@ class _Incident:
         try:
             store.wait(keys, self.budget + _finish_time(self.budget))
         except Exception:
-            keys, _ = _present(store, keys, self.hard_deadline)
+            keys = _present(store, keys, self.hard_deadline)
         got = {}
         if keys:
             for k, raw in zip(keys, store.multi_get(keys), strict=True):
@@ -438,8 +435,7 @@ class _Incident:
         out, c = self.out, self.claims.get(r.key)
         late = self.budget + _finish_time(self.budget)
         with out.cond:
-            if c is None:  # reused for an operation of a group this incident did not cover
-                return "its group's progress was not gathered (another timeout on this store is being diagnosed)"
+            assert c is not None, "an incident explains only the kinds of operations it claimed"
             if not out.answered:
                 if self.stuck:
                     return ("could not read the other ranks' progress from the store: it has not answered an "
@@ -503,10 +499,6 @@ class Diagnosis:
                 del self._channels[id(ch.store)]
             return True
 
-    def channels(self) -> list[Channel]:
-        with self._lock:
-            return list(self._channels.values())
-
     # --- the diagnosis thread -------------------------------------------------------------------
 
     def submit(self, item: Timeout | Callable[[], None]) -> None:
@@ -542,7 +534,7 @@ class Diagnosis:
         fresh: dict[int, list[Timeout]] = collections.defaultdict(list)
         for t in timeouts:
             last = self._last.get(t.view.ident)
-            if last is not None and t.deadline <= last[0] + REUSE:
+            if last is not None and t.deadline <= last[0] + REUSE and t.key in last[1].claims:
                 self._finish(t, last[1].why(t), last[2])
             else:
                 fresh[id(t.view.root)].append(t)
