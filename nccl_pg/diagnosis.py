@@ -9,7 +9,9 @@ the key is set, so a healthy job costs one parked request per process,
 renewed every ``PARK`` seconds. A rank raises incident ``gen`` by creating
 that key (``compare_set``, so two ranks never take the same number; a later
 incident takes the next). Each listener then answers with one ``multi_set``
-of its progress on every group it is in (``<gen>/<group>/<rank>``), writes
+of its progress on every group it is in (``<gen>/<group>/<rank>``) and an
+``add`` to the count of each timed-out group it is in (the answer that
+completes a count sets one key, which the timed-out rank waits on), writes
 its debug dump if asked, and parks on ``gen + 1``.
 
 Timeouts. The ranks whose operation timed out on a group claim the incident
@@ -73,12 +75,24 @@ def _finish_time(b: float) -> float:
     return max(b, FINISH_MIN)
 
 
-def _signal_key(gen: int) -> str:
+def signal_key(gen: int) -> str:
+    """The key whose creation raises incident ``gen``."""
     return f"{_NS}/{gen}/signal"
 
 
-def _answer_key(gen: int, ident: str, rank: int) -> str:
+def answer_key(gen: int, ident: str, rank: int) -> str:
+    """Where rank ``rank`` of group ``ident`` answers incident ``gen``."""
     return f"{_NS}/{gen}/{ident}/{rank}"
+
+
+def count_key(gen: int, ident: str) -> str:
+    """How many ranks of group ``ident`` answered incident ``gen`` (``add``)."""
+    return f"{_NS}/{gen}/{ident}/answered"
+
+
+def all_key(gen: int, ident: str) -> str:
+    """Set by the answer that completes ``count_key``: every rank answered."""
+    return f"{_NS}/{gen}/{ident}/all"
 
 
 @dataclass
@@ -107,17 +121,20 @@ class _Signal:
     answer: bool
     dump: bool
     claims: list[str]  # the timed-out operations it is about: ranks that timed out on them too dumped already
+    # groups whose answers are counted (ident -> size): the rank whose answer completes a group's count sets its
+    # all_key, one key for the raiser to wait on (a wait on every rank's key would cost the server O(N) per answer)
+    counted: dict[str, int]
 
     def encode(self) -> bytes:
         return json.dumps({"reason": self.reason, "origin": self.origin, "answer": self.answer, "dump": self.dump,
-                           "claims": self.claims, "time": time.time()}).encode()
+                           "claims": self.claims, "counted": self.counted, "time": time.time()}).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> _Signal | None:
         try:
             d = json.loads(raw)
             return cls(str(d["reason"]), str(d["origin"]), bool(d["answer"]), bool(d["dump"]),
-                       [str(c) for c in d["claims"]])
+                       [str(c) for c in d["claims"]], {str(k): int(v) for k, v in d["counted"].items()})
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -156,7 +173,7 @@ class Channel:
             try:
                 if gen is None:
                     gen = self._newest()
-                self.store.wait([_signal_key(gen + 1)], PARK)
+                self.store.wait([signal_key(gen + 1)], PARK)
             except Exception as exc:
                 if time.monotonic() - t0 < PARK / 2:  # not the park running out: the store failed
                     log.debug("nccl_pg: signal listener on %r: %s; retrying in %.0f s", self.store, exc, retry)
@@ -174,7 +191,7 @@ class Channel:
         """The newest incident (answering older ones would be wrong): the hint,
         then forward past any raised since it was written."""
         gen = int(self.store.compare_set(_LATEST, "", "0") or b"0")
-        while self.store.check([_signal_key(gen + 1)]):
+        while self.store.check([signal_key(gen + 1)]):
             gen += 1
         self._saw(gen)
         return gen
@@ -186,21 +203,26 @@ class Channel:
                 self.recent.append(gen)
 
     def _on_signal(self, gen: int) -> None:
-        sig = _Signal.decode(self.store.get(_signal_key(gen)))
+        sig = _Signal.decode(self.store.get(signal_key(gen)))
         self._saw(gen)
         if sig is None:
             return
         if sig.answer:
-            self.answer(gen)
+            self.answer(gen, sig.counted)
         if sig.dump and sig.origin != self.token and self._dumps():
             self.dump_once([f"gen {gen}", *sig.claims], f"signalled: {sig.reason}")
 
-    def answer(self, gen: int) -> None:
-        """This process's progress on every group it has on this store: one request."""
+    def answer(self, gen: int, counted: dict[str, int]) -> None:
+        """This process's progress on every group it has on this store (one
+        request), then one ``add`` per group whose answers are counted."""
         views = [v for v in self.views() if v.state() != "destroyed"]
-        if views:
-            self.store.multi_set([_answer_key(gen, v.ident, v.rank) for v in views],
-                                 [progress.snapshot(v).encode() for v in views])
+        if not views:
+            return
+        self.store.multi_set([answer_key(gen, v.ident, v.rank) for v in views],
+                             [progress.snapshot(v).encode() for v in views])
+        for ident, n in collections.Counter(v.ident for v in views if v.ident in counted).items():
+            if self.store.add(count_key(gen, ident), n) == counted[ident]:
+                self.store.set(all_key(gen, ident), b"1")
 
     # --- incident work ----------------------------------------------------------------------
 
@@ -233,12 +255,13 @@ class Channel:
 
     # --- raising ----------------------------------------------------------------------------
 
-    def raise_signal(self, reason: str, answer: bool, dump: bool, claims: list[str] | None = None) -> int:
+    def raise_signal(self, reason: str, answer: bool, dump: bool, claims: list[str] | None = None,
+                     counted: dict[str, int] | None = None) -> int:
         """A new incident; returns its number."""
         with self._lock:
             gen = self.latest + 1
-        value = _Signal(reason, self.token, answer, dump, claims or []).encode()
-        while self.store.compare_set(_signal_key(gen), "", value) != value:
+        value = _Signal(reason, self.token, answer, dump, claims or [], counted or {}).encode()
+        while self.store.compare_set(signal_key(gen), "", value) != value:
             gen += 1  # taken by another incident: the next one
         self._saw(gen)
         try:
@@ -361,16 +384,21 @@ class _Incident:
 
     def _raise_and_collect(self, won: list[_Claim]) -> None:
         out, ch, store = self.out, self.channel, self.channel.store
-        gen = ch.raise_signal(f"timeout of {won[0].what}", answer=True, dump=self.dump, claims=[c.key for c in won])
+        counted = {c.view.ident: c.view.size for c in won if c.peers is None}
+        gen = ch.raise_signal(f"timeout of {won[0].what}", answer=True, dump=self.dump, claims=[c.key for c in won],
+                              counted=counted)
         out.update(gen=gen)
         wanted: dict[str, set[int]] = collections.defaultdict(set)
         for c in won:
             wanted[c.view.ident] |= {p for p in (c.peers if c.peers is not None else range(c.view.size))
                                      if p != c.view.rank}
-        keys = {_answer_key(gen, ident, p): (ident, p) for ident, ranks in wanted.items() for p in sorted(ranks)}
+        keys = {answer_key(gen, ident, p): (ident, p) for ident, ranks in wanted.items() for p in sorted(ranks)}
+        # a collective's group: its count's key; a point-to-point operation: its few peers' own keys
+        awaited = [all_key(gen, ident) for ident in counted] + [k for k, (ident, _) in keys.items()
+                                                                if ident not in counted]
         t0 = time.monotonic()
         try:
-            store.wait(list(keys), self.budget)
+            store.wait(awaited, self.budget)
             present = list(keys)
         except Exception:  # someone did not answer in time (or the store failed: the search says)
             present = _present(store, list(keys), t0 + self.budget + _finish_time(self.budget))
@@ -394,7 +422,7 @@ class _Incident:
         old: dict[tuple[str, int], Answer] = {}
         deadline = self.start + self.budget + _finish_time(self.budget)
         for g in self.channel.earlier(gen):
-            todo = {_answer_key(g, i, p): (i, p) for i, p in silent if (i, p) not in old}
+            todo = {answer_key(g, i, p): (i, p) for i, p in silent if (i, p) not in old}
             found = _present(store, list(todo), deadline)
             if found:
                 for k, raw in zip(found, store.multi_get(found), strict=True):
