@@ -129,10 +129,12 @@ def explain(view: GroupView, seq: int, answers: Mapping[int, Answer], silent: Se
     if silent:
         parts.append(silence(view, silent, waited, old or {}))
     if not behind:
-        stuck = sorted(r for r, a in answers.items() if a.completed < seq)
-        who = "every rank" if not silent else "every rank that answered"
-        parts.append(f"{who} issued it; it has not completed on ranks {_globals(view, stuck)}: a rank stopped "
-                     "making progress inside it (hung or frozen process, or a network problem)")
+        stuck = _globals(view, sorted(r for r, a in answers.items() if a.completed < seq))
+        if silent:
+            parts.append(f"every rank that answered issued it (it has not completed on ranks {stuck})")
+        else:
+            parts.append(f"every rank issued it; it has not completed on ranks {stuck}: a rank stopped making "
+                         "progress inside it (hung or frozen process, or a network problem)")
     return "; ".join(parts)
 
 
