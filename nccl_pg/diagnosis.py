@@ -43,13 +43,17 @@ from typing import Any
 
 from . import progress
 from .progress import Answer, GroupView
-from .store import Store
+from .store import FileStore, HashStore, Store
 
 log = logging.getLogger(__name__)
 
 # Deadline of the parked wait. Renewing it is a healthy job's only store traffic: one request per process
-# every 10 minutes (17 requests/s at 10,000 processes, well under 0.1% of a store server's throughput).
+# every 10 minutes (17 requests/s at 10,000 processes, well under 0.1% of a store server's throughput). A
+# listener whose groups are all gone leaves at its next renewal, or at once if its store is closed.
 PARK = 600.0
+# The same for a store in this process or in a file, where renewing costs no server anything: its listener
+# then leaves within a second of its last group.
+LOCAL_PARK = 1.0
 # How long a timed-out rank waits for the others' answers: a tenth of the operation's timeout, at most 2 s,
 # so that the error follows the timeout closely whatever it is.
 BUDGET_SHARE, BUDGET_CAP = 0.1, 2.0
@@ -166,6 +170,7 @@ class Channel:
     def _listen(self) -> None:
         gen: int | None = None
         retry = 1.0
+        park = LOCAL_PARK if isinstance(self.store, (HashStore, FileStore)) else PARK
         while True:
             if self._gone(self):  # every group on this store is gone: so is the listener
                 return
@@ -173,9 +178,9 @@ class Channel:
             try:
                 if gen is None:
                     gen = self._newest()
-                self.store.wait([signal_key(gen + 1)], PARK)
+                self.store.wait([signal_key(gen + 1)], park)
             except Exception as exc:
-                if time.monotonic() - t0 < PARK / 2:  # not the park running out: the store failed
+                if time.monotonic() - t0 < park / 2:  # not the park running out: the store failed
                     log.debug("nccl_pg: signal listener on %r: %s; retrying in %.0f s", self.store, exc, retry)
                     time.sleep(retry)
                     retry = min(retry * 2, RETRY_CAP)
