@@ -116,6 +116,11 @@ class Server:
             fields = f.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
+    def rss_mb(self) -> float:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        return kb / 1024
+
     def close(self) -> None:
         if self.proc.stdin is not None:
             self.proc.stdin.close()
@@ -299,18 +304,20 @@ async def _steady(server: Server, port: int, n: int, window: float) -> dict[str,
     """N ranks each park the signal listener's wait; the server's load over ``window``."""
     from nccl_pg import diagnosis
 
+    rss0 = server.rss_mb()
     ranks = await _connect_all(port, n)
     for r in ranks:
         r.send(Rank.wait_body([diagnosis.signal_key(10**9)], diagnosis.PARK))
     await asyncio.sleep(0.5)  # the waits reach the server (counted before the window)
     before, cpu0 = server.stats(), server.cpu_s()
     await asyncio.sleep(window)
-    after, cpu1 = server.stats(), server.cpu_s()
+    after, cpu1, rss1 = server.stats(), server.cpu_s(), server.rss_mb()
     for r in ranks:
         r.close()
     requests = sum(_delta(after, before).values())
     return {"requests": requests, "requests_per_s": requests / window, "server_cpu_s": cpu1 - cpu0,
-            "window_s": window, "parked": n, "renewals_per_s": n / diagnosis.PARK}
+            "window_s": window, "parked": n, "renewals_per_s": n / diagnosis.PARK,
+            "server_rss_mb": {"before": rss0, "parked": rss1}}
 
 
 async def _diagnosis_round(server: Server, port: int, n: int, timeout: float, silent_share: float) -> dict[str, Any]:
@@ -521,7 +528,7 @@ def bench(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
 
 
 def _table(res: dict[str, Any]) -> str:
-    lines = [f"{'N':>6} {'rendezvous s':>13} {'torch rdzv s':>13} {'steady req/s':>13} {'srv CPU s':>10} "
+    lines = [f"{'N':>6} {'rendezvous s':>13} {'torch rdzv s':>13} {'steady req/s':>13} {'srv CPU s':>10} {'srv MB':>7} "
              f"{'diag s':>7} {'diag req':>9} {'culprits named':>15} {'all answer s':>13}"]
     for n, row in res["sizes"].items():
         if "skipped" in row:
@@ -532,7 +539,8 @@ def _table(res: dict[str, Any]) -> str:
         named = "all, exactly" if d["named_silent_exactly"] and d["named_behind_exactly"] else \
             f"missed {d['silent_missed']}, extra {d['alive_named_silent']}"
         lines.append(f"{n:>6} {row['rendezvous_s']:>13.2f} {t if isinstance(t, str) else f'{t:.2f}':>13} "
-                     f"{s['requests_per_s']:>13.1f} {s['server_cpu_s']:>10.2f} {d['time_to_error_s']:>7.2f} "
+                     f"{s['requests_per_s']:>13.1f} {s['server_cpu_s']:>10.2f} {s['server_rss_mb']['parked']:>7.0f} "
+                     f"{d['time_to_error_s']:>7.2f} "
                      f"{d['requests']:>9} {named:>15} {row['diagnosis_all_answer']['time_to_error_s']:>13.2f}")
     lines.append("comm init (real host backend), store requests per rank: " + ", ".join(
         f"K={k}: {v['per_rank']:.1f} {v['by_command_per_rank']}" for k, v in res["comm_init"].items()))
