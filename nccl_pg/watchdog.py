@@ -19,7 +19,6 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
-import functools
 import logging
 import os
 import signal
@@ -182,7 +181,10 @@ class Watchdog:
         except BlockingIOError:
             return
         if data:
-            self.diagnosis.submit(functools.partial(self.write_dump, "requested through the dump pipe", rank))
+            self.diagnosis.submit(lambda: self._dump_on_request(rank))
+
+    def _dump_on_request(self, rank: int) -> None:
+        self.write_dump("requested through the dump pipe", rank)
 
     def _open_pipe(self, rank: int) -> None:
         """Make the pipe (0600) if it is not there, and open it only if it is a

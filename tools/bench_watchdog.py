@@ -230,6 +230,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             store.set(f"done/{kind}/{i}", "1")
         gloo_offsets = random.Random(0)  # the same timeouts as ours
         for kind, i in _gloo_runs(args):
+            assert tstore is not None
             import torch
             import torch.distributed as tdist
 
