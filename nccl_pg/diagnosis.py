@@ -51,9 +51,10 @@ log = logging.getLogger(__name__)
 # every 10 minutes (17 requests/s at 10,000 processes, well under 0.1% of a store server's throughput). A
 # listener whose groups are all gone leaves at its next renewal, or at once if its store is closed.
 PARK = 600.0
-# The same for a store in this process or in a file, where renewing costs no server anything: its listener
-# then leaves within a second of its last group.
-LOCAL_PARK = 1.0
+# The same for a store in a file, where renewing costs no server anything: its listener then leaves within
+# a second of its last group. (A HashStore lives in this process: its incidents are delivered to its one
+# channel directly, with no listener thread.)
+FILE_PARK = 1.0
 # How long a timed-out rank waits for the others' answers: a tenth of the operation's timeout, at most 2 s,
 # so that the error follows the timeout closely whatever it is.
 BUDGET_SHARE, BUDGET_CAP = 0.1, 2.0
@@ -160,7 +161,9 @@ class Channel:
         self._job: Callable[[], None] | None = None  # this store's incident work, queued or running
         self._jobs = threading.Condition(self._lock)
         self._runner: threading.Thread | None = None
-        self.thread = threading.Thread(target=self._listen, name="nccl_pg-signals", daemon=True)
+        # in-process stores need no listener: every rank on them is in this process, on this channel
+        self.thread = None if isinstance(store, HashStore) else \
+            threading.Thread(target=self._listen, name="nccl_pg-signals", daemon=True)
 
     def views(self) -> list[GroupView]:
         return self._views()
@@ -170,7 +173,7 @@ class Channel:
     def _listen(self) -> None:
         gen: int | None = None
         retry = 1.0
-        park = LOCAL_PARK if isinstance(self.store, (HashStore, FileStore)) else PARK
+        park = FILE_PARK if isinstance(self.store, FileStore) else PARK
         while True:
             if self._gone(self):  # every group on this store is gone: so is the listener
                 return
@@ -269,6 +272,9 @@ class Channel:
         while self.store.compare_set(signal_key(gen), "", value) != value:
             gen += 1  # taken by another incident: the next one
         self._saw(gen)
+        if self.thread is None:
+            self._on_signal(gen)
+            return gen
         try:
             self.store.set(_LATEST, str(gen))
         except Exception as exc:  # only a hint
@@ -516,10 +522,13 @@ class Diagnosis:
         with self._lock:
             ch = self._channels.get(id(view.root))
             if ch is None:
+                for old in [c for c in self._channels.values() if c.thread is None and not c.views()]:
+                    del self._channels[id(old.store)]  # threadless channels of stores whose groups are gone
                 root = view.root
                 ch = Channel(root, lambda: self._views_on(root), self._write_dump, self._dumps, self._forget)
                 self._channels[id(root)] = ch
-                ch.thread.start()
+                if ch.thread is not None:
+                    ch.thread.start()
             return ch
 
     def _forget(self, ch: Channel) -> bool:
