@@ -158,6 +158,7 @@ class Channel:
         self.recent: collections.deque[int] = collections.deque(maxlen=LOOKBACK + 1)
         # this rank's dumps by what they were for (incident numbers, timed-out operations' claims)
         self._dumped: collections.OrderedDict[str, str | None] = collections.OrderedDict()
+        self._dumping = threading.Lock()  # held while a dump is written (not the channel's: that one stays quick)
         self._job: Callable[[], None] | None = None  # this store's incident work, queued or running
         self._jobs = threading.Condition(self._lock)
         self._runner: threading.Thread | None = None
@@ -297,7 +298,7 @@ class Channel:
         """This rank's dump for an incident, known by any of ``about``
         (its number, the claims of its timed-out operations): written once,
         whether the signal or this rank's own timeout comes first."""
-        with self._lock:
+        with self._dumping:
             seen = [a for a in about if a in self._dumped]
             path = self._dumped[seen[0]] if seen else self._write_dump(reason, self.rank())
             for a in about:
