@@ -35,6 +35,7 @@ bench: install
 	$(PYTHON) tools/bench_host.py
 	$(PYTHON) tools/bench_pg_overhead.py
 	$(PYTHON) tools/bench_watchdog.py
+	$(PYTHON) tools/bench_scale.py
 	$(PYTHON) tools/bench_recorder.py
 	$(PYTHON) tools/bench_nan_check.py
 	$(PYTHON) tools/bench_ddp.py

@@ -1,21 +1,37 @@
 """Debug dumps: what this process was doing when something went wrong.
 
-A dump is one file per rank, ``NCCL_PG_DEBUG_INFO_TEMP_FILE`` + global rank:
-a pickled dict in PyTorch's flight-recorder layout (version, pg_config,
-pg_status, entries), so PyTorch's analyzer and ``nccl-pg trace`` both read
-it, plus our own keys: the reason, every live group's pending operations
-with their age, and the Python stack of every thread. Written on a timeout
-(on every rank, through a store signal), by the heartbeat monitor before it
-ends the process, when a byte is written to ``<prefix><rank>.pipe``, and on
-request (``write``).
+A dump is one file per rank, ``<prefix><global rank>``: a pickled dict in
+PyTorch's flight-recorder layout (version, pg_config, pg_status, entries),
+so PyTorch's analyzer and ``nccl-pg trace`` both read it, plus our own keys:
+the reason, every live group's pending operations with their age, and the
+Python stack of every thread. Written on a timeout (on every rank, through
+a store signal), by the heartbeat monitor before it ends the process, when
+a byte is written to ``<prefix><rank>.pipe``, and on request (``write``).
+
+The prefix is ``NCCL_PG_DEBUG_INFO_TEMP_FILE``, by default in a private
+directory, ``<tmp>/nccl_pg-<uid>/`` (made 0700, refused unless it is this
+user's), not in world-writable /tmp. A dump is written to a temporary file
+(``mkstemp``: never through a planted link) in the same directory and
+renamed into place; a writer killed mid-dump leaves its temporary file,
+which the next dump on that host removes.
+
+Reading (``read``) treats a file as untrusted: no symbolic link followed, a
+file not owned by this user refused, and pickles loaded by an unpickler that
+resolves no global (our dumps and PyTorch's hold only plain data), so no
+code runs from a dump's bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import os
 import pickle
 import socket
+import stat
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -53,8 +69,40 @@ def report(reason: str, rank: int, groups: Sequence[ProcessGroup]) -> dict[str, 
     return out
 
 
+# The largest file read as a dump (ours are a few MB; a ring of 10^7 entries with stacks would be more).
+MAX_DUMP_BYTES = 1 << 30
+_TMP = ".nccl_pg_dump."  # temporary files: <_TMP><host>.<pid>.<random>.tmp
+
+
+class NotADump(ValueError):
+    """A file that is not a readable dump (the message says why)."""
+
+
+def private_dir() -> str:
+    """``<tmp>/nccl_pg-<uid>``: made 0700, and refused unless it is a
+    directory of this user's (someone else may have made it first)."""
+    path = os.path.join(tempfile.gettempdir(), f"nccl_pg-{os.getuid()}")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise OSError(f"the default dump directory {path} is not a directory of this user's (uid {os.getuid()}); "
+                      "set NCCL_PG_DEBUG_INFO_TEMP_FILE to a path prefix in a private directory")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+def prefix() -> str:
+    """The path prefix of this process's dumps (the rank is appended)."""
+    configured = env.DUMP_FILE.get()
+    return configured if configured is not None else os.path.join(private_dir(), "nccl_pg_trace_rank_")
+
+
 def path_for(rank: int) -> str:
-    return f"{env.DUMP_FILE.get()}{rank}"
+    path = f"{prefix()}{rank}"
+    os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
+    return path
 
 
 _last_written: float | None = None  # time.monotonic() of this process's last dump
@@ -69,23 +117,89 @@ def write(reason: str, rank: int, groups: Sequence[ProcessGroup]) -> str:
     """Write this rank's dump; returns its path."""
     global _last_written
     path = path_for(rank)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    # Per thread (two may dump at once), and not named after the dumps: a reader globbing for
-    # <prefix><rank> (PyTorch's analyzer) must not trip over one left by a process ending mid-write.
-    tmp = os.path.join(os.path.dirname(path) or ".", f".nccl_pg_dump.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "wb") as f:
-        pickle.dump(report(reason, rank, groups), f)
-    os.replace(tmp, path)  # a reader never sees half a dump
+    folder = os.path.dirname(path) or "."
+    _remove_stale_temps(folder)
+    # A dot name (and .tmp): readers globbing for <prefix><rank> (PyTorch's analyzer, nccl-pg trace) skip it.
+    fd, tmp = tempfile.mkstemp(prefix=f"{_TMP}{socket.gethostname()}.{os.getpid()}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(report(reason, rank, groups), f)
+        os.replace(tmp, path)  # a reader never sees half a dump
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     _last_written = time.monotonic()
     return path
 
 
-def read(path: str) -> dict[str, Any]:
-    """A dump written by us or by PyTorch (pickle), or a JSON dump."""
-    with open(path, "rb") as f:
-        data = f.read()
-    if data[:1] in (b"{", b"["):
-        import json
+def _remove_stale_temps(folder: str) -> None:
+    """Temporary files of this host's writers that died mid-dump (their pid
+    is gone); only this user's."""
+    mine = f"{_TMP}{socket.gethostname()}."
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith(mine) and n.endswith(".tmp")]
+    except OSError:
+        return
+    for n in names:
+        pid = n[len(mine):].split(".", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        p = os.path.join(folder, n)
+        with contextlib.suppress(OSError):
+            if os.lstat(p).st_uid == os.getuid():
+                os.unlink(p)
 
-        return json.loads(data)
-    return pickle.loads(data)
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+class _PlainData(pickle.Unpickler):
+    """Builds dicts, lists, tuples, strings and numbers; refuses every global
+    (a class, a function: the only ways a pickle runs code)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"it refers to {module}.{name}; a dump holds plain data only")
+
+
+def read(path: str) -> dict[str, Any]:
+    """A dump written by us or by PyTorch (pickle), or a JSON dump, from an
+    untrusted file: NotADump (saying why) for a link, a file that is not this
+    user's or not a regular file, one too large, or bytes that do not decode
+    to a dict of plain data."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if os.path.islink(path):
+            raise NotADump("a symbolic link (not followed)") from None
+        raise NotADump(exc.strerror or str(exc)) from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise NotADump("not a regular file")
+        if st.st_uid != os.getuid():
+            raise NotADump(f"owned by uid {st.st_uid}, not by this user (uid {os.getuid()}): refused")
+        if st.st_size > MAX_DUMP_BYTES:
+            raise NotADump(f"{st.st_size} bytes, over the {MAX_DUMP_BYTES}-byte limit")
+        data = f.read(MAX_DUMP_BYTES + 1)
+    try:
+        if data[:1] in (b"{", b"["):
+            value = json.loads(data)
+        else:
+            value = _PlainData(io.BytesIO(data)).load()
+    except RecursionError:
+        raise NotADump("nested too deeply") from None
+    except MemoryError:
+        raise NotADump("too large to decode") from None
+    except Exception as exc:
+        raise NotADump(f"{'JSON' if data[:1] in (b'{', b'[') else 'pickle'}: {exc}") from None
+    if not isinstance(value, dict):
+        raise NotADump(f"it holds a {type(value).__name__}, not a dict")
+    return value

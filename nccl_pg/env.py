@@ -167,9 +167,10 @@ DUMP_ON_TIMEOUT: Var[bool] = Var(
     "On a timeout, write a debug dump on this rank and signal every rank (through the store) to write "
     "theirs.",
     aliases=("TORCH_NCCL_DUMP_ON_TIMEOUT",))
-DUMP_FILE: Var[str] = Var(
-    "NCCL_PG_DEBUG_INFO_TEMP_FILE", parse_str, "/tmp/nccl_pg_trace_rank_",
-    "Path prefix of debug dumps; the rank number is appended.",
+DUMP_FILE: Var[str | None] = Var(
+    "NCCL_PG_DEBUG_INFO_TEMP_FILE", parse_str, None,
+    "Path prefix of debug dumps; the rank number is appended. Default: <tmp>/nccl_pg-<uid>/nccl_pg_trace_rank_ "
+    "(a private directory, made 0700 and refused unless it is this user's).",
     aliases=("TORCH_NCCL_DEBUG_INFO_TEMP_FILE",))
 
 # --- NaN checks ------------------------------------------------------------------

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from . import env, flight_recorder, nan_check, progress, watchdog
+from . import diagnosis, env, flight_recorder, forks, nan_check, progress, watchdog
 from .backends import get_backend
 from .comm.base import Backend, CommConfig, CommState, Communicator, Stream, check_dtype, check_exclude
 from .errors import DistBackendError, NanError
@@ -133,6 +134,7 @@ class ProcessGroup:
         if not isinstance(rank, int) or not 0 <= rank < size:
             raise ValueError(f"rank {rank!r} out of range for world size {size}")
         env.watchdog_timing()  # contradictory watchdog settings fail here, before the watchdog starts
+        self._owner = forks.Owner()  # a forked child's copy of this group must not abort it
         self._backend = get_backend(backend) if isinstance(backend, str) else backend
         self._store = store
         self._rank, self._size = rank, size
@@ -173,6 +175,7 @@ class ProcessGroup:
             self.options.config.blocking is None and env.USE_COMM_NONBLOCKING.get())
         self._nan: NanCheck | None = None
         self.set_nan_check(self.options.nan_check)
+        self.diag = self._diag_view()
         watchdog.get().watch_group(self)
 
     def __repr__(self) -> str:
@@ -399,28 +402,41 @@ class ProcessGroup:
     # --- failures -----------------------------------------------------------------------
 
     def _timed_out(self, work: Work) -> None:
-        """``work`` passed its deadline: find out who is missing (store
-        traffic, so on a thread of its own), then fail it."""
+        """``work`` passed its deadline: the diagnosis thread finds out who is
+        missing (asking every rank, within a small budget), then fails it."""
         with self._lock:
             if work in self._timing_out or work._done.is_set():
                 return
             self._timing_out.add(work)
-        threading.Thread(target=self._explain_timeout, args=(work,), name="nccl_pg-timeout", daemon=True).start()
+        text = work._timed_out_text()
 
-    def _explain_timeout(self, work: Work) -> None:
-        dog = watchdog.get()
-        try:
-            dog.publish_now(self)
-            why = progress.explain(self, work.seq, progress.read_all(self)) if not work._p2p else \
-                (f"a point-to-point operation with ranks {[self._global_rank_of(p) for p in work._peers]}: "
-                 "a peer did not post the matching operation")
-        except Exception as exc:  # the store may be down too: say so rather than hang or guess
-            why = f"could not read the other ranks' progress from the store: {exc}"
-        text = f"{work._timed_out_text()}; {why}"
-        if env.DUMP_ON_TIMEOUT.get():
-            path = self._dump_everywhere(text, f"timeout of {work.op_type.name} seq {work.seq} on group {self.uid}")
-            text += f"; debug dump: {path}" if path else ""
-        work._finish(DistBackendError(text))
+        def finish(why: str, path: str | None) -> None:
+            work._finish(DistBackendError(f"{text}; {why}" + (f"; debug dump: {path}" if path else "")))
+
+        watchdog.get().diagnosis.submit(diagnosis.Timeout(
+            self.diag, work.seq, tuple(work._peers) if work._p2p else None, work._timeout,
+            work._issued_mono + work._timeout, f"{work.op_type.name} seq {work.seq} on group {self.uid}", text,
+            finish))
+
+    def _diag_view(self) -> progress.GroupView:
+        """What diagnostics read of this group; it holds no reference to the
+        group, so that a dropped group can go."""
+        me = weakref.ref(self)
+
+        def global_rank(r: int) -> int:
+            pg = me()
+            return r if pg is None else pg._global_rank_of(r)
+
+        def counts() -> tuple[int, int, int]:
+            pg = me()
+            return (0, 0, 0) if pg is None else (pg._seq, pg._completed_seq, pg._seq_p2p)
+
+        def state() -> str | None:
+            pg = me()
+            return "destroyed" if pg is None else pg._closed
+
+        return progress.GroupView.of(self._store, self.group_name, self.uid, self.group_desc, self._rank,
+                                     self._size, global_rank, counts, state)
 
     def _check_comm(self) -> None:
         """Watchdog: act on a communicator broken while nothing was pending."""
@@ -473,31 +489,16 @@ class ProcessGroup:
         self.abort()
 
     def _dump_for_error(self, error: BaseException) -> None:
-        """A failure dumps as a timeout does, but not again within 30 s of
+        """A failure dumps as a timeout does (this rank's dump, and a signal
+        asking every other rank for theirs), but not again within 30 s of
         another dump of this process: that failure is most likely a
         consequence of the first, whose dumps show where everyone was."""
         from . import dump
 
         if not dump.written_within(30.0):
-            self._dump_everywhere(str(error), f"failure on group {self.uid}: {error}")
-
-    def _dump_everywhere(self, reason: str, signal: str) -> str | None:
-        """Write this rank's debug dump and ask every other rank for theirs
-        through the store; the signal gets at most a second (the store may be
-        stuck or gone with the failure). Returns this rank's dump path."""
-        dog = watchdog.get()
-
-        def send() -> None:
-            try:
-                dog.signal_dump(self, signal)
-            except Exception as exc:
-                log.debug("could not signal the other ranks to dump: %s", exc)
-
-        signaller = threading.Thread(target=send, name="nccl_pg-dump-signal", daemon=True)
-        signaller.start()
-        path = dog.write_dump(reason, self._global_rank_of(self._rank))
-        signaller.join(1.0)
-        return path
+            dog = watchdog.get()
+            dog.write_dump(str(error), self._global_rank_of(self._rank))
+            dog.diagnosis.request_dumps(self.diag, f"failure on group {self.uid}: {error}")
 
     def _wait_for_pending_works(self, timeout: float | None = None) -> bool:
         return watchdog.get().drain(self, lambda: list(self._pending), self._timeout if timeout is None else timeout)
@@ -976,19 +977,22 @@ class ProcessGroup:
 
     def __del__(self) -> None:
         # Dropped without destroy: free the communicator's threads and sockets
-        # now rather than at exit (never blocks: abort first).
+        # now rather than at exit (never blocks: abort first). Not in a forked
+        # child: the sockets are the parent's too.
+        owner = getattr(self, "_owner", None)
         comm = getattr(self, "_comm", None)
-        if comm is not None and getattr(self, "_closed", None) != "destroyed":
+        if owner is not None and owner.here() and comm is not None and getattr(self, "_closed", None) != "destroyed":
             comm.abort()
             comm.destroy()
 
 
 def _close_leftovers() -> None:
     """At exit: groups never destroyed are aborted (bounded), with a warning
-    instead of a hang or a silent loss of pending work."""
+    instead of a hang or a silent loss of pending work. Only this process's
+    own groups: a forked child leaves its parent's alone."""
     dog = watchdog.existing()
     for pg in dog.groups() if dog is not None else []:
-        if pg._closed is None and pg._comm is not None:
+        if pg._closed is None and pg._comm is not None and pg._owner.here():
             pending = len(pg._pending)
             print(f"nccl_pg: warning: {pg!r} was not destroyed before exit ({pending} operations pending); "
                   "aborting it. Call destroy_process_group() to flush pending work first.",

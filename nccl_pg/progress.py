@@ -1,9 +1,15 @@
-"""Per-group progress shared through the store, so that a timeout can name
-the ranks that never reached the collective instead of just "timed out".
+"""Per-group progress, gathered on demand, and the words that explain a
+timeout with it.
 
-Each rank's watchdog publishes, for every group, the last sequence number it
-issued and the last it saw complete (only when they change, from the
-reporter thread). A rank whose collective times out reads everyone's.
+Nothing is published while a job is healthy. When an operation times out,
+the rank that saw it asks every rank (diagnosis.py) and each answers with an
+``Answer`` for every group it is in; ``explain`` then names the ranks that
+never issued the operation, the ranks in which it is stuck, and the ranks
+that did not answer at all (with what they said at an earlier incident, if
+anything, marked as old).
+
+``GroupView`` is the small view of a group that diagnostics read (the group
+hands it over; nothing here reaches into the group).
 """
 
 from __future__ import annotations
@@ -12,15 +18,59 @@ import json
 import os
 import socket
 import time
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-if TYPE_CHECKING:
-    from .process_group import ProcessGroup
+from .store import PrefixStore, Store
+
+
+def root_of(store: Store) -> tuple[Store, str]:
+    """The store under every PrefixStore layer, and the layers' prefixes
+    joined (the group's namespace in it)."""
+    prefixes: list[str] = []
+    while isinstance(store, PrefixStore):
+        prefixes.append(store.prefix)
+        store = store.underlying_store
+    return store, "/".join(reversed(prefixes))
+
+
+@dataclass(eq=False)
+class GroupView:
+    """What diagnosis reads of a group. ``ident`` names the group the same
+    way on every member (its namespace in the shared store and its name);
+    ``counts`` returns (last collective issued, last completed, last
+    point-to-point operation issued); ``state`` returns None while open,
+    else "aborted", "revoked" or "destroyed"."""
+
+    ident: str
+    uid: int
+    desc: str
+    rank: int
+    size: int
+    root: Store
+    global_rank: Callable[[int], int]
+    counts: Callable[[], tuple[int, int, int]]
+    state: Callable[[], str | None]
+
+    @classmethod
+    def of(cls, store: Store, name: str, uid: int, desc: str, rank: int, size: int,
+           global_rank: Callable[[int], int], counts: Callable[[], tuple[int, int, int]],
+           state: Callable[[], str | None]) -> GroupView:
+        root, path = root_of(store)
+        return cls(f"{path}|{name}", uid, desc, rank, size, root, global_rank, counts, state)
+
+    def name(self, r: int) -> str:
+        """Group rank ``r`` in words ("1 (global 2)")."""
+        g = self.global_rank(r)
+        return f"{r}" if g == r else f"{r} (global {g})"
 
 
 @dataclass(frozen=True)
-class Progress:
+class Answer:
+    """One rank's progress on one group, as it answered (``time``: its wall
+    clock then)."""
+
     issued: int
     completed: int
     p2p_issued: int
@@ -28,41 +78,86 @@ class Progress:
     host: str
     time: float
 
+    def encode(self) -> bytes:
+        return json.dumps([self.issued, self.completed, self.p2p_issued, self.pid, self.host, self.time]).encode()
 
-def _key(pg: ProcessGroup, rank: int) -> str:
-    return f"{pg.group_name}/progress/{rank}"
-
-
-def snapshot(pg: ProcessGroup) -> Progress:
-    return Progress(pg._seq, pg._completed_seq, pg._seq_p2p, os.getpid(), socket.gethostname(), time.time())
-
-
-def publish(pg: ProcessGroup, progress: Progress) -> None:
-    pg._store.set(_key(pg, pg.rank()), json.dumps(asdict(progress)))
-
-
-def read_all(pg: ProcessGroup) -> dict[int, Progress | None]:
-    """Every rank's last published progress (None: never published)."""
-    keys = [_key(pg, r) for r in range(pg.size())]
-    if pg._store.check(keys):
-        values: list[bytes | None] = list(pg._store.multi_get(keys))
-    else:
-        values = [pg._store.get(k) if pg._store.check([k]) else None for k in keys]
-    return {r: None if v is None else Progress(**json.loads(v)) for r, v in enumerate(values)}
+    @classmethod
+    def decode(cls, raw: bytes) -> Answer | None:
+        """None for anything that is not an answer (the store is shared)."""
+        try:
+            i, c, p, pid, host, t = json.loads(raw)
+            if all(isinstance(x, int) for x in (i, c, p, pid)) and isinstance(host, str) and \
+                    isinstance(t, (int, float)):
+                return cls(i, c, p, pid, host, float(t))
+        except (ValueError, TypeError):
+            pass
+        return None
 
 
-def explain(pg: ProcessGroup, seq: int, progress: dict[int, Progress | None]) -> str:
-    """Who is to blame for collective ``seq`` not completing, in words."""
-    def name(r: int) -> str:
-        g = pg._global_rank_of(r)
-        return f"{r}" if g == r else f"{r} (global {g})"
+def snapshot(view: GroupView) -> Answer:
+    issued, completed, p2p = view.counts()
+    return Answer(issued, completed, p2p, os.getpid(), socket.gethostname(), time.time())
 
-    issued = {r: (p.issued if p else 0) for r, p in progress.items()}
-    behind = sorted(r for r, s in issued.items() if s < seq)
+
+def _globals(view: GroupView, ranks: Sequence[int]) -> list[int]:
+    return [view.global_rank(r) for r in ranks]
+
+
+def silence(view: GroupView, silent: Sequence[int], waited: float, old: Mapping[int, Answer]) -> str:
+    """The ranks that did not answer, with what they said before, if anything."""
+    text = (f"ranks {_globals(view, silent)} did not answer within {waited:.2f} s (dead, frozen, or its GIL "
+            "held)")
+    if old:
+        now = time.time()
+        said = ", ".join(f"rank {view.name(r)}: issued {a.issued}, completed {a.completed} "
+                         f"({now - a.time:.1f} s ago)" for r, a in sorted(old.items()))
+        text += f"; their last answers, to an earlier diagnosis, are old: {said}"
+    return text
+
+
+def explain(view: GroupView, seq: int, answers: Mapping[int, Answer], silent: Sequence[int], waited: float,
+            old: Mapping[int, Answer] | None = None) -> str:
+    """Who is to blame for collective ``seq`` not completing, in words.
+    ``answers``: every rank that answered (this one included); ``silent``:
+    the ranks that did not, within ``waited`` seconds."""
+    parts: list[str] = []
+    behind = sorted(r for r, a in answers.items() if a.issued < seq)
     if behind:
-        last = ", ".join(f"rank {name(r)}: {issued[r]}" for r in behind)
-        return (f"ranks {[pg._global_rank_of(r) for r in behind]} never issued this collective "
-                f"(last sequence number they issued on this group: {last})")
-    stuck = sorted(r for r, p in progress.items() if p is not None and p.completed < seq)
-    return (f"every rank issued it; it has not completed on ranks {[pg._global_rank_of(r) for r in stuck]}: "
-            "a rank stopped making progress inside it (hung or frozen process, or a network problem)")
+        last = ", ".join(f"rank {view.name(r)}: {answers[r].issued}" for r in behind)
+        parts.append(f"ranks {_globals(view, behind)} never issued this collective "
+                     f"(last sequence number they issued on this group: {last})")
+    if silent:
+        parts.append(silence(view, silent, waited, old or {}))
+    if not behind:
+        stuck = _globals(view, sorted(r for r, a in answers.items() if a.completed < seq))
+        if silent:
+            parts.append(f"every rank that answered issued it (it has not completed on ranks {stuck})")
+        else:
+            parts.append(f"every rank issued it; it has not completed on ranks {stuck}: a rank stopped making "
+                         "progress inside it (hung or frozen process, or a network problem)")
+    return "; ".join(parts)
+
+
+def explain_p2p(view: GroupView, peers: Sequence[int], silent: Sequence[int], waited: float,
+                old: Mapping[int, Answer] | None = None) -> str:
+    """A point-to-point operation is numbered per pair, not per group: the
+    peers are named, and those that did not answer."""
+    text = (f"a point-to-point operation with ranks {_globals(view, peers)}: a peer did not post the matching "
+            "operation")
+    if silent:
+        text += "; " + silence(view, silent, waited, old or {})
+    return text
+
+
+def encode_verdict(gen: int, why: str) -> bytes:
+    return json.dumps({"gen": gen, "why": why}).encode()
+
+
+def decode_verdict(raw: bytes) -> tuple[int, str] | None:
+    try:
+        d: Any = json.loads(raw)
+        if isinstance(d, dict) and isinstance(d.get("gen"), int) and isinstance(d.get("why"), str):
+            return d["gen"], d["why"]
+    except ValueError:
+        pass
+    return None

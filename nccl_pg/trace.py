@@ -19,16 +19,22 @@ Ring-buffer wrap: entries with a ``record_id`` below the largest first
 a group only the sequence numbers every truncated rank still holds are
 compared. Exit status: 0 when everything is consistent, 1 when a problem was
 found, 2 when no dump could be read.
+
+Every file is untrusted input (a dump folder may be writable by others):
+``dump.read`` runs no code from its bytes and refuses links and files of
+other users, and each dump is checked against the layout before analysis;
+a file that fails is reported as not a readable dump, saying why, and the
+others are analyzed.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import collections
 import json
 import os
 import re
+import stat
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -69,7 +75,7 @@ def find_dumps(directory: str, prefix: str | None = None) -> tuple[dict[int, str
     number) that most files share."""
     notes: list[str] = []
     names = sorted(n for n in os.listdir(directory)
-                   if os.path.isfile(os.path.join(directory, n)) and not n.endswith((".pipe", ".tmp"))
+                   if _file_or_link(os.path.join(directory, n)) and not n.endswith((".pipe", ".tmp"))
                    and not n.startswith("."))
     by_stem: dict[str, dict[int, str]] = collections.defaultdict(dict)
     for n in names:
@@ -100,60 +106,183 @@ def find_dumps(directory: str, prefix: str | None = None) -> tuple[dict[int, str
     return dict(sorted(by_stem[stem].items())), stem, notes
 
 
+def _file_or_link(path: str) -> bool:
+    """A regular file, or a symbolic link (listed so that it is reported as refused, not silently skipped)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return False
+    return stat.S_ISREG(mode) or stat.S_ISLNK(mode)
+
+
 def load(paths: Mapping[int, str]) -> tuple[dict[int, Dump], list[dict[str, Any]]]:
-    """Read the dumps; unreadable ones become problems. A dump that names its
-    own rank (ours do) wins over the rank in its file name."""
+    """Read and check the dumps; a file that is not a readable dump becomes a
+    problem saying why, and the rest are read. A dump that names its own
+    rank (ours do) wins over the rank in its file name."""
     dumps: dict[int, Dump] = {}
     problems: list[dict[str, Any]] = []
     for rank, path in paths.items():
         try:
-            data = _dump.read(path)
-            if not isinstance(data, dict):
-                raise ValueError(f"not a dump (a {type(data).__name__})")
-        except Exception as exc:
+            d = _checked(rank, path, _dump.read(path))
+        except Exception as exc:  # NotADump, or anything the layout check missed: never the whole run
+            why = str(exc) if isinstance(exc, _dump.NotADump) else f"{type(exc).__name__}: {exc}"
             problems.append({"kind": "unreadable", "ranks": [rank], "path": path,
-                             "message": f"rank {rank}: cannot read {path}: {exc}"})
+                             "message": f"{path}: not a readable dump ({why})"})
             continue
-        r = data.get("rank", rank)
-        r = r if isinstance(r, int) and r >= 0 else rank
-        entries = [_normal(e) for e in data.get("entries") or () if isinstance(e, dict)]
-        entries.sort(key=lambda e: e["record_id"])
-        dumps[r] = Dump(r, path, data, entries)
+        if d.rank in dumps:
+            problems.append({"kind": "unreadable", "ranks": [d.rank], "path": path,
+                             "message": f"{path}: not used: it says it is rank {d.rank}, like "
+                                      f"{dumps[d.rank].path}"})
+            continue
+        dumps[d.rank] = d
     return dumps, problems
 
 
+# Values checked per file at most: a small pickle can share one list many times over (its memo), and
+# walking what it expands to must not run away.
+_CHECK_BUDGET = 50_000_000
+
+
+class _Checker:
+    """Checks a dump's decoded data against the layout this tool reads, into
+    plain values of known types (NotADump naming the first field that is not)."""
+
+    def __init__(self) -> None:
+        self.left = _CHECK_BUDGET
+
+    def _spend(self, n: int = 1) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise _dump.NotADump(f"more than {_CHECK_BUDGET} values to check")
+
+    def int_(self, v: Any, what: str, default: int | None = 0) -> int:
+        self._spend()
+        if v is None and default is not None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise _dump.NotADump(f"{what} is {_kind(v)}, not an integer")
+        return v
+
+    def opt_int(self, v: Any, what: str) -> int | None:
+        return None if v is None else self.int_(v, what)
+
+    def number(self, v: Any, what: str) -> float | None:
+        self._spend()
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise _dump.NotADump(f"{what} is {_kind(v)}, not a number")
+        return float(v)
+
+    def str_(self, v: Any, what: str, default: str | None = None) -> str:
+        self._spend()
+        if v is None and default is not None:
+            return default
+        if not isinstance(v, str):
+            raise _dump.NotADump(f"{what} is {_kind(v)}, not a string")
+        return v
+
+    def list_(self, v: Any, what: str) -> list[Any]:
+        self._spend()
+        if v is None:
+            return []
+        if not isinstance(v, (list, tuple)):
+            raise _dump.NotADump(f"{what} is {_kind(v)}, not a list")
+        self._spend(len(v))
+        return list(v)
+
+    def sizes(self, v: Any, what: str) -> list[Any]:
+        out: list[Any] = []
+        for i, s in enumerate(self.list_(v, what)):
+            if isinstance(s, (list, tuple)):
+                out.append([self.int_(d, f"{what}[{i}]", None) for d in self.list_(s, f"{what}[{i}]")])
+            else:
+                out.append(self.int_(s, f"{what}[{i}]", None))
+        return out
+
+    def entry(self, e: Any, i: int) -> dict[str, Any]:
+        what = f"entries[{i}]"
+        if not isinstance(e, dict):
+            raise _dump.NotADump(f"{what} is {_kind(e)}, not a dict")
+        pg = self.list_(e.get("process_group") or ["?", "?"], f"{what}.process_group")
+        out: dict[str, Any] = {
+            "record_id": self.int_(e.get("record_id"), f"{what}.record_id"),
+            "process_group": (self.str_(pg[0] if pg else "?", f"{what}.process_group[0]"),
+                              self.str_(pg[1] if len(pg) > 1 else "", f"{what}.process_group[1]")),
+            "profiling_name": self.str_(e.get("profiling_name"), f"{what}.profiling_name", "?"),
+            "state": self.str_(e.get("state"), f"{what}.state", "scheduled"),
+            "retired": bool(e.get("retired")),
+            "is_p2p": bool(e.get("is_p2p")),
+            "time_created_ns": self.int_(e.get("time_created_ns"), f"{what}.time_created_ns"),
+            "time_discovered_completed_ns": self.opt_int(e.get("time_discovered_completed_ns"),
+                                                         f"{what}.time_discovered_completed_ns"),
+            "duration_ms": self.number(e.get("duration_ms"), f"{what}.duration_ms"),
+        }
+        for k in ("collective_seq_id", "p2p_seq_id", "op_id"):
+            out[k] = self.int_(e.get(k), f"{what}.{k}")
+        for k in ("input_sizes", "output_sizes"):
+            out[k] = self.sizes(e.get(k), f"{what}.{k}")
+        for k in ("input_dtypes", "output_dtypes"):
+            out[k] = [self.str_(x, f"{what}.{k}") for x in self.list_(e.get(k), f"{what}.{k}")]
+        return out
+
+    def pg_config(self, v: Any) -> dict[str, dict[str, Any]]:
+        if v is None:
+            return {}
+        if not isinstance(v, dict):
+            raise _dump.NotADump(f"pg_config is {_kind(v)}, not a dict")
+        self._spend(len(v))
+        out: dict[str, dict[str, Any]] = {}
+        for k, cfg in v.items():
+            name = cfg.get("name", k) if isinstance(cfg, dict) else k
+            if isinstance(name, bool) or not isinstance(name, (str, int)):
+                raise _dump.NotADump(f"pg_config has a group named by {_kind(name)}")
+            name = str(name)
+            if not isinstance(cfg, dict):
+                out[name] = {"desc": "", "ranks": None}
+                continue
+            out[name] = {"desc": self.str_(cfg.get("desc"), f"pg_config[{name!r}].desc", ""),
+                         "ranks": self.ranks(cfg.get("ranks"), f"pg_config[{name!r}].ranks")}
+        return out
+
+    def ranks(self, v: Any, what: str) -> list[int] | None:
+        """Members as torch writes them (a string of a list, e.g. "[0, 1]") or a list; None if neither."""
+        if isinstance(v, str):
+            self._spend(len(v))
+            if not re.fullmatch(r"\s*\[[\d,\s]*\]\s*", v):
+                return None
+            v = json.loads(v)
+        if isinstance(v, (list, tuple)):
+            return [self.int_(r, what, None) for r in self.list_(v, what)]
+        return None
+
+
+def _kind(v: Any) -> str:
+    return "missing" if v is None else f"a {type(v).__name__}"
+
+
+def _checked(rank: int, path: str, data: dict[str, Any]) -> Dump:
+    c = _Checker()
+    r = data.get("rank", rank)
+    r = r if isinstance(r, int) and not isinstance(r, bool) and r >= 0 else rank
+    raw = c.list_(data.get("entries"), "entries")
+    entries = [_normal(c.entry(e, i)) for i, e in enumerate(raw)]
+    entries.sort(key=lambda e: e["record_id"])
+    plain = {"version": c.str_(data.get("version"), "version", "?"),
+             "reason": data.get("reason") if isinstance(data.get("reason"), str) else None,
+             "time": c.number(data.get("time"), "time"),
+             "pg_config": c.pg_config(data.get("pg_config"))}
+    return Dump(r, path, plain, entries)
+
+
 def _normal(e: dict[str, Any]) -> dict[str, Any]:
-    """An entry with every field this tool reads, plus its parsed name."""
-    e = dict(e)
-    e.setdefault("record_id", 0)
-    pg = e.get("process_group") or ("?", "?")
-    e["process_group"] = (str(pg[0]), str(pg[1]) if len(pg) > 1 else "")
-    for k in ("collective_seq_id", "p2p_seq_id", "op_id"):
-        e[k] = int(e.get(k) or 0)
-    for k in ("input_sizes", "output_sizes", "input_dtypes", "output_dtypes"):
-        e[k] = [list(s) if isinstance(s, (list, tuple)) else s for s in e.get(k) or ()]
-    e.setdefault("state", "scheduled")
-    e["retired"] = bool(e.get("retired"))
-    name = str(e.get("profiling_name") or "?")
+    """A checked entry plus its parsed name."""
+    name = e["profiling_name"]
     lib, _, rest = name.partition(":") if ":" in name else ("", "", name)
     kind, _, meta = rest.partition(" ")
     e["_lib"], e["_kind"], e["_meta"] = lib, kind, meta
     e["_p2p"] = kind in _P2P_TYPES
     return e
-
-
-def _ranks(value: Any) -> list[int] | None:
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            try:
-                value = ast.literal_eval(value)
-            except (ValueError, SyntaxError):
-                return None
-    if isinstance(value, (list, tuple)) and all(isinstance(r, int) for r in value):
-        return list(value)
-    return None
 
 
 # --- analysis -----------------------------------------------------------------------------
@@ -253,16 +382,14 @@ class Analysis:
     def _build_groups(self) -> None:
         configs: dict[str, list[tuple[int, str, list[int] | None]]] = collections.defaultdict(list)
         for r, d in self.dumps.items():
-            pg_config = d.data.get("pg_config") or {}
-            named = {str(v.get("name", k)) if isinstance(v, dict) else str(k): v for k, v in pg_config.items()}
+            named: dict[str, dict[str, Any]] = dict(d.data["pg_config"])
             used = {e["process_group"][0] for e in d.entries}
             unknown = used - set(named)
             if unknown and len(named) == 1 and next(iter(named)) not in used:
                 # Gloo's recorder names its one group "" in pg_config while its entries say "0".
                 named = {name: next(iter(named.values())) for name in unknown}
             for name, cfg in named.items():
-                cfg = cfg if isinstance(cfg, dict) else {}
-                configs[name].append((r, str(cfg.get("desc", "")), _ranks(cfg.get("ranks"))))
+                configs[name].append((r, str(cfg.get("desc", "")), cfg.get("ranks")))
         users: dict[str, set[int]] = collections.defaultdict(set)
         descs: dict[str, str] = {}
         for r, d in self.dumps.items():

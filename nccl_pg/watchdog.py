@@ -6,9 +6,10 @@
   communicator is acted on even when nothing is pending;
 - the hook runner runs completion hooks in the order Works finish, off both
   the caller's thread and the poller (a slow hook never stalls polling);
-- the reporter does all store traffic: it publishes each group's progress
-  when it changes (progress.py) and watches for the dump signal a timed-out
-  rank raises, so the poller never blocks on the store;
+- diagnosis (diagnosis.py) does all store traffic, only when something went
+  wrong: a listener per store parked on the next incident's signal, and one
+  thread that turns timed-out operations into errors naming the ranks to
+  blame; the poller never blocks on the store;
 - the monitor ends the process with SIGABRT, after a dump, if the poller
   has not completed a poll for ``NCCL_PG_HEARTBEAT_TIMEOUT`` seconds.
 """
@@ -21,6 +22,7 @@ import contextlib
 import logging
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -28,17 +30,13 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from . import dump, env, progress
+from . import diagnosis, dump, env, forks, progress
 
 if TYPE_CHECKING:
     from .process_group import ProcessGroup
     from .work import Work
 
 log = logging.getLogger(__name__)
-
-DUMP_SIGNAL = "nccl_pg/dump_signal"
-# How often the reporter looks for a dump signal.
-_SIGNAL_POLL = 1.0
 
 
 class Watchdog:
@@ -48,18 +46,17 @@ class Watchdog:
         self._groups: weakref.WeakSet[ProcessGroup] = weakref.WeakSet()
         self._calls: collections.deque[tuple[object, Callable[[], None]]] = collections.deque()
         self._running: set[object] = set()  # owners whose call is running now
-        self._interval = env.WATCHDOG_INTERVAL.get()
-        self._heartbeat_timeout = env.HEARTBEAT_TIMEOUT.get()
+        self._interval, self._heartbeat_timeout = env.watchdog_timing()
         self._heartbeat = time.monotonic()
-        self._published: weakref.WeakKeyDictionary[ProcessGroup, tuple[int, int, int]] = weakref.WeakKeyDictionary()
-        self._signals_seen: set[bytes] = set()
         self._threads: dict[str, threading.Thread] = {}
         self._dump_on_timeout = env.DUMP_ON_TIMEOUT.get()
         self._pipe: tuple[int, int, str] | None = None  # (rank, fd, path) of the dump pipe
-        atexit.register(self._close_pipe, True)
+        self._pipe_refused: int | None = None  # the rank whose pipe could not be made or was not ours
+        self.diagnosis = diagnosis.Diagnosis(self._views, self.write_dump, lambda: self._dump_on_timeout)
+        self._owner = forks.Owner()
+        atexit.register(self._at_exit)
         self._start("poller", self._poll_loop)
         self._start("hooks", self._hook_loop)
-        self._start("reporter", self._report_loop)
         if env.ENABLE_MONITORING.get():
             self._start("monitor", self._monitor_loop)
 
@@ -73,10 +70,14 @@ class Watchdog:
     def watch_group(self, pg: ProcessGroup) -> None:
         with self._cond:
             self._groups.add(pg)
+        self.diagnosis.watch(pg.diag)
 
     def groups(self) -> list[ProcessGroup]:
         with self._cond:
             return list(self._groups)
+
+    def _views(self) -> list[progress.GroupView]:
+        return [pg.diag for pg in self.groups()]
 
     def watch(self, work: Work) -> None:
         with self._cond:  # no wake-up: the poller comes by within an interval anyway
@@ -130,6 +131,7 @@ class Watchdog:
                     pg._check_comm()
                 except Exception:
                     log.exception("watchdog: checking %r failed", pg)
+            self._check_pipe(groups)
             # The loop variables would keep the last Work, and through it its group, alive until the next poll
             # that has one: a group its user dropped (``del pg``) must be freed now.
             groups = works = w = pg = None  # type: ignore[assignment]
@@ -158,59 +160,17 @@ class Watchdog:
                     self._cond.notify_all()
             owner = fn = None  # type: ignore[assignment]  # (references to a group: see _poll_loop)
 
-    # --- reporter ------------------------------------------------------------------------
+    # --- dumps --------------------------------------------------------------------------
 
-    def _report_loop(self) -> None:
-        next_signal_check = 0.0
-        while True:
-            for pg in self.groups():
-                self._publish(pg)
-            pg = None  # type: ignore[assignment]  # (see _poll_loop)
-            now = time.monotonic()
-            if now >= next_signal_check:
-                next_signal_check = now + _SIGNAL_POLL
-                self._check_dump_signal()
-            self._check_pipe()
-            time.sleep(self._interval)
-
-    def _publish(self, pg: ProcessGroup) -> None:
-        if pg._closed is not None:
-            return
-        state = (pg._seq, pg._completed_seq, pg._seq_p2p)
-        if self._published.get(pg) == state:
-            return
-        try:
-            progress.publish(pg, progress.snapshot(pg))
-            self._published[pg] = state
-        except Exception as exc:  # the store may be gone; the next change retries
-            log.debug("watchdog: publishing progress of %r failed: %s", pg, exc)
-
-    def publish_now(self, pg: ProcessGroup) -> None:
-        """Publish from the calling thread (a timing-out rank, before it reads
-        everyone else's)."""
-        progress.publish(pg, progress.snapshot(pg))
-
-    def _check_dump_signal(self) -> None:
-        # An aborted group's store still works (only destroy may have closed it): a rank whose group the error
-        # handling aborted still answers the others' dump signals.
-        stores = {id(pg._store): pg for pg in self.groups() if pg._closed != "destroyed"}
-        for pg in stores.values():
-            try:
-                if not pg._store.check([DUMP_SIGNAL]):
-                    continue
-                value = pg._store.get(DUMP_SIGNAL)
-            except Exception:
-                continue
-            if value not in self._signals_seen:
-                self._signals_seen.add(value)
-                self.write_dump(f"signalled: {value.decode(errors='replace')}", pg._global_rank_of(pg.rank()))
-
-    def _check_pipe(self) -> None:
-        """A byte written to ``<dump prefix><rank>.pipe`` asks for a dump."""
-        groups = [g for g in self.groups() if g._closed is None]
+    def _check_pipe(self, groups: list[ProcessGroup]) -> None:
+        """A byte written to ``<dump prefix><rank>.pipe`` asks for a dump
+        (written off the poller, by the diagnosis thread)."""
+        groups = [g for g in groups if g._closed is None]
         if not self._dump_on_timeout or not groups:
             return
         rank = groups[0]._global_rank_of(groups[0].rank())
+        if rank == self._pipe_refused:
+            return
         if self._pipe is None or self._pipe[0] != rank:
             self._open_pipe(rank)
         if self._pipe is None:
@@ -220,21 +180,36 @@ class Watchdog:
         except BlockingIOError:
             return
         if data:
-            self.write_dump("requested through the dump pipe", rank)
+            self.diagnosis.submit(lambda: self._dump_on_request(rank))
+
+    def _dump_on_request(self, rank: int) -> None:
+        self.write_dump("requested through the dump pipe", rank)
 
     def _open_pipe(self, rank: int) -> None:
+        """Make the pipe (0600) if it is not there, and open it only if it is a
+        FIFO of this user's: a file or link planted in its place is refused."""
         self._close_pipe()
         path = dump.path_for(rank) + ".pipe"
         try:
-            if not os.path.exists(path):
-                os.mkfifo(path)
-            self._pipe = (rank, os.open(path, os.O_RDONLY | os.O_NONBLOCK), path)
+            with contextlib.suppress(FileExistsError):
+                os.mkfifo(path, 0o600)
+            if not _own_fifo(os.lstat(path)):
+                raise OSError(f"{path} is not a named pipe of this user's; refusing it")
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+            if not _own_fifo(os.fstat(fd)):  # replaced between the check and the open
+                os.close(fd)
+                raise OSError(f"{path} is not a named pipe of this user's; refusing it")
+            self._pipe = (rank, fd, path)
         except OSError as exc:  # e.g. an unwritable directory: dumps on timeout still work
-            log.debug("nccl_pg: no dump pipe at %s: %s", path, exc)
-            self._dump_on_timeout = False
+            log.warning("nccl_pg: no dump pipe for rank %d: %s", rank, exc)
+            self._pipe_refused = rank
+
+    def _at_exit(self) -> None:
+        if self._owner.here():  # a forked child's exit must not unlink its parent's pipe
+            self._close_pipe(for_good=True)
 
     def _close_pipe(self, for_good: bool = False) -> None:
-        if for_good:  # at exit: the reporter, still running, must not create the pipe again
+        if for_good:  # at exit: the poller, still running, must not create the pipe again
             self._dump_on_timeout = False
         if self._pipe is not None:
             _, fd, path = self._pipe
@@ -243,11 +218,10 @@ class Watchdog:
             with contextlib.suppress(OSError):
                 os.unlink(path)
 
-    def signal_dump(self, pg: ProcessGroup, reason: str) -> None:
-        """Ask every rank sharing ``pg``'s store to write its dump."""
-        value = f"{reason} @ {time.time():.6f}".encode()
-        self._signals_seen.add(value)  # this rank writes its own dump directly
-        pg._store.set(DUMP_SIGNAL, value)
+    def signal_dump(self, pg: ProcessGroup, reason: str) -> int:
+        """Ask every other rank sharing ``pg``'s store to write its dump (this
+        one writes its own with ``write_dump``); returns the incident's number."""
+        return self.diagnosis.watch(pg.diag).raise_signal(reason, answer=False, dump=True)
 
     def write_dump(self, reason: str, rank: int) -> str | None:
         try:
@@ -273,6 +247,10 @@ class Watchdog:
                 print(f"nccl_pg: rank {rank}: {reason}; dump: {path}; ending the process with SIGABRT",
                       file=sys.stderr, flush=True)
                 os.kill(os.getpid(), signal.SIGABRT)
+
+
+def _own_fifo(st: os.stat_result) -> bool:
+    return stat.S_ISFIFO(st.st_mode) and st.st_uid == os.getuid()
 
 
 _watchdog: Watchdog | None = None

@@ -322,7 +322,7 @@ def _s_file_store_check(r: Rank) -> list[str]:
     assert (pg.rank(), pg.size()) == (r.rank, r.world_size)
     x = r.full(4, 1.0)
     dist.all_reduce(x)
-    time.sleep(2)  # the reporter polls the FileStore for a dump signal about twice meanwhile
+    time.sleep(2)  # the signal listener waits on the FileStore meanwhile (FileStore.wait polls the file)
     dist.all_reduce(x)
     assert (r.host(x) == r.world_size ** 2).all()
     dist.destroy_process_group()

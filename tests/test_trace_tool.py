@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from pg_harness import run_scripts
 
 from nccl_pg import cli, trace
@@ -463,3 +465,70 @@ def test_pytorch_analyzer_reads_our_dumps(runs: Any) -> None:
     text = out.stdout + out.stderr
     assert out.returncode == 0, text
     assert "Not all ranks joining collective" in text and "missing ranks: {2}" in text
+
+
+# --- malformed dumps: every file is untrusted input (issue 14 item 18) -------------------------------
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
+                     st.text(max_size=12), st.binary(max_size=8))
+_values = st.recursive(_scalars, lambda inner: st.one_of(st.lists(inner, max_size=4), st.tuples(inner, inner),
+                                                         st.dictionaries(st.text(max_size=6), inner, max_size=4)),
+                       max_leaves=12)
+
+
+def _mangled(draw: Any, e: dict[str, Any]) -> Any:
+    """An entry with some fields replaced by anything (or, now and then, the whole of it)."""
+    for k in draw(st.lists(st.sampled_from(sorted(e)), max_size=3)):
+        e[k] = draw(_values)
+    return draw(_values) if draw(st.integers(0, 9)) == 0 else e
+
+
+@st.composite
+def _dump_file(draw: Any) -> bytes:
+    """The bytes of one file in a dump folder: a dump of PyTorch's layout with parts mangled, its JSON form,
+    a truncated pickle, or bytes of any kind."""
+    kind = draw(st.sampled_from(["dump", "dump", "json", "truncated", "bytes", "value"]))
+    if kind == "bytes":
+        return draw(st.binary(max_size=200))
+    if kind == "value":
+        return pickle.dumps(draw(_values))
+    names = ["nccl:all_reduce", "nccl:broadcast", "nccl:send 0->1", "nccl:recv 1<-0", "gloo:all_reduce", "?", ""]
+    entries = [_entry(i, draw(st.integers(0, 4)), draw(st.sampled_from(names)),
+                      state=draw(st.sampled_from(["completed", "scheduled", "started"])))
+               for i in range(draw(st.integers(0, 4)))]
+    d: dict[str, Any] = _torch_dump(entries, ranks=draw(st.sampled_from(["[0, 1]", "[0, 1, 2]", "[0,", "[]", "x"])))
+    d["entries"] = [_mangled(draw, e) for e in entries]
+    for k in draw(st.lists(st.sampled_from(["pg_config", "entries", "version", "rank", "reason", "time"]),
+                           max_size=2)):
+        d[k] = draw(_values)
+    if kind == "json":
+        return json.dumps(d, default=repr).encode()
+    raw = pickle.dumps(d)
+    return raw[:draw(st.integers(0, len(raw)))] if kind == "truncated" else raw
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(files=st.lists(_dump_file(), min_size=1, max_size=4))
+def test_trace_survives_malformed_dumps(files: list[bytes]) -> None:
+    """``nccl-pg trace`` on folders of mangled dumps: never a traceback; each file is either read or reported
+    as not a readable dump (naming it), the others analyzed; the exit status is 0, 1 or 2."""
+    import contextlib
+    import io
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for r, data in enumerate(files):
+            (Path(tmp) / f"trace_{r}").write_bytes(data)
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.main(["trace", tmp, "--json", "--chrome-trace", os.path.join(tmp, "timeline.json")])
+        assert code in (trace.EXIT_OK, trace.EXIT_PROBLEMS, trace.EXIT_NO_DUMPS)
+        if code == trace.EXIT_NO_DUMPS:
+            assert err.getvalue().count("not a readable dump") == len(files), err.getvalue()
+            return
+        report = json.loads(out.getvalue())
+        unreadable = [p for p in report["problems"] if p["kind"] == "unreadable"]
+        assert all("not a readable dump" in p["message"] or "not used" in p["message"] for p in unreadable)
+        assert len(report["dumps"]) + len(unreadable) == len(files), report
+        assert trace.format_text(report)  # the words too

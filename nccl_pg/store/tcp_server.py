@@ -10,6 +10,7 @@ never finishes the handshake is dropped after ``handshake_timeout``.
 
 from __future__ import annotations
 
+import collections
 import heapq
 import hmac
 import itertools
@@ -105,6 +106,7 @@ class TCPStoreServer:
         self._deadlines: list[tuple[float, int, _Waiter]] = []
         self._seq = itertools.count()
         self._conns: set[_Conn] = set()
+        self._requests: collections.Counter[str] = collections.Counter()  # by command, for stats()
         self._sel = selectors.DefaultSelector()
         # One receive buffer for every connection (the loop is single-threaded):
         # recv(n) would allocate, and for n this large mmap/munmap, per request.
@@ -127,6 +129,10 @@ class TCPStoreServer:
     def num_waiters(self) -> int:
         """Blocked get/wait/multi_get requests not yet answered."""
         return len({w for ws in self._waiting.values() for w in ws if not w.done})
+
+    def stats(self) -> dict[str, int]:
+        """Requests served so far, by command name ("set", "wait", ...)."""
+        return dict(self._requests)
 
     def start(self) -> TCPStoreServer:
         self._serving = True
@@ -298,6 +304,7 @@ class TCPStoreServer:
             op = P.Op(body[0]) if len(body) else None
             if op is None:
                 raise ValueError("empty request")
+            self._requests[op.name.lower()] += 1
             reply = self._dispatch(conn, op, r)
         except ValueError as exc:  # malformed: the stream cannot be trusted any more
             self._fail(conn, f"malformed request: {exc}")

@@ -9,6 +9,7 @@ which the host communicator's init and the watchdog catch.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -36,6 +37,23 @@ class TorchStore(Store):
     def __init__(self, store: Any, timeout: Timeout) -> None:
         super().__init__(timeout)
         self._torch = store
+        self._local = threading.local()
+
+    def _waiter(self) -> Any:
+        """The store this thread waits on. torch's TCPStore client holds one
+        lock for the whole of a wait, which would stall every other thread's
+        calls (a parked wait for signals holds it for minutes): each thread
+        that waits does so on a clone of its own (one more connection, freed
+        with the thread). Stores that cannot clone do not hold a lock while
+        waiting."""
+        store = getattr(self._local, "store", None)
+        if store is None:
+            try:
+                store = self._torch.clone()
+            except (AttributeError, RuntimeError, NotImplementedError):
+                store = self._torch
+            self._local.store = store
+        return store
 
     def __repr__(self) -> str:
         return f"TorchStore({self._torch!r})"
@@ -57,7 +75,8 @@ class TorchStore(Store):
     def wait(self, keys: Sequence[str], timeout: Timeout | None = None) -> None:
         ks = check_keys(keys)
         limit = timedelta(seconds=self._deadline(timeout))
-        _ours(lambda: self._torch.wait(ks, limit), f"wait({ks!r})")
+        waiter = self._waiter()
+        _ours(lambda: waiter.wait(ks, limit), f"wait({ks!r})")
 
     def check(self, keys: Sequence[str]) -> bool:
         ks = check_keys(keys)

@@ -1,0 +1,630 @@
+"""Diagnosis on demand: when an operation times out, ask every rank where it
+is; in steady state, send the store nothing.
+
+Signals. The ranks of a job share a store (a group's PrefixStores all sit on
+one; ``progress.root_of``). Per such store, each process keeps one thread
+(``Channel``) parked in ``store.wait`` on the key of the next incident,
+``nccl_pg/diag/<gen>/signal``: the server holds the wait and answers it when
+the key is set, so a healthy job costs one parked request per process,
+renewed every ``PARK`` seconds. A rank raises incident ``gen`` by creating
+that key (``compare_set``, so two ranks never take the same number; a later
+incident takes the next). Each listener then answers with one ``multi_set``
+of its progress on every group it is in (``<gen>/<group>/<rank>``) and an
+``add`` to the count of each timed-out group it is in (the answer that
+completes a count sets one key, which the timed-out rank waits on), writes
+its debug dump if asked, and parks on ``gen + 1``.
+
+Timeouts. The ranks whose operation timed out on a group claim the incident
+(an ``add`` on a key of the group and the operation): the first raises the
+signal, waits at most ``budget(timeout)`` for the members' answers (a wait
+the server answers as soon as they are all in), names who answered with what
+and who did not answer, and publishes that verdict; the others read the
+verdict instead of everyone's answers. A store that does not answer costs
+the error about the budget, and the error says it could not read progress.
+One thread per process (``Diagnosis``) turns timed-out operations into
+errors, batching those that time out together: one incident, one dump per
+rank. Each store's incident work runs on at most one thread at a time, so a
+hung store never piles up threads.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import progress
+from .progress import Answer, GroupView
+from .store import FileStore, HashStore, Store
+
+log = logging.getLogger(__name__)
+
+# Deadline of the parked wait. Renewing it is a healthy job's only store traffic: one request per process
+# every 10 minutes (17 requests/s at 10,000 processes, well under 0.1% of a store server's throughput). A
+# listener whose groups are all gone leaves at its next renewal, or at once if its store is closed.
+PARK = 600.0
+# The same for a store in a file, where renewing costs no server anything: its listener then leaves within
+# a second of its last group. (A HashStore lives in this process: its incidents are delivered to its one
+# channel directly, with no listener thread.)
+FILE_PARK = 1.0
+# How long a timed-out rank waits for the others' answers: a tenth of the operation's timeout, at most 2 s,
+# so that the error follows the timeout closely whatever it is.
+BUDGET_SHARE, BUDGET_CAP = 0.1, 2.0
+# After the answers: reading them (and finding the silent ranks when some are) gets this much more, at least.
+FINISH_MIN = 0.2
+# Operations of a group that time out within this long after its last diagnosis here are explained by it:
+# a burst of async operations timing out together is one incident.
+REUSE = 1.0
+# Earlier incidents searched for what a silent rank last said.
+LOOKBACK = 3
+# A listener whose store failed (rather than timing the park out) retries after 1, 2, 4, ... s, at most this.
+RETRY_CAP = 60.0
+
+_NS = "nccl_pg/diag"
+_LATEST = f"{_NS}/latest"  # a hint of the newest incident, for listeners that start late
+
+
+def budget(timeout: float) -> float:
+    return min(BUDGET_CAP, BUDGET_SHARE * timeout)
+
+
+def _finish_time(b: float) -> float:
+    return max(b, FINISH_MIN)
+
+
+def signal_key(gen: int) -> str:
+    """The key whose creation raises incident ``gen``."""
+    return f"{_NS}/{gen}/signal"
+
+
+def answer_key(gen: int, ident: str, rank: int) -> str:
+    """Where rank ``rank`` of group ``ident`` answers incident ``gen``."""
+    return f"{_NS}/{gen}/{ident}/{rank}"
+
+
+def count_key(gen: int, ident: str) -> str:
+    """How many ranks of group ``ident`` answered incident ``gen`` (``add``)."""
+    return f"{_NS}/{gen}/{ident}/answered"
+
+
+def all_key(gen: int, ident: str) -> str:
+    """Set by the answer that completes ``count_key``: every rank answered."""
+    return f"{_NS}/{gen}/{ident}/all"
+
+
+@dataclass
+class Timeout:
+    """A timed-out operation, as the group hands it over: ``finish(why,
+    dump_path)`` fails it with the explanation."""
+
+    view: GroupView
+    seq: int
+    peers: tuple[int, ...] | None  # None: a collective; else a point-to-point operation's peers
+    timeout: float
+    deadline: float  # time.monotonic() at which it timed out
+    what: str  # e.g. "ALLREDUCE seq 2 on group 1", for the other ranks' dumps
+    text: str  # the error's first part ("timeout: process group ... ran for ...")
+    finish: Callable[[str, str | None], None]
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.view.ident, "c" if self.peers is None else "p"
+
+
+@dataclass
+class _Signal:
+    reason: str
+    origin: str  # the raising channel's token
+    answer: bool
+    dump: bool
+    claims: list[str]  # the timed-out operations it is about: ranks that timed out on them too dumped already
+    # groups whose answers are counted (ident -> size): the rank whose answer completes a group's count sets its
+    # all_key, one key for the raiser to wait on (a wait on every rank's key would cost the server O(N) per answer)
+    counted: dict[str, int]
+
+    def encode(self) -> bytes:
+        return json.dumps({"reason": self.reason, "origin": self.origin, "answer": self.answer, "dump": self.dump,
+                           "claims": self.claims, "counted": self.counted, "time": time.time()}).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> _Signal | None:
+        try:
+            d = json.loads(raw)
+            return cls(str(d["reason"]), str(d["origin"]), bool(d["answer"]), bool(d["dump"]),
+                       [str(c) for c in d["claims"]], {str(k): int(v) for k, v in d["counted"].items()})
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+class Channel:
+    """One store's incidents, for this process: the listener thread, the
+    incidents raised here, and this process's dumps for them."""
+
+    def __init__(self, store: Store, views: Callable[[], list[GroupView]], write_dump: Callable[[str, int],
+                 str | None], dumps: Callable[[], bool], gone: Callable[[Channel], bool]) -> None:
+        self.store = store
+        self.token = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        self._views, self._write_dump, self._dumps, self._gone = views, write_dump, dumps, gone
+        self._lock = threading.Lock()
+        self.latest = 0  # newest incident seen or raised here
+        self.recent: collections.deque[int] = collections.deque(maxlen=LOOKBACK + 1)
+        # this rank's dumps by what they were for (incident numbers, timed-out operations' claims)
+        self._dumped: collections.OrderedDict[str, str | None] = collections.OrderedDict()
+        self._dumping = threading.Lock()  # held while a dump is written (not the channel's: that one stays quick)
+        self._job: Callable[[], None] | None = None  # this store's incident work, queued or running
+        self._jobs = threading.Condition(self._lock)
+        self._runner: threading.Thread | None = None
+        # in-process stores need no listener: every rank on them is in this process, on this channel
+        self.thread = None if isinstance(store, HashStore) else \
+            threading.Thread(target=self._listen, name="nccl_pg-signals", daemon=True)
+
+    def views(self) -> list[GroupView]:
+        return self._views()
+
+    # --- the listener ---------------------------------------------------------------------
+
+    def _listen(self) -> None:
+        gen: int | None = None
+        retry = 1.0
+        park = FILE_PARK if isinstance(self.store, FileStore) else PARK
+        while True:
+            if self._gone(self):  # every group on this store is gone: so is the listener
+                return
+            t0 = time.monotonic()
+            try:
+                if gen is None:
+                    gen = self._newest()
+                self.store.wait([signal_key(gen + 1)], park)
+            except Exception as exc:
+                if time.monotonic() - t0 < park / 2:  # not the park running out: the store failed
+                    log.debug("nccl_pg: signal listener on %r: %s; retrying in %.0f s", self.store, exc, retry)
+                    time.sleep(retry)
+                    retry = min(retry * 2, RETRY_CAP)
+                continue
+            retry = 1.0
+            gen += 1
+            try:
+                self._on_signal(gen)
+            except Exception as exc:  # the store went away meanwhile: the next wait says so
+                log.debug("nccl_pg: answering incident %d on %r failed: %s", gen, self.store, exc)
+
+    def _newest(self) -> int:
+        """The newest incident (answering older ones would be wrong): the hint,
+        then forward past any raised since it was written."""
+        gen = int(self.store.compare_set(_LATEST, "", "0") or b"0")
+        while self.store.check([signal_key(gen + 1)]):
+            gen += 1
+        self._saw(gen)
+        return gen
+
+    def _saw(self, gen: int) -> None:
+        with self._lock:
+            self.latest = max(self.latest, gen)
+            if gen and gen not in self.recent:
+                self.recent.append(gen)
+
+    def _on_signal(self, gen: int) -> None:
+        sig = _Signal.decode(self.store.get(signal_key(gen)))
+        self._saw(gen)
+        if sig is None:
+            return
+        if sig.answer:
+            self.answer(gen, sig.counted)
+        if sig.dump and sig.origin != self.token and self._dumps():
+            self.dump_once([f"gen {gen}", *sig.claims], f"signalled: {sig.reason}")
+
+    def answer(self, gen: int, counted: dict[str, int]) -> None:
+        """This process's progress on every group it has on this store (one
+        request), then one ``add`` per group whose answers are counted."""
+        views = [v for v in self.views() if v.state() != "destroyed"]
+        if not views:
+            return
+        self.store.multi_set([answer_key(gen, v.ident, v.rank) for v in views],
+                             [progress.snapshot(v).encode() for v in views])
+        for ident, n in collections.Counter(v.ident for v in views if v.ident in counted).items():
+            if self.store.add(count_key(gen, ident), n) == counted[ident]:
+                self.store.set(all_key(gen, ident), b"1")
+
+    # --- incident work ----------------------------------------------------------------------
+
+    def run(self, job: Callable[[], None]) -> bool:
+        """Run ``job`` on this store's incident thread (one per store, kept:
+        no thread or connection per incident). False, and not run, while an
+        earlier job has not finished: the store has not answered it yet."""
+        with self._lock:
+            if self._job is not None:
+                return False
+            self._job = job
+            if self._runner is None:
+                self._runner = threading.Thread(target=self._run_jobs, name="nccl_pg-incident", daemon=True)
+                self._runner.start()
+            self._jobs.notify_all()
+        return True
+
+    def _run_jobs(self) -> None:
+        while True:
+            with self._lock:
+                while self._job is None:
+                    self._jobs.wait()
+                job = self._job
+            try:
+                job()
+            except Exception:
+                log.exception("nccl_pg: incident work on %r failed", self.store)
+            with self._lock:
+                self._job = job = None  # type: ignore[assignment]
+
+    # --- raising ----------------------------------------------------------------------------
+
+    def raise_signal(self, reason: str, answer: bool, dump: bool, claims: list[str] | None = None,
+                     counted: dict[str, int] | None = None) -> int:
+        """A new incident; returns its number."""
+        with self._lock:
+            gen = self.latest + 1
+        value = _Signal(reason, self.token, answer, dump, claims or [], counted or {}).encode()
+        while self.store.compare_set(signal_key(gen), "", value) != value:
+            gen += 1  # taken by another incident: the next one
+        self._saw(gen)
+        if self.thread is None:
+            self._on_signal(gen)
+            return gen
+        try:
+            self.store.set(_LATEST, str(gen))
+        except Exception as exc:  # only a hint
+            log.debug("nccl_pg: could not note incident %d: %s", gen, exc)
+        return gen
+
+    # --- dumps ---------------------------------------------------------------------------------
+
+    def earlier(self, gen: int) -> list[int]:
+        """Incidents before ``gen`` seen here, newest first (at most LOOKBACK)."""
+        with self._lock:
+            return sorted((g for g in self.recent if g < gen), reverse=True)[:LOOKBACK]
+
+    def rank(self) -> int:
+        """The global rank this process's dumps for this store are named after."""
+        views = sorted(self.views(), key=lambda v: v.uid)
+        return views[0].global_rank(views[0].rank) if views else -1
+
+    def dump_once(self, about: list[str], reason: str) -> str | None:
+        """This rank's dump for an incident, known by any of ``about``
+        (its number, the claims of its timed-out operations): written once,
+        whether the signal or this rank's own timeout comes first."""
+        with self._dumping:
+            seen = [a for a in about if a in self._dumped]
+            path = self._dumped[seen[0]] if seen else self._write_dump(reason, self.rank())
+            for a in about:
+                self._dumped[a] = path
+            while len(self._dumped) > 64:
+                self._dumped.popitem(last=False)
+            return path
+
+
+@dataclass
+class _Outcome:
+    """What an incident's store work found, filled in as it goes (read by the
+    diagnosis thread, which may give up on it)."""
+
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    answered: bool = False  # the store answered at least once
+    done: bool = False
+    error: BaseException | None = None
+    gen: int | None = None
+    answers: dict[tuple[str, int], Answer] = field(default_factory=dict)
+    silent: dict[str, list[int]] = field(default_factory=dict)
+    old: dict[tuple[str, int], Answer] = field(default_factory=dict)
+    waited: float = 0.0
+    verdicts: dict[str, tuple[int, str]] = field(default_factory=dict)  # claim key -> (gen, why)
+    won: set[str] = field(default_factory=set)  # claim keys this rank raised
+
+    def update(self, **kw: Any) -> None:
+        with self.cond:
+            for k, v in kw.items():
+                setattr(self, k, v)
+            self.cond.notify_all()
+
+
+def _present(store: Store, keys: list[str], deadline: float) -> list[str]:
+    """The keys that exist, by halving: about 2 log2(n/k) ``check`` requests
+    per missing key. Keys not reached by ``deadline`` count as missing."""
+    found: list[str] = []
+    todo = [keys] if keys else []
+    while todo and time.monotonic() < deadline:
+        ks = todo.pop()
+        if store.check(ks):
+            found += ks
+        elif len(ks) > 1:
+            todo += [ks[len(ks) // 2:], ks[:len(ks) // 2]]
+    return found
+
+
+@dataclass(frozen=True)
+class _Claim:
+    """A group's first operation of a kind to time out in a batch."""
+
+    key: str
+    view: GroupView
+    seq: int
+    peers: tuple[int, ...] | None
+    what: str
+
+
+class _Incident:
+    """The store work of one batch of timed-out operations on one store. It
+    keeps no reference to the operations (only to views), so that a finished
+    incident, kept for reuse, does not keep their groups alive."""
+
+    def __init__(self, channel: Channel, requests: list[Timeout], dump: bool) -> None:
+        self.channel, self.dump = channel, dump
+        self.stuck = False  # not run: the store's incident thread is still busy with an earlier one
+        self.budget = max(budget(r.timeout) for r in requests)
+        self.start = time.monotonic()
+        self.claims: dict[tuple[str, str], _Claim] = {}
+        for r in sorted(requests, key=lambda r: r.seq):
+            if r.key not in self.claims:
+                self.claims[r.key] = _Claim(f"{_NS}/claim/{r.view.ident}/{r.key[1]}{r.seq}", r.view, r.seq,
+                                            r.peers, r.what)
+        self.out = _Outcome()
+
+    @property
+    def hard_deadline(self) -> float:
+        return self.start + self.budget + _finish_time(self.budget) + 0.05
+
+    def run(self) -> None:
+        out, store = self.out, self.channel.store
+        try:
+            counts = {c.key: store.add(c.key, 1) for c in self.claims.values()}
+            won = {k for k, n in counts.items() if n == 1}
+            out.update(answered=True, won=won)
+            if won:
+                self._raise_and_collect([c for c in self.claims.values() if c.key in won])
+            lost = [k for k in counts if k not in won]
+            if lost:
+                self._read_verdicts(lost)
+        except BaseException as exc:  # reported by the diagnosis thread
+            out.update(error=exc)
+        finally:
+            out.update(done=True)
+
+    def _raise_and_collect(self, won: list[_Claim]) -> None:
+        out, ch, store = self.out, self.channel, self.channel.store
+        counted = {c.view.ident: c.view.size for c in won if c.peers is None}
+        gen = ch.raise_signal(f"timeout of {won[0].what}", answer=True, dump=self.dump, claims=[c.key for c in won],
+                              counted=counted)
+        out.update(gen=gen)
+        wanted: dict[str, set[int]] = collections.defaultdict(set)
+        for c in won:
+            wanted[c.view.ident] |= {p for p in (c.peers if c.peers is not None else range(c.view.size))
+                                     if p != c.view.rank}
+        keys = {answer_key(gen, ident, p): (ident, p) for ident, ranks in wanted.items() for p in sorted(ranks)}
+        # a collective's group: its count's key; a point-to-point operation: its few peers' own keys
+        awaited = [all_key(gen, ident) for ident in counted] + [k for k, (ident, _) in keys.items()
+                                                                if ident not in counted]
+        t0 = time.monotonic()
+        try:
+            store.wait(awaited, self.budget)
+            present = list(keys)
+        except Exception:  # someone did not answer in time (or the store failed: the search says)
+            present = _present(store, list(keys), t0 + self.budget + _finish_time(self.budget))
+        waited = min(time.monotonic() - t0, self.budget)
+        answers: dict[tuple[str, int], Answer] = {}
+        if present:
+            for k, raw in zip(present, store.multi_get(present), strict=True):
+                a = Answer.decode(raw)
+                if a is not None:
+                    answers[keys[k]] = a
+        silent = {ident: [p for p in sorted(ranks) if (ident, p) not in answers] for ident, ranks in wanted.items()}
+        old = self._lookback(gen, [(i, p) for i, ps in silent.items() for p in ps])
+        out.update(answers=answers, silent=silent, waited=waited, old=old)
+        verdicts = {c.key: (gen, self._explain(c, c.seq)) for c in won}
+        out.update(verdicts=verdicts)
+        store.multi_set([f"{k}/verdict" for k in verdicts], [progress.encode_verdict(*v) for v in verdicts.values()])
+
+    def _lookback(self, gen: int, silent: list[tuple[str, int]]) -> dict[tuple[str, int], Answer]:
+        """What silent ranks answered to the latest earlier incident seen here."""
+        store = self.channel.store
+        old: dict[tuple[str, int], Answer] = {}
+        deadline = self.start + self.budget + _finish_time(self.budget)
+        for g in self.channel.earlier(gen):
+            todo = {answer_key(g, i, p): (i, p) for i, p in silent if (i, p) not in old}
+            found = _present(store, list(todo), deadline)
+            if found:
+                for k, raw in zip(found, store.multi_get(found), strict=True):
+                    a = Answer.decode(raw)
+                    if a is not None:
+                        old[todo[k]] = a
+        return old
+
+    def _read_verdicts(self, lost: list[str]) -> None:
+        store = self.channel.store
+        keys = [f"{k}/verdict" for k in lost]
+        try:
+            store.wait(keys, self.budget + _finish_time(self.budget))
+        except Exception:
+            keys = _present(store, keys, self.hard_deadline)
+        got = {}
+        if keys:
+            for k, raw in zip(keys, store.multi_get(keys), strict=True):
+                v = progress.decode_verdict(raw)
+                if v is not None:
+                    got[k[:-len("/verdict")]] = v
+        self.out.update(verdicts={**self.out.verdicts, **got})
+
+    # --- words (in the diagnosis thread, once the work is done or given up on) ---------------------
+
+    def _explain(self, c: _Claim, seq: int) -> str:
+        out, v = self.out, c.view
+        answers = {p: a for (i, p), a in out.answers.items() if i == v.ident}
+        silent = [p for p in out.silent.get(v.ident, []) if c.peers is None or p in c.peers]
+        old = {p: a for (i, p), a in out.old.items() if i == v.ident and p in silent}
+        if c.peers is not None:
+            return progress.explain_p2p(v, c.peers, silent, out.waited, old)
+        answers[v.rank] = progress.snapshot(v)
+        return progress.explain(v, seq, answers, silent, out.waited, old)
+
+    def why(self, r: Timeout) -> str:
+        """``r``'s explanation from what was gathered."""
+        out, c = self.out, self.claims.get(r.key)
+        late = self.budget + _finish_time(self.budget)
+        with out.cond:
+            assert c is not None, "an incident explains only the kinds of operations it claimed"
+            if not out.answered:
+                if self.stuck:
+                    return ("could not read the other ranks' progress from the store: it has not answered an "
+                            "earlier diagnosis either (unreachable or overloaded)")
+                return (f"could not read the other ranks' progress from the store within {self.budget:.2f} s: "
+                        "the store did not answer (unreachable or overloaded)")
+            if c.key in out.won:
+                if c.view.ident in out.silent:
+                    return self._explain(c, r.seq)
+                if out.error is not None:
+                    return f"could not read the other ranks' progress from the store: {out.error}"
+                return f"could not read the other ranks' progress from the store within {late:.2f} s (too slow)"
+            verdict = out.verdicts.get(c.key)
+        if verdict is None:
+            why = (f"another rank is gathering the diagnosis of this operation; its verdict did not arrive "
+                   f"within {late:.2f} s")
+            return why if out.error is None else f"{why} ({out.error})"
+        if c.seq == r.seq:
+            return verdict[1]
+        return f"{verdict[1]} (said of seq {c.seq}, this group's first operation to time out here)"
+
+
+class Diagnosis:
+    """The process's diagnosis: a channel per store, one thread that turns
+    timed-out operations into errors."""
+
+    def __init__(self, views: Callable[[], list[GroupView]], write_dump: Callable[[str, int], str | None],
+                 dumps: Callable[[], bool]) -> None:
+        self._all_views, self._write_dump, self._dumps = views, write_dump, dumps
+        self._lock = threading.Lock()
+        self._channels: dict[int, Channel] = {}
+        self._queue: collections.deque[Timeout | Callable[[], None]] = collections.deque()
+        self._cond = threading.Condition(self._lock)
+        self._worker: threading.Thread | None = None
+        # per group: when its last incident here ended, the incident, and this rank's dump path
+        self._last: dict[str, tuple[float, _Incident, str | None]] = {}
+
+    # --- channels ---------------------------------------------------------------------------------
+
+    def _views_on(self, root: Store) -> list[GroupView]:
+        return [v for v in self._all_views() if v.root is root and v.state() != "destroyed"]
+
+    def watch(self, view: GroupView) -> Channel:
+        """The channel of ``view``'s store (its listener started if need be)."""
+        with self._lock:
+            ch = self._channels.get(id(view.root))
+            if ch is None:
+                for old in [c for c in self._channels.values() if c.thread is None and not c.views()]:
+                    del self._channels[id(old.store)]  # threadless channels of stores whose groups are gone
+                root = view.root
+                ch = Channel(root, lambda: self._views_on(root), self._write_dump, self._dumps, self._forget)
+                self._channels[id(root)] = ch
+                if ch.thread is not None:
+                    ch.thread.start()
+            return ch
+
+    def _forget(self, ch: Channel) -> bool:
+        """Called by a listener between waits: True (and it is dropped) once
+        no group on its store is alive."""
+        with self._lock:
+            if self._views_on(ch.store):
+                return False
+            if self._channels.get(id(ch.store)) is ch:
+                del self._channels[id(ch.store)]
+            return True
+
+    # --- the diagnosis thread -------------------------------------------------------------------
+
+    def submit(self, item: Timeout | Callable[[], None]) -> None:
+        """A timed-out operation to explain, or a call to make (a dump) off
+        the caller's thread."""
+        with self._cond:
+            self._queue.append(item)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="nccl_pg-diagnosis", daemon=True)
+                self._worker.start()
+            self._cond.notify_all()
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    # an incident kept for reuse refers to its groups: let it go once it is of no use
+                    if not self._cond.wait(REUSE * 2 if self._last else None):
+                        self._last = {k: v for k, v in self._last.items() if v[0] + REUSE * 2 > time.monotonic()}
+                batch, self._queue = list(self._queue), collections.deque()
+            timeouts = [b for b in batch if isinstance(b, Timeout)]
+            for call in batch:
+                if not isinstance(call, Timeout):
+                    try:
+                        call()
+                    except Exception:
+                        log.exception("nccl_pg: a diagnosis call failed")
+            if timeouts:
+                self._explain(timeouts)
+            batch = timeouts = call = None  # type: ignore[assignment]  # (no reference to groups between batches)
+
+    def _explain(self, timeouts: list[Timeout]) -> None:
+        fresh: dict[int, list[Timeout]] = collections.defaultdict(list)
+        for t in timeouts:
+            last = self._last.get(t.view.ident)
+            if last is not None and t.deadline <= last[0] + REUSE and t.key in last[1].claims:
+                self._finish(t, last[1].why(t), last[2])
+            else:
+                fresh[id(t.view.root)].append(t)
+        for requests in fresh.values():
+            self._incident(requests)
+
+    def _incident(self, requests: list[Timeout]) -> None:
+        ch = self.watch(requests[0].view)
+        inc = _Incident(ch, requests, self._dumps())
+        # This rank's dump first, as it is now: a peer answering the signal may end meanwhile, and this rank
+        # with its failure (error handling), before the others' answers are in.
+        path = ch.dump_once([c.key for c in inc.claims.values()], requests[0].text) if self._dumps() else None
+        if not ch.run(inc.run):  # the store has not answered an earlier incident yet
+            inc.stuck = True
+            inc.out.update(done=True)
+        out = inc.out
+        with out.cond:
+            while not out.done:
+                now = time.monotonic()
+                limit = inc.hard_deadline if out.answered else inc.start + inc.budget
+                if now >= limit:
+                    break
+                out.cond.wait(limit - now)
+        whys = [inc.why(r) for r in requests]
+        now = time.monotonic()
+        for r in requests:
+            self._last[r.view.ident] = (now, inc, path)
+        for r, why in zip(requests, whys, strict=True):
+            self._finish(r, why, path)
+
+    def _finish(self, r: Timeout, why: str, path: str | None) -> None:
+        try:
+            r.finish(why, path)
+        except Exception:
+            log.exception("nccl_pg: failing a timed-out operation raised")
+
+    # --- dumps elsewhere --------------------------------------------------------------------------
+
+    def request_dumps(self, view: GroupView, reason: str) -> None:
+        """Ask every rank on ``view``'s store for its dump, off the caller's
+        thread, and not while the store has not answered an earlier request."""
+        ch = self.watch(view)
+
+        def send() -> None:
+            try:
+                ch.raise_signal(reason, answer=False, dump=True)
+            except Exception as exc:
+                log.debug("nccl_pg: could not ask the other ranks to dump: %s", exc)
+
+        ch.run(send)
