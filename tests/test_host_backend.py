@@ -843,6 +843,10 @@ def test_blocking_init_timeout_raises() -> None:
 
 
 def test_abort_during_nonblocking_init_threads() -> None:
+    """Abort while the other ranks never came: waiters are released at once
+    and the init thread ends too (it must not wait for the missing ranks'
+    addresses after the abort woke the rendezvous)."""
+    before = set(threading.enumerate())
     for n, rank in ((2, 0), (3, 2)):
         c = HostCommunicator.create(PrefixStore(H.unique(), HashStore()), n, rank,
                                     CommConfig(blocking=False, timeout=30))
@@ -853,6 +857,10 @@ def test_abort_during_nonblocking_init_threads() -> None:
             returns_within(1.0, lambda c=c: c.wait_ready(1.0))
         assert c.state is CommState.ABORTED and s.synchronize(1.0)
         returns_within(2.0, c.destroy)
+    for t in set(threading.enumerate()) - before:
+        if t.name.startswith("nccl_pg-init"):
+            t.join(2.0)
+            assert not t.is_alive(), f"{t.name} still running after abort"
 
 
 # --- diagnostics ---------------------------------------------------------------------------------

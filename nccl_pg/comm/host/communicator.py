@@ -179,8 +179,8 @@ class HostCommunicator(Communicator):
     def _rendezvous(self, store: Store, deadline: float) -> _Bootstrap:
         """O(1) store requests per rank, whatever the number of ranks: publish
         our address, count ourselves in, wait for the last rank to say all
-        joined, then fetch the lower ranks' addresses in one request (the
-        higher ones connect to us)."""
+        joined (or an aborting rank to say it never will), then fetch the
+        lower ranks' addresses in one request (the higher ones connect to us)."""
         listener = listen(_host_address(store))
         try:
             host, port = listener.getsockname()[:2]
@@ -198,19 +198,20 @@ class HostCommunicator(Communicator):
                 if self._error is not None:
                     raise self._error from None
                 raise self._rendezvous_timeout(store) from None
-            values = store.multi_get(["all", *(f"addr/{r}" for r in range(self.rank))])
+            verdict = store.get("all")
+            if verdict != _ALL_JOINED:  # a rank aborted its init and woke everyone (see _wake_rendezvous): the
+                # addresses of the ranks that never joined will not come
+                raise self._error or DistBackendError(f"{self.name}: rank {self.rank}: init failed: "
+                                                      f"{verdict.decode(errors='replace')}")
+            values = store.multi_get([f"addr/{r}" for r in range(self.rank)])
         except BaseException:
             listener.close()
             raise
         finally:
             with self._lock:
                 self._rendezvous_store = None
-        if values[0] != _ALL_JOINED:  # a rank aborted its init and woke everyone (see _wake_rendezvous)
-            listener.close()
-            raise self._error or DistBackendError(f"{self.name}: rank {self.rank}: init failed: "
-                                                  f"{values[0].decode(errors='replace')}")
         lower = {}
-        for r, record in enumerate(values[1:]):
+        for r, record in enumerate(values):
             their_token, their_port = _ADDR_RECORD.unpack_from(record)
             lower[r] = (record[_ADDR_RECORD.size:].decode(), their_port)
             if r == 0:
