@@ -171,8 +171,13 @@ class ProcessGroupTorch(tdist.ProcessGroup):
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                             opts: Any = None) -> TorchWork:
-        pairs = [([as_array(o, "all_gather_coalesced output") for o in outs], as_array(i, "all_gather_coalesced input"))
-                 for outs, i in zip(output_lists, inputs, strict=True)]
+        # output_lists[r][i] receives rank r's inputs[i]: all_gather i collects column i.
+        if any(len(outs) != len(inputs) for outs in output_lists):
+            raise ValueError(f"all_gather_coalesced: each output list must hold {len(inputs)} tensors, one per "
+                             f"input; got {[len(outs) for outs in output_lists]}")
+        pairs = [([as_array(outs[i], f"all_gather_coalesced output_tensor_lists[{r}][{i}]")
+                   for r, outs in enumerate(output_lists)], as_array(t, f"all_gather_coalesced input[{i}]"))
+                 for i, t in enumerate(inputs)]
         return self._coalesced("all_gather_coalesced", inputs, output_lists,
                                lambda pg: [pg.allgather(o, i) for o, i in pairs])
 
