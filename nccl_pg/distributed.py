@@ -490,9 +490,8 @@ def irecv(tensor: Any, src: int | None = None, group: Group = None, tag: int = 0
     pg = _resolve(group, "irecv")
     if pg is None:
         return None
-    if src is None and group_src is None:
-        raise ValueError("irecv: receiving from any source is not supported (NCCL has no wildcard "
-                         "receive); give src or group_src")
+    if src is None and group_src is None:  # any source: the host backend (work.source_rank() names it)
+        return pg.recv_anysource(tensor, tag)
     return pg.recv(tensor, _in_group(pg, src, group_src, "recv src"), tag)
 
 
@@ -503,13 +502,16 @@ def send(tensor: Any, dst: int | None = None, group: Group = None, tag: int = 0,
 
 def recv(tensor: Any, src: int | None = None, group: Group = None, tag: int = 0,
          group_src: int | None = None) -> int:
-    """Returns the sender's global rank (-1 on a non-member)."""
+    """Returns the sender's global rank (-1 on a non-member). Without
+    ``src``/``group_src``: from any source (host backend; NCCL has none)."""
     pg = _resolve(group, "recv")
     if pg is None:
         return -1
-    peer = _in_group(pg, src, group_src, "recv src") if (src, group_src) != (None, None) else None
-    if peer is None:
-        raise ValueError("recv: receiving from any source is not supported; give src or group_src")
+    if (src, group_src) == (None, None):
+        work = pg.recv_anysource(tensor, tag)
+        work.wait()
+        return _global(pg, work.source_rank())
+    peer = _in_group(pg, src, group_src, "recv src")
     _finish(pg.recv(tensor, peer, tag), async_op=False)
     return _global(pg, peer)
 

@@ -39,3 +39,55 @@ def _s_all_gather_coalesced(r: Rank) -> None:
 @pytest.mark.parametrize("n", [2, 3])
 def test_all_gather_coalesced_layout(tmp_path, n):
     run_world(_s_all_gather_coalesced, n, tmp_path, timeout=60)
+
+
+def _s_batch_recv_first(r: Rank) -> None:
+    """torch's batch_isend_irecv hands a Python group its ops one by one; here
+    every rank lists its receives first (test_batch_isend_irecv_gloo, _tags)."""
+    init(r, timeout=15)
+    me, n = r.rank, r.world_size
+    ops, got = [], {}
+    for peer in range(n):
+        if peer != me:
+            got[peer] = torch.full((peer + 1,), -1.0)
+            ops.append(tdist.P2POp(tdist.irecv, got[peer], peer, tag=peer))
+            ops.append(tdist.P2POp(tdist.isend, torch.full((me + 1,), float(me)), peer, tag=me))
+    for work in tdist.batch_isend_irecv(ops):
+        work.wait()
+    assert all((t == p).all() for p, t in got.items())
+    tdist.destroy_process_group()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_batch_isend_irecv_with_receives_first(tmp_path, n):
+    run_world(_s_batch_recv_first, n, tmp_path, timeout=60)
+
+
+def _s_any_source(r: Rank) -> list[int]:
+    """torch's recv(tensor) with no src returns the sender's global rank;
+    irecv's Work answers _source_rank() with its group rank."""
+    init(r, timeout=15)
+    me, n = r.rank, r.world_size
+    senders = []
+    if me == 0:
+        for _ in range(n - 1):
+            t = torch.zeros(3)
+            src = tdist.recv(t)
+            assert (t == src).all()
+            senders.append(src)
+        t = torch.zeros(3)
+        work = tdist.irecv(t)
+        work.wait()
+        assert (t == work._source_rank()).all()
+        senders.append(work._source_rank())
+    else:
+        tdist.send(torch.full((3,), float(me)), 0)
+        if me == 1:
+            tdist.send(torch.full((3,), float(me)), 0)
+    tdist.barrier()
+    tdist.destroy_process_group()
+    return senders
+
+
+def test_recv_from_any_source_through_torch(tmp_path):
+    assert sorted(run_world(_s_any_source, 3, tmp_path, timeout=60)[0]) == [1, 1, 2]

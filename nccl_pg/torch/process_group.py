@@ -236,7 +236,9 @@ class ProcessGroupTorch(tdist.ProcessGroup):
         return self._run("recv", tensors, tensors, lambda pg: pg.recv(arrays, src, tag))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> TorchWork:
-        raise ValueError("nccl_pg: receiving from any source is not supported (NCCL has none); name the sender")
+        """The host backend receives from any source (as Gloo; NCCL cannot)."""
+        arrays = [as_array(t, "recv tensor") for t in tensors]
+        return self._run("recv", tensors, tensors, lambda pg: pg.recv_anysource(arrays, tag))
 
     def barrier(self, opts: Any = None) -> TorchWork:
         """On the CUDA group when ``device_ids`` are given or only it exists

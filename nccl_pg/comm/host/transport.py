@@ -12,10 +12,15 @@ Peer death shows up as EOF or a reset on that peer's socket; the mesh is then
 broken: it closes every connection, so the peers' peers see EOF too and the
 failure spreads within milliseconds instead of leaving ranks blocked.
 ``abort()`` wakes a blocked exchange through a pipe and does the same.
+
+Each direction of each connection has its own lock: exchanges over different
+directions run at the same time (a send to rank 1 while a receive from rank 1
+waits), which the host backend's point-to-point lanes rely on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import select
@@ -24,7 +29,7 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from ...errors import DistBackendError, DistNetworkError
@@ -83,7 +88,8 @@ class Mesh:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._lock = threading.Lock()
+        # (peer, 0): sending to peer, (peer, 1): receiving from it; taken in this key order (no deadlock).
+        self._locks = {(p, d): threading.Lock() for p in sorted(socks) for d in (0, 1)}
         self.error: BaseException | None = None
         self._closed = False
 
@@ -111,7 +117,7 @@ class Mesh:
                 pass
 
     def close(self) -> None:
-        with self._lock:  # an exchange in progress finishes (or is failed) first
+        with self._holding(self._locks):  # exchanges in progress finish (or are failed) first
             if self._closed:
                 return
             self._closed = True
@@ -120,23 +126,83 @@ class Mesh:
             os.close(self._wake_r)
             os.close(self._wake_w)
 
+    @contextlib.contextmanager
+    def _holding(self, keys: Iterable[tuple[int, int]]) -> Iterator[None]:
+        locks = [self._locks[k] for k in sorted(set(keys))]
+        for lock in locks:
+            lock.acquire()
+        try:
+            yield
+        finally:
+            for lock in reversed(locks):
+                lock.release()
+
+    @contextlib.contextmanager
+    def _directions(self, sends_to: Iterable[int], recvs_from: Iterable[int]) -> Iterator[None]:
+        """Hold the connection directions an exchange uses; a failure inside
+        breaks the mesh (peers see EOF) and is raised as the mesh's error."""
+        keys = {(p, 0) for p in sends_to} | {(p, 1) for p in recvs_from}
+        missing = sorted({p for p, _ in keys if p not in self._socks})
+        if missing:
+            raise DistBackendError(f"{self.name}: no connection to rank {missing[0]}")
+        with self._holding(keys):
+            if self.error is not None:
+                raise self.error
+            if self._closed:
+                raise DistBackendError(f"{self.name}: communicator is destroyed")
+            try:
+                yield
+            except BaseException as exc:
+                if self.error is None:
+                    self.fail(exc)
+                raise self.error from None
+
     # --- the engine ------------------------------------------------------------
 
     def exchange(self, kind: int, sends: list[Send], recvs: list[Recv]) -> None:
         """Deliver every send and fill every receive, all progressing at once;
         per peer, messages go in list order. ``on_done`` callbacks run as each
         receive completes (e.g. to reduce a chunk while the next arrives)."""
-        with self._lock:
-            if self.error is not None:
-                raise self.error
-            if self._closed:
-                raise DistBackendError(f"{self.name}: communicator is destroyed")
-            try:
-                self._exchange(kind, sends, recvs)
-            except BaseException as exc:
-                if self.error is None:
-                    self.fail(exc)
-                raise self.error from None
+        with self._directions((p for p, _ in sends), (p for p, _, _ in recvs)):
+            self._exchange(kind, sends, recvs)
+
+    def recv_any(self, kind: int, target: memoryview) -> int:
+        """Fill ``target`` with the first ``kind`` message to arrive from any
+        peer, and return that peer. A peer whose next message belongs to
+        another operation is not a candidate (it is ahead of us, in an
+        operation we have not reached); with no candidate left, that is an
+        error naming what the peers are in."""
+        peers = sorted(self._socks)
+        with self._directions((), peers):
+            poller = select.poll()
+            poller.register(self._wake_r, select.POLLIN)
+            for p in peers:
+                poller.register(self._socks[p].fileno(), select.POLLIN)
+            elsewhere: dict[int, int] = {}
+            while len(elsewhere) < len(peers):
+                for fd, _ in poller.poll():
+                    if fd == self._wake_r:
+                        raise self.error or DistBackendError(f"{self.name}: aborted")
+                    peer = self._fd_peer[fd]
+                    try:
+                        head = self._socks[peer].recv(HEADER.size, socket.MSG_PEEK)
+                    except (BlockingIOError, InterruptedError):
+                        continue
+                    except OSError as exc:
+                        raise self._lost(peer, exc.strerror or str(exc)) from None
+                    if not head:
+                        raise self._lost(peer, "end of stream")
+                    if len(head) < HEADER.size:
+                        continue  # the rest of the header is on its way
+                    their_kind = _kind(head)
+                    if their_kind == kind:
+                        self._exchange(kind, [], [(peer, target, None)])
+                        return peer
+                    elsewhere[peer] = their_kind
+                    poller.unregister(fd)
+            detail = ", ".join(f"rank {p} in {self._op_name(k)}" for p, k in sorted(elsewhere.items()))
+            raise DistBackendError(f"{self.name}: rank {self.rank} waits to receive from any rank, but every peer "
+                                   f"has gone on to another operation ({detail}): ranks issued different operations")
 
     def _exchange(self, kind: int, sends: list[Send], recvs: list[Recv]) -> None:
         outs: dict[int, deque[_Out]] = {}
@@ -260,6 +326,11 @@ class Mesh:
 
     def _op_name(self, kind: int) -> str:
         return self._op_names[kind] if kind < len(self._op_names) else f"op #{kind}"
+
+
+def _kind(header: bytes) -> int:
+    """The operation kind a message header carries."""
+    return int(HEADER.unpack(header)[1])
 
 
 # --- building the mesh ------------------------------------------------------------
