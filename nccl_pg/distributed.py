@@ -564,6 +564,19 @@ def barrier(group: Group = None, async_op: bool = False, device_ids: Sequence[in
     return None if pg is None else _finish(pg.barrier(), async_op)
 
 
+def monitored_barrier(group: Group = None, timeout: timedelta | float | None = None,
+                      wait_all_ranks: bool = False) -> None:
+    """A barrier that names the ranks that did not arrive, as torch's: rank 0
+    waits ``timeout`` (default: the group's timeout) and raises naming the
+    first missing rank, or every missing one with ``wait_all_ranks``; the
+    others raise too, with rank 0's verdict. Over the group's store (a
+    constant number of requests per rank), so a stuck communicator cannot
+    hold it up. A no-op on a rank outside ``group`` (with a warning)."""
+    pg = _resolve(group, "monitored_barrier")
+    if pg is not None:
+        pg.monitored_barrier(timeout, wait_all_ranks)
+
+
 class _CoalescingManager:
     def __init__(self) -> None:
         self.works: list[Work] = []

@@ -28,6 +28,7 @@ from .backends import get_backend
 from .comm.base import Backend, CommConfig, CommState, Communicator, Stream, check_exclude
 from .errors import DistBackendError, NanError
 from .flight_recorder import Entry
+from .monitored_barrier import barrier_timeout, monitored_barrier
 from .nan_check import NanCheck, Pending
 from .reduce_op import PremulSum, ReduceOp, resolve
 from .store import PrefixStore, Store
@@ -135,6 +136,7 @@ class ProcessGroup:
         self._split_from: ProcessGroup | None = None  # lazy: split this parent's communicator at first use
         self._seq = 0
         self._seq_p2p = 0
+        self._monitored_barriers = 0
         self._completed_seq = 0
         self._started_seq = 0
         self._op_id = 0
@@ -889,6 +891,19 @@ class ProcessGroup:
         if peer == self._rank:
             raise ValueError(f"{what}: rank {peer} is this rank; send/recv need another rank")
         return peer
+
+    def monitored_barrier(self, timeout: timedelta | float | None = None, wait_all_ranks: bool = False) -> None:
+        """A barrier over the group's store that names the ranks that did
+        not arrive within ``timeout`` (default: the group's), as torch's;
+        see nccl_pg/monitored_barrier.py. Ranks other than 0 wait for rank
+        0's verdict up to the longer of ``timeout`` and the group timeout."""
+        limit = self._timeout if timeout is None else barrier_timeout(timeout)
+        with self._lock:
+            self._check_open()
+            self._monitored_barriers += 1
+            generation = self._monitored_barriers
+        monitored_barrier(PrefixStore(f"{self.group_name}/monitored_barrier", self._store), self._rank, self._size,
+                          generation, limit, wait_all_ranks, max(limit, self._timeout))
 
     def barrier(self) -> Work | None:
         """An all_reduce of one byte: complete once every rank has issued it."""

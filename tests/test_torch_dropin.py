@@ -7,6 +7,8 @@ DDP with sparse gradients, and timeout messages torch's tests match.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="the torch backend tests need PyTorch (pip install torch)")
@@ -61,6 +63,34 @@ def _s_batch_recv_first(r: Rank) -> None:
 @pytest.mark.parametrize("n", [2, 3])
 def test_batch_isend_irecv_with_receives_first(tmp_path, n):
     run_world(_s_batch_recv_first, n, tmp_path, timeout=60)
+
+
+def _s_monitored_barrier(r: Rank) -> None:
+    """torch.distributed.monitored_barrier (which torch refuses for any backend
+    but Gloo) and the group's own method, with Gloo's messages."""
+    init(r, timeout=30)
+    me = r.rank
+    tdist.monitored_barrier(timeout=timedelta(seconds=5))
+    tdist.monitored_barrier(timeout=timedelta(seconds=5), wait_all_ranks=True)
+    if me == 0:
+        with pytest.raises(tdist.DistBackendError, match="Rank 1 failed to pass monitoredBarrier"):
+            tdist.monitored_barrier(timeout=timedelta(seconds=0.5))
+        with pytest.warns(UserWarning, match="specify timeout arg as a timedelta"), \
+                pytest.raises(RuntimeError, match="Ranks 1, 2 failed to pass monitoredBarrier in 100 ms"):
+            tdist.monitored_barrier(None, 0.1, wait_all_ranks=True)
+        with pytest.raises(RuntimeError, match="Rank 0 timed out in monitoredBarrier"):
+            tdist.group.WORLD.monitored_barrier(timedelta(seconds=0))
+    elif me == 2:
+        with pytest.raises(RuntimeError, match="Rank 2 successfully reached monitoredBarrier, but received errors "
+                                               "while waiting for send/recv from rank 0"):
+            tdist.monitored_barrier(timeout=timedelta(seconds=0.5))
+    r.store().set(f"mb/{me}", b"")  # rank 1 stays until the others are done
+    r.store().wait([f"mb/{k}" for k in range(3)])
+    tdist.destroy_process_group()
+
+
+def test_monitored_barrier_through_torch(tmp_path):
+    run_world(_s_monitored_barrier, 3, tmp_path, timeout=60)
 
 
 def _s_any_source(r: Rank) -> list[int]:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
+from ..monitored_barrier import barrier_timeout, monitored_barrier
 from ..process_group import Options, ProcessGroup, ProcessGroupHost, ProcessGroupNCCL
 from ..reduce_op import ReduceOp
 from ..store import PrefixStore
@@ -69,6 +70,7 @@ class ProcessGroupTorch(tdist.ProcessGroup):
         self._npg_coalescing: tuple[ProcessGroup, Slot, list[torch.Tensor]] | None = None
         self._npg_completer = Completer(f"nccl_pg-torch-{group_name}")
         self._npg_hooks: list[Callable[[WorkInfo], None]] = []
+        self._npg_monitored_barriers = 0
 
     def __repr__(self) -> str:
         return f"ProcessGroupTorch(name={self._npg_name!r}, rank={self.rank()}, size={self.size()})"
@@ -250,6 +252,25 @@ class ProcessGroupTorch(tdist.ProcessGroup):
         else:
             pg = self._group("cpu")
         return self._run("barrier", [], [], lambda _: pg.barrier())
+
+    def monitored_barrier(self, timeout: timedelta | float | None = None, wait_all_ranks: bool = False) -> None:
+        """torch's monitored_barrier (Gloo's semantics and messages) over
+        this group's store: independent of the CPU/CUDA communicators, so it
+        works while they are stuck (nccl_pg/monitored_barrier.py). Default
+        timeout: the group's."""
+        group_timeout = self._npg_options.timeout
+        limit = group_timeout if timeout is None else barrier_timeout(timeout)
+        with self._npg_lock:
+            self._npg_monitored_barriers += 1
+            generation = self._npg_monitored_barriers
+        try:
+            monitored_barrier(PrefixStore("monitored_barrier", self._npg_store), self.rank(), self.size(),
+                              generation, limit, wait_all_ranks, max(limit, group_timeout))
+        except BaseException as exc:
+            mapped = to_torch(exc)
+            if mapped is exc:
+                raise
+            raise mapped from exc
 
     # torch < 2.10 calls these by their older names.
     _allgather_base = all_gather_single
