@@ -7,6 +7,7 @@ DDP with sparse gradients, and timeout messages torch's tests match.
 
 from __future__ import annotations
 
+import copy
 from datetime import timedelta
 
 import pytest
@@ -14,6 +15,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch backend tests need PyTorch (pip install torch)")
 import torch.distributed as tdist  # noqa: E402
 from pg_harness import Rank, run_world  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch_harness import init  # noqa: E402
 
 pytestmark = pytest.mark.timeout(90)
@@ -121,3 +124,72 @@ def _s_any_source(r: Rank) -> list[int]:
 
 def test_recv_from_any_source_through_torch(tmp_path):
     assert sorted(run_world(_s_any_source, 3, tmp_path, timeout=60)[0]) == [1, 1, 2]
+
+
+def _sparse(rank: int, n: int, dense_dims: int) -> torch.Tensor:
+    """Rank k holds ones at rows 0..k (overlapping across ranks), uncoalesced
+    (row 0 twice) to check the input is coalesced first."""
+    rows = torch.tensor([[0, *range(rank + 1)]])
+    values = torch.ones([rank + 2] + [2] * dense_dims)
+    return torch.sparse_coo_tensor(rows, values, [n] + [2] * dense_dims)
+
+
+def _s_sparse_all_reduce(r: Rank) -> None:
+    init(r)
+    n = r.world_size
+    for dense_dims in (0, 1, 2):
+        t = _sparse(r.rank, n, dense_dims)
+        tdist.all_reduce(t)
+        want = sum((_sparse(k, n, dense_dims) for k in range(n)), torch.zeros([n] + [2] * dense_dims))
+        assert t.is_sparse and t.is_coalesced()
+        torch.testing.assert_close(t.to_dense(), want)
+    empty = torch.sparse_coo_tensor(torch.zeros((1, 0), dtype=torch.int64), torch.zeros(0), (4,))
+    mine = empty if r.rank == 0 else torch.sparse_coo_tensor(torch.tensor([[r.rank]]), torch.ones(1), (4,))
+    tdist.all_reduce(mine)
+    assert mine.to_dense().tolist() == [float(0 < k < n) for k in range(4)]
+    with pytest.raises(ValueError, match=r"only ReduceOp\.SUM"):
+        tdist.all_reduce(_sparse(r.rank, n, 0), op=tdist.ReduceOp.MAX)
+    tdist.destroy_process_group()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_sparse_all_reduce(tmp_path, n):
+    run_world(_s_sparse_all_reduce, n, tmp_path, timeout=60)
+
+
+class _Bag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 4, sparse=True)
+        self.fc = nn.Linear(4, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.emb(ids).mean(1))
+
+
+def _s_ddp_sparse(r: Rank, steps: int = 4) -> None:
+    """DDP with a sparse embedding gradient on CPU trains to the parameters of
+    one process that sees the whole batch."""
+    init(r)
+    n, me = r.world_size, r.rank
+    torch.manual_seed(0)
+    ids, y = torch.randint(0, 20, (4 * n, 3)), torch.randn(4 * n, 1)
+    ref = _Bag()
+    ddp = DDP(copy.deepcopy(ref))
+    opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.5), torch.optim.SGD(ddp.parameters(), lr=0.5)
+    mine = slice(4 * me, 4 * (me + 1))
+    for _ in range(steps):
+        opt_ref.zero_grad()
+        nn.functional.mse_loss(ref(ids), y).backward()
+        opt_ref.step()
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(ids[mine]), y[mine]).backward()
+        assert ddp.module.emb.weight.grad.is_sparse
+        opt.step()
+    for a, b in zip(ref.parameters(), ddp.module.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    tdist.destroy_process_group()
+
+
+def test_ddp_with_sparse_gradients_matches_one_process(tmp_path):
+    run_world(_s_ddp_sparse, 3, tmp_path, timeout=80)

@@ -24,6 +24,7 @@ from ..process_group import Options, ProcessGroup, ProcessGroupHost, ProcessGrou
 from ..reduce_op import ReduceOp
 from ..store import PrefixStore
 from ..work import WorkInfo
+from .sparse import all_reduce_sparse
 from .store import TorchStore
 from .tensors import as_array, device_type
 from .work import Completer, Slot, TorchWork, to_torch
@@ -131,8 +132,17 @@ class ProcessGroupTorch(tdist.ProcessGroup):
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
         op = _op((opts or tdist.AllreduceOptions()).reduceOp)
+        if any(t.is_sparse for t in tensors):
+            return self._allreduce_sparse(tensors, op)
         arrays = [as_array(t, "all_reduce tensor") for t in tensors]
         return self._run("all_reduce", tensors, tensors, lambda pg: pg.allreduce(arrays, op))
+
+    def _allreduce_sparse(self, tensors: list[torch.Tensor], op: ReduceOp) -> TorchWork:
+        """Gloo's sparse all_reduce (sparse.py); complete when it returns."""
+        tensor = _single(tensors)
+        if self._npg_coalescing is not None:
+            raise ValueError("nccl_pg: a sparse all_reduce cannot be part of a coalescing block")
+        return self._run("all_reduce", tensors, tensors, lambda pg: all_reduce_sparse(pg, tensor, op))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
         op = _op((opts or tdist.AllreduceCoalescedOptions()).reduceOp)
