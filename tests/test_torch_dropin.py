@@ -8,6 +8,7 @@ DDP with sparse gradients, and timeout messages torch's tests match.
 from __future__ import annotations
 
 import copy
+import re
 from datetime import timedelta
 
 import pytest
@@ -193,3 +194,50 @@ def _s_ddp_sparse(r: Rank, steps: int = 4) -> None:
 
 def test_ddp_with_sparse_gradients_matches_one_process(tmp_path):
     run_world(_s_ddp_sparse, 3, tmp_path, timeout=80)
+
+
+def _s_barrier_timeout(r: Rank) -> str:
+    """torch's test_barrier_timeout_* look for " (Timed out|closed|timeout) "."""
+    init(r, timeout=5.0)
+    tdist.barrier()
+    message = ""
+    if r.rank == 0:
+        with pytest.raises(tdist.DistBackendError) as info:
+            tdist.barrier()
+        message = str(info.value)
+    r.store().set(f"bt/{r.rank}", b"")
+    r.store().wait([f"bt/{k}" for k in range(r.world_size)])
+    return message
+
+
+def test_barrier_timeout_message_matches_torchs_tests(tmp_path):
+    message = run_world(_s_barrier_timeout, 2, tmp_path, timeout=60,
+                        env={"NCCL_PG_DUMP_ON_TIMEOUT": "0"})[0]
+    assert re.search(" (Timed out|closed|timeout) ", message), message
+
+
+def _s_wait_timeout(r: Rank) -> str:
+    """A Work.wait(timeout) that expires says so in the words torch's tests match."""
+    init(r, timeout=20)
+    tdist.barrier()  # the communicator exists before rank 1 waits on the store
+    t = torch.zeros(1)
+    message = ""
+    if r.rank == 0:
+        work = tdist.irecv(t, 1)
+        with pytest.raises(tdist.DistBackendError) as info:
+            work.wait(timeout=timedelta(milliseconds=300))
+        message = str(info.value)
+        r.store().set("wt/sent?", b"")
+        work.wait()
+        assert t.item() == 7.0
+    else:
+        r.store().wait(["wt/sent?"])
+        tdist.send(torch.full((1,), 7.0), 0)
+    tdist.barrier()
+    tdist.destroy_process_group()
+    return message
+
+
+def test_wait_timeout_message_matches_torchs_tests(tmp_path):
+    message = run_world(_s_wait_timeout, 2, tmp_path, timeout=60)[0]
+    assert re.search(" (Timed out|closed|timeout) ", message) and "Timed out waiting 300ms" in message, message

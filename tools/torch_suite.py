@@ -47,8 +47,7 @@ _SLACK = 60.0  # the worker's own bookkeeping beyond a test's deadline before th
 
 # Tests that pass on gloo and cannot pass on nccl_pg, each with its reason.
 EXPECTED: dict[str, str] = {
-    "test_backend_full_group": "asserts dist.get_backend() is the suite's BACKEND ('gloo'); ours says 'nccl_pg'",
-    "test_backend_group": "asserts dist.get_backend(group) is the suite's BACKEND ('gloo'); ours says 'nccl_pg'",
+    "test_get_backend": "asserts dist.get_backend() is the suite's BACKEND ('gloo'); ours says 'nccl_pg'",
 }
 
 
