@@ -108,10 +108,11 @@ def _stuck_communicator(r: Rank) -> None:
         work = dist.all_reduce(np.ones(1), async_op=True)
         dist.monitored_barrier(timeout=5)
         assert not work.is_completed()
-        dist.abort_process_group()
+        r.store().set("stuck/checked", b"")
     else:
         dist.monitored_barrier(timeout=5)
-        dist.abort_process_group()
+        r.store().wait(["stuck/checked"])  # rank 1 looked before this rank's abort could end its all_reduce
+    dist.abort_process_group()
 
 
 def test_passes_while_the_communicator_is_stuck(tmp_path):

@@ -39,9 +39,12 @@ def all_reduce_sparse(pg: ProcessGroup, tensor: torch.Tensor, op: ReduceOp) -> W
     all_val = torch.empty((n, *val.shape), dtype=val.dtype, device=dev)
     _wait(pg._allgather_base(as_array(all_idx, "sparse all_reduce indices"), as_array(idx, "indices")))
     last = _wait(pg._allgather_base(as_array(all_val, "sparse all_reduce values"), as_array(val, "values")))
-    total = torch.sparse_coo_tensor(all_idx[0, :, :counts[0]], all_val[0, :counts[0]], tensor.shape)
-    for r in range(1, n):
-        total = total + torch.sparse_coo_tensor(all_idx[r, :, :counts[r]], all_val[r, :counts[r]], tensor.shape)
+    # Checked: the indices come from other processes, and one out of bounds would write out of bounds.
+    parts = [torch.sparse_coo_tensor(all_idx[r, :, :counts[r]], all_val[r, :counts[r]], tensor.shape,
+                                     check_invariants=True) for r in range(n)]
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
     tensor.copy_(total.coalesce())
     return last
 
