@@ -282,7 +282,7 @@ class Work:
                 now = time.monotonic()
                 if limit is not None and now >= limit:
                     error = DistBackendError(f"timeout: {self._where()} not complete after wait({timeout}): Timed out "
-                                             f"waiting {timeout * 1000:.0f}ms for it")
+                                             f"waiting {1000 * float(timeout or 0):.0f}ms for it")
                     if self._group._blocking_wait:
                         self._group._abort_for_blocking_wait(self, error)
                     raise error
