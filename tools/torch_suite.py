@@ -125,6 +125,10 @@ def _worker(names: Sequence[str], out_path: str) -> None:
         def addError(self, test: Any, err: Any) -> None:  # noqa: N802
             self.outcome = ("error", _last_line("".join(traceback.format_exception(*err))))
 
+        def addSubTest(self, test: Any, subtest: Any, err: Any) -> None:  # noqa: N802
+            if err is not None and self.outcome[0] == "pass":
+                self.outcome = ("fail", f"{subtest}: {_last_line(''.join(traceback.format_exception(*err)))}")
+
         def addSkip(self, test: Any, reason: str) -> None:  # noqa: N802
             self.outcome = ("skip", reason)
 
