@@ -2,7 +2,7 @@ PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 NPROC ?= 4
 
-.PHONY: install test test-gpu bench demo lint
+.PHONY: install test test-gpu bench demo lint torch-suite
 
 install:
 	$(PIP) install -q -e '.[test]'
@@ -39,6 +39,12 @@ bench: install
 	$(PYTHON) tools/bench_recorder.py
 	$(PYTHON) tools/bench_nan_check.py
 	$(PYTHON) tools/bench_ddp.py
+
+# torch's own distributed suite (DistributedTest) on gloo and on nccl_pg, 2 and 3 ranks, compared
+# (about 10 min on 2 cores); exits 1 if a test passes on gloo and not on nccl_pg. Result in docs/TORCH.md.
+torch-suite: install
+	$(PIP) install -q torch==2.13.0
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(PYTHON) tools/torch_suite.py --world-sizes 2 3 -q
 
 lint:
 	$(PIP) install -q 'ruff>=0.6'

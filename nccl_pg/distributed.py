@@ -490,9 +490,8 @@ def irecv(tensor: Any, src: int | None = None, group: Group = None, tag: int = 0
     pg = _resolve(group, "irecv")
     if pg is None:
         return None
-    if src is None and group_src is None:
-        raise ValueError("irecv: receiving from any source is not supported (NCCL has no wildcard "
-                         "receive); give src or group_src")
+    if src is None and group_src is None:  # any source: the host backend (work.source_rank() names it)
+        return pg.recv_anysource(tensor, tag)
     return pg.recv(tensor, _in_group(pg, src, group_src, "recv src"), tag)
 
 
@@ -503,13 +502,16 @@ def send(tensor: Any, dst: int | None = None, group: Group = None, tag: int = 0,
 
 def recv(tensor: Any, src: int | None = None, group: Group = None, tag: int = 0,
          group_src: int | None = None) -> int:
-    """Returns the sender's global rank (-1 on a non-member)."""
+    """Returns the sender's global rank (-1 on a non-member). Without
+    ``src``/``group_src``: from any source (host backend; NCCL has none)."""
     pg = _resolve(group, "recv")
     if pg is None:
         return -1
-    peer = _in_group(pg, src, group_src, "recv src") if (src, group_src) != (None, None) else None
-    if peer is None:
-        raise ValueError("recv: receiving from any source is not supported; give src or group_src")
+    if (src, group_src) == (None, None):
+        work = pg.recv_anysource(tensor, tag)
+        work.wait()
+        return _global(pg, work.source_rank())
+    peer = _in_group(pg, src, group_src, "recv src")
     _finish(pg.recv(tensor, peer, tag), async_op=False)
     return _global(pg, peer)
 
@@ -560,6 +562,19 @@ def barrier(group: Group = None, async_op: bool = False, device_ids: Sequence[in
         raise TypeError("Invalid function argument: device_ids type should be List[int]")
     pg = _resolve(group, "barrier")
     return None if pg is None else _finish(pg.barrier(), async_op)
+
+
+def monitored_barrier(group: Group = None, timeout: timedelta | float | None = None,
+                      wait_all_ranks: bool = False) -> None:
+    """A barrier that names the ranks that did not arrive, as torch's: rank 0
+    waits ``timeout`` (default: the group's timeout) and raises naming the
+    first missing rank, or every missing one with ``wait_all_ranks``; the
+    others raise too, with rank 0's verdict. Over the group's store (a
+    constant number of requests per rank), so a stuck communicator cannot
+    hold it up. A no-op on a rank outside ``group`` (with a warning)."""
+    pg = _resolve(group, "monitored_barrier")
+    if pg is not None:
+        pg.monitored_barrier(timeout, wait_all_ranks)
 
 
 class _CoalescingManager:

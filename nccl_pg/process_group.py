@@ -30,6 +30,7 @@ from .comm.base import Backend, CommConfig, CommState, Communicator, Stream, che
 from .errors import DistBackendError, NanError
 from .fingerprint import Fingerprint, mismatch
 from .flight_recorder import Entry
+from .monitored_barrier import barrier_timeout, monitored_barrier
 from .nan_check import NanCheck, Pending
 from .reduce_op import PremulSum, ReduceOp, resolve
 from .store import PrefixStore, Store
@@ -46,6 +47,7 @@ SHRINK_ABORT = 0x01
 
 Op = ReduceOp | PremulSum
 _P2P = (OpType.SEND, OpType.RECV)
+_ANY_SOURCE = -1  # the peer of a receive from any source
 # The flight recorder's names for operations (PyTorch's, so its tools read our dumps).
 _PROFILING_NAME = {
     OpType.ALLREDUCE: "nccl:all_reduce", OpType.ALLREDUCE_COALESCED: "nccl:allreduce_coalesced",
@@ -154,6 +156,7 @@ class ProcessGroup:
         self._split_from: ProcessGroup | None = None  # lazy: split this parent's communicator at first use
         self._seq = 0
         self._seq_p2p = 0
+        self._monitored_barriers = 0
         self._completed_seq = 0
         self._started_seq = 0
         self._op_id = 0
@@ -239,12 +242,17 @@ class ProcessGroup:
             raise DistBackendError(f"process group {self.uid} ({self.group_desc!r}) on rank {self._rank} was "
                                    f"{self._closed}{why}; it cannot be used any more")
 
-    def _ready(self) -> tuple[Communicator, Stream]:
+    def _ready(self, join: bool = True) -> tuple[Communicator, Stream]:
+        """The communicator and the group's stream; with ``join``, work
+        enqueued next waits for the point-to-point operations the backend
+        ran apart from the stream (``Communicator.p2p_stream``)."""
         with self._lock:
             self._check_open()
             if self._comm is None:
                 self._set_comm(self._create_comm())
             assert self._comm is not None and self._stream is not None
+            if join:
+                self._comm.join_p2p(self._stream)
             return self._comm, self._stream
 
     def _create_comm(self) -> Communicator:
@@ -506,17 +514,21 @@ class ProcessGroup:
     def _issue(self, op_type: OpType, outputs: list[Any], enqueue: Enqueue,
                after: Callable[[Stream], None] | None = None, inputs: list[Any] | None = None,
                name: str | None = None, peer: int | None = None, check: Checked | None = None,
-               fingerprint: Fingerprint | bool | None = None) -> Work | None:
+               fingerprint: Fingerprint | bool | None = None, buf: Any = None) -> Work | None:
         """Enqueue one operation; ``after`` enqueues copy-outs behind it.
         ``inputs`` (default: ``outputs``, in place) and ``name`` are for the
-        flight recorder; ``peer`` (group rank) makes it a send or recv.
+        flight recorder; ``peer`` (group rank, or ``_ANY_SOURCE``) makes it a
+        send or recv of ``buf``, on the stream the backend gives it.
         ``check``: the arrays the NaN check scans; callers pass
         ``self._nan and [...]``, so that no list is built when it is off.
         ``fingerprint``: what every rank's collective must agree on, checked
         in debug mode (callers pass ``self._detail and Fingerprint(...)``)."""
         p2p = peer is not None
-        comm, stream = self._ready()
-        if isinstance(fingerprint, Fingerprint) and self._coalescing is None and not stream.capturing:
+        lane = p2p and self._coalescing is None
+        comm, stream = self._ready(join=not lane)
+        if lane:
+            stream = comm.p2p_stream(stream, None if peer == _ANY_SOURCE else peer, op_type is OpType.SEND, buf)
+        elif isinstance(fingerprint, Fingerprint) and self._coalescing is None and not stream.capturing:
             self._check_fingerprint(comm, stream, fingerprint)
         self._backend.wait_for_caller(stream, self._device)
         if stream.capturing:  # into a CUDA graph: it runs at each replay, unnumbered, unrecorded, unwatched,
@@ -529,7 +541,7 @@ class ProcessGroup:
                 return None
             if after is not None:
                 after(stream)
-            return Work.captured(self, op_type, outputs, stream.record(), (peer,) if p2p else None)
+            return Work.captured(self, op_type, outputs, stream.record(), self._peers_of(peer))
         # Before anything is numbered or enqueued: in raise mode a NaN leaves no trace of the operation.
         nan = self._nan.check(op_type, check, stream) if check and self._nan is not None and not self._prechecked \
             else None
@@ -554,7 +566,12 @@ class ProcessGroup:
         if after is not None:
             after(stream)
         return self._watch(op_type, self._seq_p2p if p2p else self._seq, outputs, start, stream, [entry],
-                           (peer,) if p2p else None, [nan] if nan is not None else None)
+                           self._peers_of(peer), [nan] if nan is not None else None)
+
+    def _peers_of(self, peer: int | None) -> tuple[int, ...] | None:
+        if peer is None:
+            return None
+        return tuple(r for r in range(self._size) if r != self._rank) if peer == _ANY_SOURCE else (peer,)
 
     def _check_fingerprint(self, comm: Communicator, stream: Stream, fp: Fingerprint) -> None:
         """Debug mode: every rank all-gathers its collective's fingerprint
@@ -918,19 +935,54 @@ class ProcessGroup:
         t = self._moved(self._flat(_one(tensor), "send tensor"))
         dst = self._peer(dst, "send dst")
         return self._issue(OpType.SEND, [tensor], lambda c, s: c.send(t, dst, s),
-                           name=f"nccl:send {self._rank}->{dst}", peer=dst, check=self._nan and [("tensor", _one(tensor))])
+                           name=f"nccl:send {self._rank}->{dst}", peer=dst, check=self._nan and [("tensor", _one(tensor))],
+                           buf=t)
 
     def recv(self, tensor: Any, src: int, tag: int = 0) -> Work | None:
         t = self._moved(self._flat(_one(tensor), "recv tensor", output=True))
         src = self._peer(src, "recv src")
         return self._issue(OpType.RECV, [tensor], lambda c, s: c.recv(t, src, s),
-                           name=f"nccl:recv {self._rank}<-{src}", peer=src)
+                           name=f"nccl:recv {self._rank}<-{src}", peer=src, buf=t)
+
+    def recv_anysource(self, tensor: Any, tag: int = 0) -> Work:
+        """Receive from whichever rank sends first (the host backend, as
+        Gloo); ``work.source_rank()`` names it (a group rank) once complete.
+        Among receives, it takes its turn in issue order."""
+        t = self._moved(self._flat(_one(tensor), "recv tensor"))
+        comm, _ = self._ready(join=False)
+        if not comm.supports_recv_any:
+            raise DistBackendError(f"recv from any source: the {self._backend.name} backend cannot receive from "
+                                   "any source (NCCL has no wildcard receive); give src")
+        if self._coalescing is not None:
+            raise ValueError("recv from any source cannot be part of a coalesced group (batch_isend_irecv, "
+                             "_coalescing_manager): give src")
+        if self._size < 2:
+            raise ValueError("recv from any source: this group has no other rank")
+        source: list[Callable[[], int | None]] = []
+        work = self._issue(OpType.RECV, [tensor], lambda c, s: source.append(c.recv_any(t, s)),
+                           name=f"nccl:recvAnySource {self._rank}<-any", peer=_ANY_SOURCE, buf=t)
+        assert work is not None and source
+        work._source = source[0]
+        return work
 
     def _peer(self, peer: int, what: str) -> int:
         peer = self._group_rank(peer, what)
         if peer == self._rank:
             raise ValueError(f"{what}: rank {peer} is this rank; send/recv need another rank")
         return peer
+
+    def monitored_barrier(self, timeout: timedelta | float | None = None, wait_all_ranks: bool = False) -> None:
+        """A barrier over the group's store that names the ranks that did
+        not arrive within ``timeout`` (default: the group's), as torch's;
+        see nccl_pg/monitored_barrier.py. Ranks other than 0 wait for rank
+        0's verdict up to the longer of ``timeout`` and the group timeout."""
+        limit = self._timeout if timeout is None else barrier_timeout(timeout)
+        with self._lock:
+            self._check_open()
+            self._monitored_barriers += 1
+            generation = self._monitored_barriers
+        monitored_barrier(PrefixStore(f"{self.group_name}/monitored_barrier", self._store), self._rank, self._size,
+                          generation, limit, wait_all_ranks, max(limit, self._timeout))
 
     def barrier(self) -> Work | None:
         """An all_reduce of one byte: complete once every rank has issued it."""

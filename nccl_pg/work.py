@@ -157,6 +157,7 @@ class Work:
         self._nan = nan  # async NaN checks, read once the operation completed
         self._nan_found: NanError | None = None
         self._captured = False
+        self._source: Callable[[], int | None] | None = None  # a receive from any source: who sent, once done
 
     @classmethod
     def captured(cls, group: ProcessGroup, op_type: OpType, outputs: list[Any], end: Event,
@@ -297,7 +298,8 @@ class Work:
             while not self._poll():
                 now = time.monotonic()
                 if limit is not None and now >= limit:
-                    error = DistBackendError(f"timeout: {self._where()} not complete after wait({timeout})")
+                    error = DistBackendError(f"timeout: {self._where()} not complete after wait({timeout}): Timed out "
+                                             f"waiting {1000 * float(timeout or 0):.0f}ms for it")
                     if self._group._blocking_wait:
                         self._group._abort_for_blocking_wait(self, error)
                     raise error
@@ -322,6 +324,18 @@ class Work:
 
     def result(self) -> list[Any]:
         return self._outputs
+
+    def source_rank(self) -> int:
+        """The group rank a receive got its data from (for a receive from
+        any source, known once it completed)."""
+        if self.op_type is not OpType.RECV or (self._source is None and len(self._peers) != 1):
+            raise ValueError(f"source_rank: {self!r} is not a receive")
+        if self._source is None:
+            return self._peers[0]
+        source = self._source() if self.is_success() else None
+        if source is None:
+            raise ValueError(f"source_rank: {self!r} has not received anything yet (wait() for it first)")
+        return source
 
     def _get_duration(self) -> float:
         """Milliseconds the operation ran on its stream (timing must be on)."""

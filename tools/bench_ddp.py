@@ -7,10 +7,13 @@ Two ranks (processes) on loopback train the same small MLP (``--width``,
 ``--layers``) with DDP and SGD. A step is forward + backward (DDP's bucketed
 all_reduces) + optimizer step, timed on rank 0 after ``--warmup`` steps.
 Backends alternate by round (``--rounds`` of ``--steps`` steps each) so that
-machine drift hits both alike. Reported: the median step time over all timed
-steps of each backend and the ratio nccl_pg / torch's backend.
+machine drift hits both alike, and which one goes first alternates too (torch's
+backend first in even rounds, nccl_pg first in odd ones) so that ordering
+effects (caches, the allocator, the other backend's threads winding down)
+cancel. Reported: the median step time over all timed steps of each backend
+and the ratio nccl_pg / torch's backend.
 
-    python3 tools/bench_ddp.py [--width 256] [--layers 4] [--batch 32] [--steps 30] [--rounds 5] [--json out.json]
+    python3 tools/bench_ddp.py [--width 256] [--layers 4] [--batch 32] [--steps 30] [--rounds 6] [--json out.json]
 """
 
 from __future__ import annotations
@@ -74,8 +77,8 @@ def worker(rank: int, device: str, backends: list[str], port: int, args: argpars
         for _ in range(args.warmup):
             step(name)
     times: dict[str, list[float]] = {n: [] for n in backends}
-    for _ in range(args.rounds):
-        for name in backends:
+    for i in range(args.rounds):  # the order alternates (torch's first, then ours first, ...): ordering effects cancel
+        for name in backends if i % 2 == 0 else backends[::-1]:
             times[name].extend(step(name) for _ in range(args.steps))
     if rank == 0:
         out.put(times)
@@ -106,7 +109,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=6, help="an even number: each backend goes first as often")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     import torch

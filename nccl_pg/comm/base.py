@@ -199,6 +199,23 @@ class Communicator(ABC):
     @abstractmethod
     def recv(self, buf: Any, peer: int, stream: Stream) -> None: ...
 
+    supports_recv_any: bool = False  # NCCL has no wildcard receive
+
+    def recv_any(self, buf: Any, stream: Stream) -> Callable[[], int | None]:
+        """Receive from whichever peer sends first; the returned function
+        gives that peer once the receive completed (None before)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot receive from any source")
+
+    def p2p_stream(self, stream: Stream, peer: int | None, send: bool, buf: Any) -> Stream:
+        """The stream on which a send to (``send``) or a receive from
+        ``peer`` (None: any source) issued on ``stream`` runs. By default
+        ``stream`` itself: in stream order with everything else, as NCCL."""
+        return stream
+
+    def join_p2p(self, stream: Stream) -> None:
+        """Make later work on ``stream`` wait for the operations that
+        ``p2p_stream`` moved off it."""
+
     @abstractmethod
     def group_start(self) -> None: ...
 

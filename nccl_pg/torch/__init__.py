@@ -9,6 +9,9 @@ See docs/TORCH.md.
 
 from __future__ import annotations
 
+import functools
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as tdist
@@ -27,10 +30,36 @@ def _create(options: Any, pg_options: Any = None) -> Any:
                              str(options.group_id), list(options.global_ranks_in_group), pg_options)
 
 
+def _monitored_barrier(torch_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """torch.distributed.monitored_barrier, also for nccl_pg groups (torch's
+    refuses every backend but Gloo before it looks at the group)."""
+
+    @functools.wraps(torch_fn)
+    def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bool = False) -> Any:
+        from .process_group import ProcessGroupTorch  # noqa: PLC0415
+
+        pg = group
+        if pg is None and tdist.is_initialized():
+            pg = tdist.distributed_c10d._get_default_group()
+        if not isinstance(pg, ProcessGroupTorch):
+            return torch_fn(group, timeout, wait_all_ranks)
+        if isinstance(timeout, float):  # as torch: seconds, with its warning
+            warnings.warn("Please specify timeout arg as a timedelta. Converting current value of "
+                          f"{timeout} assuming it represents seconds", stacklevel=2)
+        return pg.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+
+    monitored_barrier._nccl_pg = True  # type: ignore[attr-defined]
+    return monitored_barrier
+
+
 def register() -> None:
-    """Register the "nccl_pg" backend with torch.distributed (idempotent)."""
+    """Register the "nccl_pg" backend with torch.distributed (idempotent), and
+    teach ``torch.distributed.monitored_barrier`` about its groups."""
     if BACKEND_NAME.upper() not in tdist.Backend._plugins:
         tdist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+    if not getattr(tdist.monitored_barrier, "_nccl_pg", False):
+        tdist.monitored_barrier = tdist.distributed_c10d.monitored_barrier = _monitored_barrier(
+            tdist.distributed_c10d.monitored_barrier)
 
 
 def _autoload() -> None:

@@ -19,10 +19,12 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
+from ..monitored_barrier import barrier_timeout, monitored_barrier
 from ..process_group import Options, ProcessGroup, ProcessGroupHost, ProcessGroupNCCL
 from ..reduce_op import ReduceOp
 from ..store import PrefixStore
 from ..work import WorkInfo
+from .sparse import all_reduce_sparse
 from .store import TorchStore
 from .tensors import as_array, device_type
 from .work import Completer, Slot, TorchWork, to_torch
@@ -69,6 +71,7 @@ class ProcessGroupTorch(tdist.ProcessGroup):
         self._npg_coalescing: tuple[ProcessGroup, Slot, list[torch.Tensor]] | None = None
         self._npg_completer = Completer(f"nccl_pg-torch-{group_name}")
         self._npg_hooks: list[Callable[[WorkInfo], None]] = []
+        self._npg_monitored_barriers = 0
 
     def __repr__(self) -> str:
         return f"ProcessGroupTorch(name={self._npg_name!r}, rank={self.rank()}, size={self.size()})"
@@ -129,8 +132,17 @@ class ProcessGroupTorch(tdist.ProcessGroup):
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
         op = _op((opts or tdist.AllreduceOptions()).reduceOp)
+        if any(t.is_sparse for t in tensors):
+            return self._allreduce_sparse(tensors, op)
         arrays = [as_array(t, "all_reduce tensor") for t in tensors]
         return self._run("all_reduce", tensors, tensors, lambda pg: pg.allreduce(arrays, op))
+
+    def _allreduce_sparse(self, tensors: list[torch.Tensor], op: ReduceOp) -> TorchWork:
+        """Gloo's sparse all_reduce (sparse.py); complete when it returns."""
+        tensor = _single(tensors)
+        if self._npg_coalescing is not None:
+            raise ValueError("nccl_pg: a sparse all_reduce cannot be part of a coalescing block")
+        return self._run("all_reduce", tensors, tensors, lambda pg: all_reduce_sparse(pg, tensor, op))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
         op = _op((opts or tdist.AllreduceCoalescedOptions()).reduceOp)
@@ -171,8 +183,13 @@ class ProcessGroupTorch(tdist.ProcessGroup):
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                             opts: Any = None) -> TorchWork:
-        pairs = [([as_array(o, "all_gather_coalesced output") for o in outs], as_array(i, "all_gather_coalesced input"))
-                 for outs, i in zip(output_lists, inputs, strict=True)]
+        # output_lists[r][i] receives rank r's inputs[i]: all_gather i collects column i.
+        if any(len(outs) != len(inputs) for outs in output_lists):
+            raise ValueError(f"all_gather_coalesced: each output list must hold {len(inputs)} tensors, one per "
+                             f"input; got {[len(outs) for outs in output_lists]}")
+        pairs = [([as_array(outs[i], f"all_gather_coalesced output_tensor_lists[{r}][{i}]")
+                   for r, outs in enumerate(output_lists)], as_array(t, f"all_gather_coalesced input[{i}]"))
+                 for i, t in enumerate(inputs)]
         return self._coalesced("all_gather_coalesced", inputs, output_lists,
                                lambda pg: [pg.allgather(o, i) for o, i in pairs])
 
@@ -231,7 +248,9 @@ class ProcessGroupTorch(tdist.ProcessGroup):
         return self._run("recv", tensors, tensors, lambda pg: pg.recv(arrays, src, tag))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> TorchWork:
-        raise ValueError("nccl_pg: receiving from any source is not supported (NCCL has none); name the sender")
+        """The host backend receives from any source (as Gloo; NCCL cannot)."""
+        arrays = [as_array(t, "recv tensor") for t in tensors]
+        return self._run("recv", tensors, tensors, lambda pg: pg.recv_anysource(arrays, tag))
 
     def barrier(self, opts: Any = None) -> TorchWork:
         """On the CUDA group when ``device_ids`` are given or only it exists
@@ -243,6 +262,25 @@ class ProcessGroupTorch(tdist.ProcessGroup):
         else:
             pg = self._group("cpu")
         return self._run("barrier", [], [], lambda _: pg.barrier())
+
+    def monitored_barrier(self, timeout: timedelta | float | None = None, wait_all_ranks: bool = False) -> None:
+        """torch's monitored_barrier (Gloo's semantics and messages) over
+        this group's store: independent of the CPU/CUDA communicators, so it
+        works while they are stuck (nccl_pg/monitored_barrier.py). Default
+        timeout: the group's."""
+        group_timeout = self._npg_options.timeout
+        limit = group_timeout if timeout is None else barrier_timeout(timeout)
+        with self._npg_lock:
+            self._npg_monitored_barriers += 1
+            generation = self._npg_monitored_barriers
+        try:
+            monitored_barrier(PrefixStore("monitored_barrier", self._npg_store), self.rank(), self.size(),
+                              generation, limit, wait_all_ranks, max(limit, group_timeout))
+        except BaseException as exc:
+            mapped = to_torch(exc)
+            if mapped is exc:
+                raise
+            raise mapped from exc
 
     # torch < 2.10 calls these by their older names.
     _allgather_base = all_gather_single

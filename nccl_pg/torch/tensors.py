@@ -30,7 +30,7 @@ def dense(t: torch.Tensor, what: str) -> torch.Tensor:
     """``t`` itself if contiguous, else a flat view in memory order of a
     tensor dense in another memory format; raises for anything else."""
     if t.is_sparse:
-        raise ValueError(f"{what}: sparse tensors are not supported by the nccl_pg backend (as with NCCL)")
+        raise ValueError(f"{what}: sparse tensors are supported by all_reduce only (SUM, as with Gloo)")
     if t.is_contiguous():
         return t
     for fmt in _DENSE_FORMATS:

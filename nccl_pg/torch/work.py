@@ -101,6 +101,15 @@ class TorchWork(tdist.Work):
     def result(self) -> list[Any]:
         return self._tensors
 
+    def _source_rank(self) -> int:
+        """The group rank a receive got its data from (torch's recv() asks, for a receive from any source)."""
+        try:
+            return self._work().source_rank()
+        except ValueError as exc:
+            raise RuntimeError(str(exc)) from None
+
+    source_rank = _source_rank
+
     def get_future(self) -> torch.futures.Future:
         with self._lock:
             if self._future is None:

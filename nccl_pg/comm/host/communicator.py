@@ -73,6 +73,21 @@ def _out(a: Any, what: str) -> np.ndarray:
     return flat
 
 
+@dataclass
+class _Branch:
+    """A point-to-point operation moved onto a lane, not yet joined back."""
+
+    lane: HostStream
+    key: tuple[int | None, bool]  # (peer or None: any source, is a send)
+    buf: np.ndarray
+
+    def orders(self, key: tuple[int | None, bool], buf: np.ndarray) -> bool:
+        """Must an operation (``key``, ``buf``) issued after this one wait for it?"""
+        if not key[1] and not self.key[1] and (key[0] is None or self.key[0] is None):
+            return True  # receives from any source and from one peer match messages in issue order
+        return not (key[1] and self.key[1]) and bool(np.may_share_memory(buf, self.buf))
+
+
 class HostCommunicator(Communicator):
     def __init__(self, rank: int, nranks: int, config: CommConfig, name: str,
                  store: Store | None = None, bootstrap: _Bootstrap | None = None) -> None:
@@ -86,6 +101,8 @@ class HostCommunicator(Communicator):
         self._lock = threading.Lock()
         self._streams: list[HostStream] = []
         self._used_streams: set[HostStream] = set()
+        self._lanes: dict[tuple[int | None, bool], HostStream] = {}  # (peer or None: any, send?) -> its lane
+        self._branched: dict[HostStream, list[_Branch]] = {}  # p2p ops moved off a stream, not joined back yet
         self._group: list[tuple[HostStream, str, Callable[[Mesh], None] | tuple[list[Send], list[Recv]]]] = []
         self._group_depth = 0
         self._split_count = 0
@@ -459,6 +476,55 @@ class HostCommunicator(Communicator):
 
     def recv(self, buf: Any, peer: int, stream: Stream) -> None:
         self._p2p(stream, [], [(self._peer(peer), alg.u8(_out(buf, "recv buf")), None)])
+
+    supports_recv_any = True
+
+    def recv_any(self, buf: Any, stream: Stream) -> Callable[[], int | None]:
+        target = alg.u8(_flat(buf, "recv buf"))
+        if self._group_depth:
+            raise ValueError("a receive from any source cannot be part of a group (group_start/group_end)")
+        source: list[int] = []
+        self._enqueue(stream, "recv from any source",
+                      lambda m: source.append(m.recv_any(alg.KIND["send/recv"], target)))
+        return lambda: source[0] if source else None
+
+    # --- point-to-point lanes ---------------------------------------------------------
+
+    def p2p_stream(self, stream: Stream, peer: int | None, send: bool, buf: Any) -> HostStream:
+        """Each peer and direction has a lane (a stream of its own): a send
+        never waits behind a receive from another peer or direction, as with
+        Gloo, which torch's batch_isend_irecv relies on for a Python process
+        group (it issues the ops one by one, receives first). What NCCL's
+        stream order guarantees and programs rely on is kept: the lane starts
+        after the work issued before on ``stream``; ops of one peer and
+        direction stay in order; an op whose buffer overlaps that of a
+        pending op on another lane (one of them writing) waits for it; a
+        receive from any source is ordered with every receive; and the next
+        non-p2p work on ``stream`` waits for the lanes (``join_p2p``)."""
+        hs = self._stream(stream)
+        key = (None if peer is None else self._peer(peer), send)
+        arr = _flat(buf, "send buf" if send else "recv buf")
+        with self._lock:
+            lane = self._lanes.get(key)
+            if lane is None:
+                lane = self._lanes[key] = self.new_stream()
+            if not hs.query():
+                lane.wait_event(hs.record())
+            pending = [b for b in self._branched.get(hs, []) if not b.lane.query()]
+            for other in dict.fromkeys(b.lane for b in pending if b.lane is not lane and b.orders(key, arr)):
+                lane.wait_event(other.record())
+            self._branched[hs] = [*pending, _Branch(lane, key, arr)]
+        return lane
+
+    def join_p2p(self, stream: Stream) -> None:
+        if not self._branched:
+            return
+        hs = self._stream(stream)
+        with self._lock:
+            pending = self._branched.pop(hs, [])
+        for lane in dict.fromkeys(b.lane for b in pending):
+            if not lane.query():
+                hs.wait_event(lane.record())
 
     def _p2p(self, stream: Stream, sends: list[Send], recvs: list[Recv]) -> None:
         self._usable()

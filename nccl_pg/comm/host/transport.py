@@ -16,6 +16,11 @@ healthy ones that aborted after it) and closes every connection, so the
 failure spreads within milliseconds instead of leaving ranks blocked.
 ``abort()`` wakes a blocked exchange through a pipe and does the same.
 
+Each direction of each connection has its own lock: exchanges over different
+directions run at the same time (a send to rank 1 while a receive from rank 1
+waits), which the host backend's point-to-point lanes rely on. A goodbye holds
+every sending direction, so that it never cuts into another lane's message.
+
 ``MeshBuilder`` connects the mesh at init: every connection, outgoing and
 incoming, progresses at once on non-blocking sockets with the init deadline,
 a connection must prove it belongs to this communicator (its token) before it
@@ -25,6 +30,7 @@ others, and ``cancel()`` (abort) ends the build at once.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hmac
 import itertools
@@ -36,7 +42,7 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from ...errors import DistBackendError, DistNetworkError
@@ -134,7 +140,8 @@ class Mesh:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._lock = threading.Lock()  # held by the exchange in progress (one at a time)
+        # (peer, 0): sending to peer, (peer, 1): receiving from it; taken in this key order (no deadlock).
+        self._locks = {(p, d): threading.Lock() for p in sorted(socks) for d in (0, 1)}
         self.error: BaseException | None = None
         self._closed = False
         self._partial: dict[int, list[memoryview]] = {}  # per peer: the rest of a message half sent
@@ -161,15 +168,26 @@ class Mesh:
             pass
         self._try_farewell()
 
-    def _try_farewell(self) -> None:
-        if self._lock.acquire(blocking=False):
-            try:
-                self._farewell()
-            finally:
-                self._lock.release()
+    def _try_farewell(self, wait: float = 0.0) -> None:
+        """Say goodbye once every sending direction is free, waiting up to
+        ``wait`` seconds for exchanges still ending (0: never block, as
+        fail() must not; the last exchange to end says it then)."""
+        held: list[threading.Lock] = []
+        deadline = time.monotonic() + wait
+        try:
+            for key in sorted(k for k in self._locks if k[1] == 0):
+                lock = self._locks[key]
+                left = deadline - time.monotonic()
+                if not (lock.acquire(timeout=left) if left > 0 else lock.acquire(blocking=False)):
+                    return
+                held.append(lock)
+            self._farewell()
+        finally:
+            for lock in reversed(held):
+                lock.release()
 
     def close(self) -> None:
-        with self._lock:  # an exchange in progress finishes (or is failed) first
+        with self._holding(self._locks):  # exchanges in progress finish (or are failed) first
             if self._closed:
                 return
             self._closed = True
@@ -188,7 +206,7 @@ class Mesh:
         return self.rank, f"aborted its communicator ({err})"
 
     def _farewell(self) -> None:
-        """With the lock held: finish the messages half sent (a peer could
+        """With every sending direction held: finish the messages half sent (a peer could
         not parse what follows them), send each peer a goodbye naming the
         culprit, then shut every connection down; all bounded by
         _FAREWELL_BUDGET. A peer that is not reading gets only EOF."""
@@ -231,6 +249,42 @@ class Mesh:
 
     # --- the engine ------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _holding(self, keys: Iterable[tuple[int, int]]) -> Iterator[None]:
+        locks = [self._locks[k] for k in sorted(set(keys))]
+        for lock in locks:
+            lock.acquire()
+        try:
+            yield
+        finally:
+            for lock in reversed(locks):
+                lock.release()
+
+    @contextlib.contextmanager
+    def _directions(self, sends_to: Iterable[int], recvs_from: Iterable[int]) -> Iterator[None]:
+        """Hold the connection directions an exchange uses; a failure inside
+        breaks the mesh and is raised as the mesh's error; once the mesh is
+        broken, the goodbye is said after the directions are released."""
+        keys = {(p, 0) for p in sends_to} | {(p, 1) for p in recvs_from}
+        missing = sorted({p for p, _ in keys if p not in self._socks})
+        if missing:
+            raise DistBackendError(f"{self.name}: no connection to rank {missing[0]}")
+        try:
+            with self._holding(keys):
+                if self.error is not None:
+                    raise self.error
+                if self._closed:
+                    raise DistBackendError(f"{self.name}: communicator is destroyed")
+                try:
+                    yield
+                except BaseException as exc:
+                    if self.error is None:
+                        self.fail(exc)
+                    raise self.error from None
+        finally:
+            if self.error is not None:  # other lanes were woken by fail() and end at once
+                self._try_farewell(_FAREWELL_BUDGET)
+
     def exchange(self, kind: int, sends: list[Send], recvs: list[Recv], meta: Meta = NO_META,
                  deadline: float | None = None) -> None:
         """Deliver every send and fill every receive, all progressing at once;
@@ -240,21 +294,47 @@ class Mesh:
         peer's messages must match. ``deadline`` (time.monotonic()): raise
         MeshTimeoutError naming the peers still owing data (collectives
         have none: the watchdog times them out)."""
-        with self._lock:
-            if self.error is not None:
-                self._farewell()
-                raise self.error
-            if self._closed:
-                raise DistBackendError(f"{self.name}: communicator is destroyed")
-            try:
-                self._exchange(kind, sends, recvs, meta, deadline)
-            except BaseException as exc:
-                if self.error is None:
-                    self.error = exc
-                self._farewell()
-                raise self.error from None
-        if self.error is not None:  # failed by another thread while this exchange held the lock
-            self._try_farewell()
+        with self._directions((p for p, _ in sends), (p for p, _, _ in recvs)):
+            self._exchange(kind, sends, recvs, meta, deadline)
+
+    def recv_any(self, kind: int, target: memoryview) -> int:
+        """Fill ``target`` with the first ``kind`` message to arrive from any
+        peer, and return that peer. A peer whose next message belongs to
+        another operation is not a candidate (it is ahead of us, in an
+        operation we have not reached); with no candidate left, that is an
+        error naming what the peers are in. A goodbye is read as in any
+        receive (it names the rank that failed)."""
+        peers = sorted(self._socks)
+        with self._directions((), peers):
+            poller = select.poll()
+            poller.register(self._wake_r, select.POLLIN)
+            for p in peers:
+                poller.register(self._socks[p].fileno(), select.POLLIN)
+            elsewhere: dict[int, int] = {}
+            while len(elsewhere) < len(peers):
+                for fd, _ in poller.poll():
+                    if fd == self._wake_r:
+                        raise self.error or DistBackendError(f"{self.name}: aborted")
+                    peer = self._fd_peer[fd]
+                    try:
+                        head = self._socks[peer].recv(HEADER.size, socket.MSG_PEEK)
+                    except (BlockingIOError, InterruptedError):
+                        continue
+                    except OSError as exc:
+                        raise self._lost(peer, exc.strerror or str(exc)) from None
+                    if not head:
+                        raise self._lost(peer, "end of stream")
+                    if len(head) < HEADER.size:
+                        continue  # the rest of the header is on its way
+                    their_kind = _kind(head)
+                    if their_kind in (kind, GOODBYE):
+                        self._exchange(kind, [], [(peer, target, None)], NO_META, None)
+                        return peer
+                    elsewhere[peer] = their_kind
+                    poller.unregister(fd)
+            detail = ", ".join(f"rank {p} in {self._op_name(k)}" for p, k in sorted(elsewhere.items()))
+            raise DistBackendError(f"{self.name}: rank {self.rank} waits to receive from any rank, but every peer "
+                                   f"has gone on to another operation ({detail}): ranks issued different operations")
 
     def _exchange(self, kind: int, sends: list[Send], recvs: list[Recv], meta: Meta, deadline: float | None) -> None:
         outs: dict[int, deque[_Out]] = {}
@@ -470,6 +550,11 @@ def _differ(theirs: Meta, ours: Meta) -> bool:
 
 def _name(names: tuple[str, ...], code: int, what: str) -> str:
     return names[code] if code < len(names) else f"{what} #{code}"
+
+
+def _kind(header: bytes) -> int:
+    """The operation kind a message header carries."""
+    return int(HEADER.unpack(header)[1])
 
 
 # --- building the mesh ------------------------------------------------------------
