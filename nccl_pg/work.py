@@ -213,7 +213,10 @@ class Work:
         now = time.time_ns()
         ran = error is None or isinstance(error, NanError)
         if self._start is not None and ran:
-            self._duration_ms = self._start.elapsed_ms(self._end)
+            try:
+                self._duration_ms = self._start.elapsed_ms(self._end)
+            except Exception:  # no duration rather than a Work that never completes
+                self._duration_ms = None
         for e in self._entries:
             e.retired = True
             if ran:
@@ -264,19 +267,22 @@ class Work:
         self._poll()
         return self._error
 
-    def wait(self, timeout: float | None = None) -> bool:
+    def wait(self, timeout: float | timedelta | None = None) -> bool:
         """Block until the operation completes and its outputs can be read;
         raise DistBackendError if it failed, timed out (group timeout), or is
-        still running after ``timeout`` seconds. In blocking-wait mode
-        (``NCCL_PG_BLOCKING_WAIT``) a wait that raises aborts the group
-        first, as torch's does: later operations fail at once, with the
-        reason, instead of queueing behind the failed one."""
+        still running after ``timeout`` (seconds or a timedelta; given, the
+        CPU waits for the operation on every backend, as torch's does). In
+        blocking-wait mode (``NCCL_PG_BLOCKING_WAIT``) a wait that raises
+        aborts the group first, as torch's does: later operations fail at
+        once, with the reason, instead of queueing behind the failed one."""
+        if isinstance(timeout, timedelta):
+            timeout = timeout.total_seconds()
         limit = None if timeout is None else time.monotonic() + timeout
         backend = self._group._backend
         if self._captured:
             backend.make_caller_wait(self._end, self._group._device)
             return True
-        if backend.blocking_wait or self._group._blocking_wait:
+        if backend.blocking_wait or self._group._blocking_wait or limit is not None:
             while not self._poll():
                 now = time.monotonic()
                 if limit is not None and now >= limit:

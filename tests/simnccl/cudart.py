@@ -673,8 +673,8 @@ def cudaGraphLaunch(graphExec, stream):  # noqa: N802, N803
         s.violations.record("a graph with an unfreed allocation was launched again")
         return (E.cudaErrorInvalidValue,)
     g.launched = True
-    for name, fn in g.nodes:
-        st.enqueue(f"graph node {name}", fn)
+    for name, fn in g.nodes:  # a node that is a launch of its own (an NCCL kernel) is launched anew
+        st.enqueue(f"graph node {name}", fn.instance() if hasattr(fn, "instance") else fn)
     return (OK,)
 
 

@@ -143,6 +143,8 @@ class SimComm:
         self.child_count = 0
         self.shrink_count = 0
         self.pending = 0
+        self.launched = 0  # kernels launched (host order: enqueue, or cudaGraphLaunch for a captured one)
+        self.executed = 0  # kernels that have run, in launch order
         self.cv = threading.Condition()
 
     def aborted(self) -> bool:
@@ -485,11 +487,11 @@ def _launch(w: World, c: SimComm, tasks: list[_Task]) -> int:
                 reads += cudart.allocs(t.send, n_in * size)
             if t.recv and n_out:
                 writes += cudart.allocs(t.recv, n_out * size)
-        captured = st.capture is not None  # a graph node: counted when a replay runs it
-        if not captured:
-            with c.cv:
-                c.pending += 1
-        st.enqueue(f"nccl kernel ({', '.join(t.name for t in ts)})", _kernel(w, c, ts, captured), reads, writes)
+        name = f"nccl kernel ({', '.join(t.name for t in ts)})"
+        if st.capture is not None:  # a graph node: launched (and counted) at each cudaGraphLaunch
+            st.enqueue(name, _GraphKernel(w, c, ts), reads, writes)
+        else:
+            st.enqueue(name, _kernel(w, c, ts, _ticket(c)), reads, writes)
     return SUCCESS
 
 
@@ -515,12 +517,36 @@ def _extent(t: _Task, n: int) -> tuple[int, int]:
 
 # --- kernels: the collectives over the transport ---------------------------------------------------------
 
-def _kernel(w: World, c: SimComm, tasks: list[_Task], captured: bool) -> Callable[[], None]:
+def _ticket(c: SimComm) -> int:
+    """A kernel's place among its communicator's launches (taken when the host launches it)."""
+    with c.cv:
+        c.pending += 1
+        c.launched += 1
+        return c.launched
+
+
+class _GraphKernel:
+    """A captured NCCL kernel: each replay launches it anew, in host launch order with the communicator's
+    other operations (cudagraph.rst: mixing captured and eager operations is supported)."""
+
+    def __init__(self, w: World, c: SimComm, tasks: list[_Task]) -> None:
+        self.w, self.c, self.tasks = w, c, tasks
+
+    def instance(self) -> Callable[[], None]:
+        return _kernel(self.w, self.c, self.tasks, _ticket(self.c))
+
+    def __call__(self) -> None:
+        raise cudart.SimError("a captured kernel runs only through a graph launch")
+
+
+def _kernel(w: World, c: SimComm, tasks: list[_Task], ticket: int) -> Callable[[], None]:
+    """The device side of one launch. Kernels of one communicator run in the order the host launched them
+    (NCCL orders its launches per communicator through its internal streams), whatever streams they are on."""
     def run() -> None:
-        if captured:
-            with c.cv:
-                c.pending += 1
         try:
+            with c.cv:
+                while c.executed != ticket - 1 and not c.abort.set:
+                    c.cv.wait(_SLICE)
             if c.abort.set:
                 return
             plan = []
@@ -544,6 +570,7 @@ def _kernel(w: World, c: SimComm, tasks: list[_Task], captured: bool) -> Callabl
         finally:
             with c.cv:
                 c.pending -= 1
+                c.executed = max(c.executed, ticket)
                 c.cv.notify_all()
 
     return run
@@ -932,7 +959,7 @@ def _child(w: World, name: str, comm: Any, cfg_ptr: int, color: int, key: int,
         if shrink and flags & SHRINK_ABORT:  # terminate the parent's operations first
             parent.abort.set = True
             w.net.poke()
-            _wait_idle(parent, None)
+            _wait_family_idle(w, parent)  # ncclStrongStreamSynchronize(sharedRes->deviceStream)
             parent.abort.set = False
         if shrink and (not exclude or parent.rank in exclude):
             _raise(INVALID_ARGUMENT)
@@ -1085,6 +1112,13 @@ def _wait_idle(c: SimComm, deadline: float | None) -> bool:
     return True
 
 
+def _wait_family_idle(w: World, c: SimComm) -> None:
+    """Every communicator sharing ``c``'s resources (and so its streams' kernels) idle."""
+    for other in [w.comms.get(h) for h in list(c.family)]:
+        if other is not None:
+            _wait_idle(other, None)
+
+
 def _free(w: World, c: SimComm, why: str) -> None:
     with w.lock:
         w.comms.pop(c.handle, None)
@@ -1164,8 +1198,8 @@ def comm_revoke(comm, revoke_flags):
         _ensure_ready(c)
         c.finalize_called = True
 
-        def job() -> int:  # commRevokeAsync: kernels quit, then the abort flags are cleared
-            _wait_idle(c, None)
+        def job() -> int:  # commRevokeAsync: kernels quit (sharedRes streams synchronized), then flags cleared
+            _wait_family_idle(w, c)
             c.abort.set = False
             return SUCCESS
 
