@@ -58,11 +58,12 @@ def _comm(**cfg: Any) -> Any:
     return NcclCommunicator.create(HashStore(), 1, 0, CommConfig(timeout=10, **cfg), device=DEVICE)
 
 
-def _ranks(n: int, fn: Callable[[int, Any], Any], timeout: float = 10.0, **cfg: Any) -> list[Any]:
+def _ranks(n: int, fn: Callable[[int, Any], Any], timeout: float = 10.0, store: Any = None,
+           **cfg: Any) -> list[Any]:
     """``fn(rank, comm)`` on ``n`` threads, each a rank of one communicator (threads as ranks: one process)."""
     from nccl_pg.comm.nccl import NcclCommunicator
 
-    store = PrefixStore(f"t{time.monotonic_ns()}", HashStore())
+    store = store or PrefixStore(f"t{time.monotonic_ns()}", HashStore())
     results: list[Any] = [None] * n
     errors: list[str] = []
 
@@ -158,6 +159,78 @@ def test_defect1_any_binding_error_is_a_backend_error_and_frees_the_comm() -> No
 
     assert _ranks(2, fn) == ["error", None]
     assert simnccl.live_communicators() == before + 2  # rank 1's pair, left to it
+
+
+# --- issue 16: unique ids in O(1) store requests per rank; several bootstrap roots ----------------------------------
+
+class _CountingStore(HashStore):
+    """Counts the requests each rank (thread) makes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests: dict[str, int] = {}
+
+    def _count(self) -> None:
+        name = threading.current_thread().name
+        self.requests[name] = self.requests.get(name, 0) + 1
+
+    def set(self, key: str, value: Any) -> None:
+        self._count()
+        super().set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self._count()
+        return super().get(key)
+
+    def wait(self, keys: Any, timeout: Any = None) -> None:
+        self._count()
+        super().wait(keys, timeout)
+
+    def multi_get(self, keys: Any) -> list[bytes]:
+        self._count()
+        return super().multi_get(keys)
+
+    def check(self, keys: Any) -> bool:
+        self._count()
+        return super().check(keys)
+
+
+@pytest.mark.parametrize(("version", "call", "keys"), [(simnccl.SIM_VERSION, "ncclCommInitRankScalable", 3),
+                                                       (22200, "ncclCommInitRankConfig", 1)],
+                         ids=["scalable", "before-2.23"])
+def test_unique_ids_take_o1_store_requests_and_several_roots(monkeypatch: pytest.MonkeyPatch, version: int,
+                                                             call: str, keys: int) -> None:
+    """With more ranks than NCCL_PG_RANKS_PER_ROOT, ceil(n / it) ranks each create a unique id (spread as the
+    NCCL user guide's rankHasRoot does) and every rank reads them all in one request: each rank makes at most
+    three store requests (publish, wait, multi_get), whatever the number of ranks. NCCL < 2.23: one root."""
+    monkeypatch.setenv("NCCL_PG_RANKS_PER_ROOT", "2")
+    simnccl.set_version(version)
+    store = _CountingStore()
+    before = simnccl.counters()["nccl"].get(call, 0)
+
+    def fn(rank: int, comm: Any) -> float:
+        x = xp.full(4, float(rank + 1), np.float32)
+        s = _stream(comm)
+        comm.all_reduce(x, x, ReduceOp.SUM, s)
+        assert s.synchronize(5)
+        comm.destroy()
+        return float(x.get()[0])
+
+    try:
+        assert _ranks(5, fn, store=store) == [15.0] * 5
+    finally:
+        simnccl.set_version(simnccl.SIM_VERSION)
+    assert simnccl.counters()["nccl"].get(call, 0) - before == 5
+    assert store.num_keys() == keys  # the unique ids, nothing else
+    assert max(store.requests.values()) <= 3, store.requests
+
+
+def test_rank_has_root_follows_the_user_guide() -> None:
+    from nccl_pg.comm.nccl.communicator import rank_has_root, root_count
+
+    # communicators.rst: "if 3 ncclUniqueIds are to be distributed across 7 NCCL ranks ... rank 0, 3, and 5"
+    assert [r for r in range(7) if rank_has_root(r, 7, 3)] == [0, 3, 5]
+    assert root_count(1000, 128) == 8 and root_count(128, 128) == 1 and root_count(3, 1) == 3
 
 
 # --- defects 2 and 3: splits --------------------------------------------------------------------------------

@@ -91,7 +91,11 @@ def clear() -> None:
 
 
 def set_version(version: int) -> None:
+    """What ncclGetVersion says from now on (nccl_pg reads it again)."""
+    from nccl_pg.comm.nccl import _lib  # noqa: PLC0415
+
     ncclsim.world().version = version
+    _lib.version.cache_clear()
 
 
 def fail_next(call: str, result: int) -> None:

@@ -191,11 +191,10 @@ class Stream:
             for sid, pos in sim.host_clock.items():
                 if self.vc.get(sid, 0) < pos:
                     self.vc[sid] = pos
-        with self.cv:
+        with self.cv:  # a position and its place in the queue in one step: threads share streams (legacy)
             self.enq += 1
             pos = self.enq
-        sim.check_access(self, pos, name, reads, writes)
-        with self.cv:
+            sim.check_access(self, pos, name, reads, writes)
             self.queue.append((pos, fn, name))
             if self._worker is None:
                 self._worker = threading.Thread(target=self._run, name=f"simcuda-stream-{self.id}", daemon=True)
