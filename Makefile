@@ -2,7 +2,7 @@ PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 NPROC ?= 4
 
-.PHONY: install test test-gpu bench demo lint
+.PHONY: install test test-sim test-gpu bench demo lint
 
 install:
 	$(PIP) install -q -e '.[test]'
@@ -10,6 +10,10 @@ install:
 # The CPU suite: every test that does not need a GPU (gpu tests skip with a reason).
 test: install
 	$(PYTHON) -m pytest -q
+
+# The NCCL backend's logic on the simulated bindings (tests/simnccl; also part of `make test`): no GPU needed.
+test-sim: install
+	$(PYTHON) -m pytest -q -m simnccl
 
 # On a machine with a GPU: the gpu-marked tests only (the NCCL backend, bench and doctor on a GPU).
 # Without a GPU it says so and exits 0; tools/gpu_check.sh runs the whole GPU checklist on a lent machine.
@@ -38,6 +42,7 @@ bench: install
 	$(PYTHON) tools/bench_recorder.py
 	$(PYTHON) tools/bench_nan_check.py
 	$(PYTHON) tools/bench_ddp.py
+	$(PYTHON) tools/bench_nccl_blocking.py
 
 lint:
 	$(PIP) install -q 'ruff>=0.6'
