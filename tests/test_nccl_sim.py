@@ -118,7 +118,7 @@ def test_collectives_through_the_api() -> None:
         dist.all_gather_object(objs, {"a": 1})
         assert objs == [{"a": 1}] and outs[0].get().tolist() == [3.0] * 8
         w = dist.all_reduce(x, async_op=True)
-        assert w.wait(timedelta(seconds=5))  # defect 5: torch's timeout type
+        assert w is not None and w.wait(timedelta(seconds=5))  # defect 5: torch's timeout type
         assert pg.comm_split_count() == 0
     finally:
         dist.destroy_process_group()
@@ -301,7 +301,7 @@ def test_defect4_timing_and_completion_hooks(monkeypatch: pytest.MonkeyPatch) ->
         pg._register_on_completion_hook(seen.append)
         x = xp.full(4, 1.0, np.float32)
         work = dist.all_reduce(x, async_op=True)
-        assert work.wait(5)
+        assert work is not None and work.wait(5)
         assert work._get_duration() >= 0
         deadline = time.monotonic() + 5
         while not seen and time.monotonic() < deadline:
@@ -518,12 +518,14 @@ def test_defect11_list_collectives_and_barrier_in_a_global_capture() -> None:
         parts = [xp.zeros(8, np.float32)]
         dist.all_reduce(y)
         pending = dist.all_reduce(xp.ones(4, np.float32), async_op=True)
+        assert pending is not None
         seq, entries = pg._get_sequence_number_for_group(), len(flight_recorder.get().entries())
         s = xp.cuda.Stream(non_blocking=True)
         with s:
             s.begin_capture(xp.cuda.runtime.streamCaptureModeGlobal)
             dist.all_reduce(x)
             work = dist.all_reduce(x, dist.make_premul_sum(0.5), async_op=True)
+            assert work is not None
             work.wait()
             dist.all_gather(parts, y)
             dist.barrier()

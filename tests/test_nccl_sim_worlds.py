@@ -116,6 +116,7 @@ def _s_wait_timeout(r: Rank) -> dict[str, Any] | None:
         time.sleep(3.0)  # never issues the next all_reduce
         return None
     work = dist.all_reduce(x, async_op=True)
+    assert work is not None
     t0 = time.monotonic()
     with pytest.raises(dist.DistBackendError, match="timeout: .*not complete after wait") as info:
         work.wait(timedelta(seconds=0.5))
@@ -136,7 +137,7 @@ def _s_side_threads(r: Rank) -> None:
     poller), async operations the poller completes: no thread may create a context on GPU 0."""
     pg = r.init()
     durations: list[float] = []
-    pg._register_on_completion_hook(lambda info: durations.append(info.active_duration.total_seconds()))
+    pg._register_on_completion_hook(lambda info: durations.append(info.active_duration.total_seconds()))  # type: ignore[union-attr]
     x = r.full((8,), 1.0)
     works = [dist.all_reduce(x, async_op=True) for _ in range(5)]
     outs = [r.full((8,), 0.0) for _ in range(r.world_size)]
@@ -165,7 +166,7 @@ def _s_first_op_never_joined(r: Rank) -> dict[str, Any] | None:
     with pytest.raises(dist.DistBackendError) as info:
         x = r.full((4,), 1.0)
         dist.all_reduce(x)
-        dist.all_reduce(x).wait()  # if the first one was issued after all, this one cannot complete either
+        dist.barrier(async_op=False)  # if the first one was issued after all, this one cannot complete either
     return {"took": time.monotonic() - t0, "error": str(info.value)}
 
 
@@ -180,6 +181,7 @@ def _s_abort_from_another_thread(r: Rank) -> bool:
     dist.all_reduce(x)
     if r.rank == 0:
         work = dist.all_reduce(x, async_op=True)  # rank 1 never joins
+        assert work is not None
         threading.Timer(0.5, pg.abort).start()
         with pytest.raises(dist.DistBackendError, match="abort"):
             work.wait(timedelta(seconds=20))

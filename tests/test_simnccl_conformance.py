@@ -27,7 +27,7 @@ from simnccl import checks, cudart, ncclsim
 
 pytestmark = [pytest.mark.simnccl, pytest.mark.timeout(120)]
 
-real = pytest.importorskip("nccl.bindings.nccl")
+real: Any = pytest.importorskip("nccl.bindings.nccl")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -45,7 +45,7 @@ def _clean():
 
 
 def _driver_present() -> bool:
-    from cuda.bindings import runtime
+    from cuda.bindings import runtime  # type: ignore[import-untyped]
 
     return int(runtime.cudaGetDeviceCount()[0]) == 0
 

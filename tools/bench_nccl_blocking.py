@@ -66,7 +66,7 @@ def measure(blocking: bool, iters: int, real: bool) -> dict[str, Any]:
 
     import nccl_pg as dist  # noqa: PLC0415
     from nccl_pg.comm.nccl import communicator  # noqa: PLC0415
-    from nccl_pg.comm.nccl.stream import caller_stream  # noqa: PLC0415
+    from nccl_pg.comm.nccl.stream import CudaStream, caller_stream  # noqa: PLC0415
     from nccl_pg.reduce_op import ReduceOp  # noqa: PLC0415
 
     communicator.NcclCommunicator.blocking_ops = blocking
@@ -75,7 +75,7 @@ def measure(blocking: bool, iters: int, real: bool) -> dict[str, Any]:
     communicator.threading = _counting_threading(counts)  # type: ignore[attr-defined]
     try:
         if real:
-            import cupy as xp  # noqa: PLC0415
+            import cupy as xp  # type: ignore[import-not-found]  # noqa: PLC0415
 
             dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=0)
         else:
@@ -86,7 +86,8 @@ def measure(blocking: bool, iters: int, real: bool) -> dict[str, Any]:
     finally:
         communicator.threading = saved
     pg = dist.distributed._get_default_group()
-    comm, stream = pg._ready()
+    comm, stream = pg._ready()  # an NcclCommunicator and its CudaStream
+    assert isinstance(comm, communicator.NcclCommunicator) and isinstance(stream, CudaStream)
     x = xp.zeros(256, dtype=np.float32)
     out: dict[str, Any] = {"mode": "blocking" if blocking else "nonblocking"}
     start = threading.Thread.start

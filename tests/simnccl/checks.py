@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-import nccl.bindings.nccl as real
+import nccl.bindings.nccl as real  # type: ignore[import-untyped]
 
 _LONG = 2**63
 _SIG = re.compile(r"^(\w+)\((.*)\)")

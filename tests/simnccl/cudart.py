@@ -59,8 +59,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
-from cuda.bindings import driver as real_driver
-from cuda.bindings import runtime as real_runtime
+from cuda.bindings import driver as real_driver  # type: ignore[import-untyped]
+from cuda.bindings import runtime as real_runtime  # type: ignore[import-untyped]
 
 E = real_runtime.cudaError_t
 OK = E.cudaSuccess
@@ -164,7 +164,7 @@ class Stream:
         self.id = next(Stream._ids)
         self.handle = handle if handle is not None else 0x7000_0000 + self.id * 0x10
         self.cv = threading.Condition()
-        self.queue: deque[tuple[int, Callable[[], None], str]] = deque()
+        self.queue: deque[tuple[int, Callable[[], object], str]] = deque()
         self.enq = 0  # positions handed out
         self.done = 0  # positions executed
         self.vc: dict[int, int] = {}  # stream id -> position ordered before this stream's next operation
@@ -211,7 +211,7 @@ class Stream:
                 self.vc[sid] = p
         self.enqueue_raw(lambda: other.wait_pos(pos), f"implicit wait for stream {other.id} up to {pos}")
 
-    def enqueue_raw(self, fn: Callable[[], None], name: str) -> None:
+    def enqueue_raw(self, fn: Callable[[], object], name: str) -> None:
         with self.cv:
             self.enq += 1
             self.queue.append((self.enq, fn, name))
@@ -386,7 +386,7 @@ class Sim:
 
     # ---- captures ----
 
-    def prohibited(self, call: str) -> E | None:
+    def prohibited(self, call: str) -> Any:
         """cudaThreadExchangeStreamCaptureMode: may this thread make a potentially unsafe call now?"""
         mode = getattr(self.tl, "mode", 0)
         me = threading.get_ident()
@@ -448,17 +448,17 @@ def _real_check(s: Sim, name: str, args: tuple[Any, ...]) -> None:
         getattr(real_runtime, name)(*args)  # converts the arguments as the binding does; raises what it raises
 
 
-def cudaGetDeviceCount():  # noqa: N802 - CUDA's names
+def cudaGetDeviceCount() -> Any:  # noqa: N802 - CUDA's names
     s = _count("cudaGetDeviceCount")
     return (OK, s.ndev)
 
 
-def cudaGetDevice():  # noqa: N802
+def cudaGetDevice() -> Any:  # noqa: N802
     s = _count("cudaGetDevice")
     return (OK, s.device())
 
 
-def cudaSetDevice(device):  # noqa: N802
+def cudaSetDevice(device: Any) -> Any:  # noqa: N802
     s = _count("cudaSetDevice")
     _real_check(s, "cudaSetDevice", (device,))
     d = int(device)
@@ -469,7 +469,7 @@ def cudaSetDevice(device):  # noqa: N802
     return (OK,)
 
 
-def cudaDeviceGetAttribute(attr, device):  # noqa: N802
+def cudaDeviceGetAttribute(attr: Any, device: Any) -> Any:  # noqa: N802
     s = _count("cudaDeviceGetAttribute")
     _real_check(s, "cudaDeviceGetAttribute", (attr, device))
     values = {"cudaDevAttrComputeCapabilityMajor": 9, "cudaDevAttrComputeCapabilityMinor": 0,
@@ -477,35 +477,35 @@ def cudaDeviceGetAttribute(attr, device):  # noqa: N802
     return (OK, values.get(getattr(attr, "name", ""), 0))
 
 
-def cudaDeviceGetStreamPriorityRange():  # noqa: N802
+def cudaDeviceGetStreamPriorityRange() -> Any:  # noqa: N802
     s = _count("cudaDeviceGetStreamPriorityRange")
     s.touch("cudaDeviceGetStreamPriorityRange")
     return (OK, 0, -5)
 
 
-def cudaDriverGetVersion():  # noqa: N802
+def cudaDriverGetVersion() -> Any:  # noqa: N802
     _count("cudaDriverGetVersion")
     return (OK, 13000)
 
 
-def cudaRuntimeGetVersion():  # noqa: N802
+def cudaRuntimeGetVersion() -> Any:  # noqa: N802
     _count("cudaRuntimeGetVersion")
     return (OK, 13000)
 
 
-def cudaGetErrorName(error):  # noqa: N802
+def cudaGetErrorName(error: Any) -> Any:  # noqa: N802
     return real_runtime.cudaGetErrorName(error)
 
 
-def cudaGetErrorString(error):  # noqa: N802
+def cudaGetErrorString(error: Any) -> Any:  # noqa: N802
     return real_runtime.cudaGetErrorString(error)
 
 
-def cudaGetLastError():  # noqa: N802
+def cudaGetLastError() -> Any:  # noqa: N802
     return (OK,)
 
 
-def cudaThreadExchangeStreamCaptureMode(mode):  # noqa: N802
+def cudaThreadExchangeStreamCaptureMode(mode: Any) -> Any:  # noqa: N802
     s = _count("cudaThreadExchangeStreamCaptureMode")
     _real_check(s, "cudaThreadExchangeStreamCaptureMode", (mode,))
     prev = getattr(s.tl, "mode", 0)
@@ -522,23 +522,23 @@ def _new_stream(s: Sim, flags: int, priority: int, call: str) -> tuple[Any, ...]
     return (OK, real_runtime.cudaStream_t(st.handle))
 
 
-def cudaStreamCreate():  # noqa: N802
+def cudaStreamCreate() -> Any:  # noqa: N802
     return _new_stream(_count("cudaStreamCreate"), 0, 0, "cudaStreamCreate")
 
 
-def cudaStreamCreateWithFlags(flags):  # noqa: N802
+def cudaStreamCreateWithFlags(flags: Any) -> Any:  # noqa: N802
     s = _count("cudaStreamCreateWithFlags")
     _real_check(s, "cudaStreamCreateWithFlags", (flags,))
     return _new_stream(s, flags, 0, "cudaStreamCreateWithFlags")
 
 
-def cudaStreamCreateWithPriority(flags, priority):  # noqa: N802
+def cudaStreamCreateWithPriority(flags: Any, priority: Any) -> Any:  # noqa: N802
     s = _count("cudaStreamCreateWithPriority")
     _real_check(s, "cudaStreamCreateWithPriority", (flags, priority))
     return _new_stream(s, flags, int(priority), "cudaStreamCreateWithPriority")
 
 
-def cudaStreamDestroy(stream):  # noqa: N802
+def cudaStreamDestroy(stream: Any) -> Any:  # noqa: N802
     s = _count("cudaStreamDestroy")
     _real_check(s, "cudaStreamDestroy", (stream,))
     s.touch("cudaStreamDestroy")
@@ -557,7 +557,7 @@ def _stream_or_error(s: Sim, stream: Any) -> Stream | None:
     return st
 
 
-def cudaStreamSynchronize(stream):  # noqa: N802
+def cudaStreamSynchronize(stream: Any) -> Any:  # noqa: N802
     s = _count("cudaStreamSynchronize")
     _real_check(s, "cudaStreamSynchronize", (stream,))
     s.touch("cudaStreamSynchronize")
@@ -576,7 +576,7 @@ def cudaStreamSynchronize(stream):  # noqa: N802
     return (OK,)
 
 
-def cudaStreamQuery(stream):  # noqa: N802
+def cudaStreamQuery(stream: Any) -> Any:  # noqa: N802
     s = _count("cudaStreamQuery")
     _real_check(s, "cudaStreamQuery", (stream,))
     s.touch("cudaStreamQuery")
@@ -596,7 +596,7 @@ def cudaStreamQuery(stream):  # noqa: N802
     return (E.cudaErrorNotReady,)
 
 
-def cudaStreamIsCapturing(stream):  # noqa: N802
+def cudaStreamIsCapturing(stream: Any) -> Any:  # noqa: N802
     s = _count("cudaStreamIsCapturing")
     _real_check(s, "cudaStreamIsCapturing", (stream,))
     s.touch("cudaStreamIsCapturing")
@@ -609,7 +609,7 @@ def cudaStreamIsCapturing(stream):  # noqa: N802
     return (OK, _STATUS.cudaStreamCaptureStatusInvalidated if cap.invalid else _STATUS.cudaStreamCaptureStatusActive)
 
 
-def cudaStreamBeginCapture(stream, mode):  # noqa: N802
+def cudaStreamBeginCapture(stream: Any, mode: Any) -> Any:  # noqa: N802
     s = _count("cudaStreamBeginCapture")
     _real_check(s, "cudaStreamBeginCapture", (stream, mode))
     s.touch("cudaStreamBeginCapture")
@@ -624,7 +624,7 @@ def cudaStreamBeginCapture(stream, mode):  # noqa: N802
     return (OK,)
 
 
-def cudaStreamEndCapture(stream):  # noqa: N802
+def cudaStreamEndCapture(stream: Any) -> Any:  # noqa: N802
     s = _count("cudaStreamEndCapture")
     _real_check(s, "cudaStreamEndCapture", (stream,))
     st = _stream_or_error(s, stream)
@@ -648,7 +648,7 @@ def cudaStreamEndCapture(stream):  # noqa: N802
     return (OK, real_runtime.cudaGraph_t(handle))
 
 
-def cudaGraphInstantiate(graph, flags):  # noqa: N802
+def cudaGraphInstantiate(graph: Any, flags: Any) -> Any:  # noqa: N802
     s = _count("cudaGraphInstantiate")
     _real_check(s, "cudaGraphInstantiate", (graph, flags))
     g = s.graphs.get(int(graph))
@@ -659,7 +659,7 @@ def cudaGraphInstantiate(graph, flags):  # noqa: N802
     return (OK, real_runtime.cudaGraphExec_t(handle))
 
 
-def cudaGraphLaunch(graphExec, stream):  # noqa: N802, N803
+def cudaGraphLaunch(graphExec: Any, stream: Any) -> Any:  # noqa: N802, N803
     s = _count("cudaGraphLaunch")
     _real_check(s, "cudaGraphLaunch", (graphExec, stream))
     s.touch("cudaGraphLaunch")
@@ -677,13 +677,13 @@ def cudaGraphLaunch(graphExec, stream):  # noqa: N802, N803
     return (OK,)
 
 
-def cudaGraphDestroy(graph):  # noqa: N802
+def cudaGraphDestroy(graph: Any) -> Any:  # noqa: N802
     s = _count("cudaGraphDestroy")
     s.graphs.pop(int(graph), None)
     return (OK,)
 
 
-def cudaGraphExecDestroy(graphExec):  # noqa: N802, N803
+def cudaGraphExecDestroy(graphExec: Any) -> Any:  # noqa: N802, N803
     s = _count("cudaGraphExecDestroy")
     s.execs.pop(int(graphExec), None)
     return (OK,)
@@ -700,11 +700,11 @@ def _new_event(s: Sim, flags: int, call: str) -> tuple[Any, ...]:
     return (OK, real_runtime.cudaEvent_t(ev.handle))
 
 
-def cudaEventCreate():  # noqa: N802
+def cudaEventCreate() -> Any:  # noqa: N802
     return _new_event(_count("cudaEventCreate"), 0, "cudaEventCreate")
 
 
-def cudaEventCreateWithFlags(flags):  # noqa: N802
+def cudaEventCreateWithFlags(flags: Any) -> Any:  # noqa: N802
     s = _count("cudaEventCreateWithFlags")
     _real_check(s, "cudaEventCreateWithFlags", (flags,))
     return _new_event(s, flags, "cudaEventCreateWithFlags")
@@ -718,7 +718,7 @@ def _event(s: Sim, event: Any, call: str) -> Event | None:
     return ev
 
 
-def cudaEventDestroy(event):  # noqa: N802
+def cudaEventDestroy(event: Any) -> Any:  # noqa: N802
     s = _count("cudaEventDestroy")
     _real_check(s, "cudaEventDestroy", (event,))
     s.touch("cudaEventDestroy")
@@ -730,7 +730,7 @@ def cudaEventDestroy(event):  # noqa: N802
     return (OK,)
 
 
-def cudaEventRecord(event, stream):  # noqa: N802
+def cudaEventRecord(event: Any, stream: Any) -> Any:  # noqa: N802
     s = _count("cudaEventRecord")
     _real_check(s, "cudaEventRecord", (event, stream))
     s.touch("cudaEventRecord")
@@ -753,7 +753,7 @@ def cudaEventRecord(event, stream):  # noqa: N802
     return (OK,)
 
 
-def cudaStreamWaitEvent(stream, event, flags):  # noqa: N802
+def cudaStreamWaitEvent(stream: Any, event: Any, flags: Any) -> Any:  # noqa: N802
     s = _count("cudaStreamWaitEvent")
     _real_check(s, "cudaStreamWaitEvent", (stream, event, flags))
     s.touch("cudaStreamWaitEvent")
@@ -780,7 +780,7 @@ def cudaStreamWaitEvent(stream, event, flags):  # noqa: N802
     return (OK,)
 
 
-def cudaEventQuery(event):  # noqa: N802
+def cudaEventQuery(event: Any) -> Any:  # noqa: N802
     s = _count("cudaEventQuery")
     _real_check(s, "cudaEventQuery", (event,))
     s.touch("cudaEventQuery")
@@ -799,7 +799,7 @@ def cudaEventQuery(event):  # noqa: N802
     return (E.cudaErrorNotReady,)
 
 
-def cudaEventSynchronize(event):  # noqa: N802
+def cudaEventSynchronize(event: Any) -> Any:  # noqa: N802
     s = _count("cudaEventSynchronize")
     _real_check(s, "cudaEventSynchronize", (event,))
     s.touch("cudaEventSynchronize")
@@ -815,7 +815,7 @@ def cudaEventSynchronize(event):  # noqa: N802
     return (OK,)
 
 
-def cudaEventElapsedTime(start, end):  # noqa: N802
+def cudaEventElapsedTime(start: Any, end: Any) -> Any:  # noqa: N802
     s = _count("cudaEventElapsedTime")
     _real_check(s, "cudaEventElapsedTime", (start, end))
     s.touch("cudaEventElapsedTime")
@@ -857,7 +857,7 @@ def _device_sync(s: Sim, call: str, device: int) -> None:
             s.observe(st, pos)
 
 
-def cudaMalloc(size):  # noqa: N802
+def cudaMalloc(size: Any) -> Any:  # noqa: N802
     s = _count("cudaMalloc")
     _real_check(s, "cudaMalloc", (size,))
     dev = s.touch("cudaMalloc")
@@ -867,7 +867,7 @@ def cudaMalloc(size):  # noqa: N802
     return (OK, _alloc(s, int(size), "device", dev).ptr)
 
 
-def cudaFree(devPtr):  # noqa: N802, N803
+def cudaFree(devPtr: Any) -> Any:  # noqa: N802, N803
     s = _count("cudaFree")
     _real_check(s, "cudaFree", (devPtr,))
     dev = s.touch("cudaFree")
@@ -885,7 +885,7 @@ def cudaFree(devPtr):  # noqa: N802, N803
     return (OK,)
 
 
-def cudaMallocAsync(size, hStream):  # noqa: N802, N803
+def cudaMallocAsync(size: Any, hStream: Any) -> Any:  # noqa: N802, N803
     s = _count("cudaMallocAsync")
     _real_check(s, "cudaMallocAsync", (size, hStream))
     s.touch("cudaMallocAsync")
@@ -903,7 +903,7 @@ def cudaMallocAsync(size, hStream):  # noqa: N802, N803
     return (OK, a.ptr)
 
 
-def cudaFreeAsync(devPtr, hStream):  # noqa: N802, N803
+def cudaFreeAsync(devPtr: Any, hStream: Any) -> Any:  # noqa: N802, N803
     s = _count("cudaFreeAsync")
     _real_check(s, "cudaFreeAsync", (devPtr, hStream))
     s.touch("cudaFreeAsync")
@@ -922,7 +922,7 @@ def cudaFreeAsync(devPtr, hStream):  # noqa: N802, N803
     return (OK,)
 
 
-def cudaMallocHost(size):  # noqa: N802
+def cudaMallocHost(size: Any) -> Any:  # noqa: N802
     s = _count("cudaMallocHost")
     _real_check(s, "cudaMallocHost", (size,))
     dev = s.touch("cudaMallocHost")
@@ -932,7 +932,7 @@ def cudaMallocHost(size):  # noqa: N802
     return (OK, _alloc(s, int(size), "pinned", dev).ptr)
 
 
-def cudaHostAlloc(size, flags):  # noqa: N802
+def cudaHostAlloc(size: Any, flags: Any) -> Any:  # noqa: N802
     s = _count("cudaHostAlloc")
     _real_check(s, "cudaHostAlloc", (size, flags))
     dev = s.touch("cudaHostAlloc")
@@ -942,7 +942,7 @@ def cudaHostAlloc(size, flags):  # noqa: N802
     return (OK, _alloc(s, int(size), "pinned", dev).ptr)
 
 
-def cudaFreeHost(ptr):  # noqa: N802
+def cudaFreeHost(ptr: Any) -> Any:  # noqa: N802
     s = _count("cudaFreeHost")
     _real_check(s, "cudaFreeHost", (ptr,))
     s.touch("cudaFreeHost")
@@ -956,7 +956,7 @@ def cudaFreeHost(ptr):  # noqa: N802
     return (OK,)
 
 
-def cudaPointerGetAttributes(ptr):  # noqa: N802
+def cudaPointerGetAttributes(ptr: Any) -> Any:  # noqa: N802
     s = _count("cudaPointerGetAttributes")
     _real_check(s, "cudaPointerGetAttributes", (ptr,))
     s.touch("cudaPointerGetAttributes")
@@ -991,7 +991,7 @@ def allocs(ptr: int, nbytes: int) -> list[Alloc]:
     return [] if a is None or nbytes == 0 else [a]
 
 
-def _copy(s: Sim, dst: int, src: int, count: int, kind: int, st: Stream, call: str, sync: bool) -> E:
+def _copy(s: Sim, dst: int, src: int, count: int, kind: int, st: Stream, call: str, sync: bool) -> Any:
     if count == 0:
         return OK
     d_alloc, s_alloc = s.memory.find(dst, count), s.memory.find(src, count)
@@ -1044,7 +1044,7 @@ def _copy(s: Sim, dst: int, src: int, count: int, kind: int, st: Stream, call: s
     return OK
 
 
-def cudaMemcpyAsync(dst, src, count, kind, stream):  # noqa: N802
+def cudaMemcpyAsync(dst: Any, src: Any, count: Any, kind: Any, stream: Any) -> Any:  # noqa: N802
     s = _count("cudaMemcpyAsync")
     _real_check(s, "cudaMemcpyAsync", (dst, src, count, kind, stream))
     s.touch("cudaMemcpyAsync")
@@ -1061,7 +1061,7 @@ def cudaMemcpyAsync(dst, src, count, kind, stream):  # noqa: N802
     return (_copy(s, int(dst), int(src), int(count), k, st, "cudaMemcpyAsync", False),)
 
 
-def cudaMemcpy(dst, src, count, kind):  # noqa: N802
+def cudaMemcpy(dst: Any, src: Any, count: Any, kind: Any) -> Any:  # noqa: N802
     s = _count("cudaMemcpy")
     _real_check(s, "cudaMemcpy", (dst, src, count, kind))
     s.touch("cudaMemcpy")
@@ -1072,7 +1072,7 @@ def cudaMemcpy(dst, src, count, kind):  # noqa: N802
     return (_copy(s, int(dst), int(src), int(count), int(kind), st, "cudaMemcpy", True),)
 
 
-def cudaMemsetAsync(devPtr, value, count, stream):  # noqa: N802, N803
+def cudaMemsetAsync(devPtr: Any, value: Any, count: Any, stream: Any) -> Any:  # noqa: N802, N803
     s = _count("cudaMemsetAsync")
     _real_check(s, "cudaMemsetAsync", (devPtr, value, count, stream))
     s.touch("cudaMemsetAsync")
@@ -1085,7 +1085,7 @@ def cudaMemsetAsync(devPtr, value, count, stream):  # noqa: N802, N803
     return (OK,)
 
 
-def cudaDeviceSynchronize():  # noqa: N802
+def cudaDeviceSynchronize() -> Any:  # noqa: N802
     s = _count("cudaDeviceSynchronize")
     dev = s.touch("cudaDeviceSynchronize")
     bad = s.prohibited("cudaDeviceSynchronize")
@@ -1095,7 +1095,7 @@ def cudaDeviceSynchronize():  # noqa: N802
     return (OK,)
 
 
-_FUNCTIONS = [cudaGetDeviceCount, cudaGetDevice, cudaSetDevice, cudaDeviceGetAttribute,
+_FUNCTIONS: list[Callable[..., Any]] = [cudaGetDeviceCount, cudaGetDevice, cudaSetDevice, cudaDeviceGetAttribute,
               cudaDeviceGetStreamPriorityRange, cudaDriverGetVersion, cudaRuntimeGetVersion, cudaGetErrorName,
               cudaGetErrorString, cudaGetLastError, cudaThreadExchangeStreamCaptureMode, cudaStreamCreate,
               cudaStreamCreateWithFlags, cudaStreamCreateWithPriority, cudaStreamDestroy, cudaStreamSynchronize,
@@ -1107,20 +1107,20 @@ _FUNCTIONS = [cudaGetDeviceCount, cudaGetDevice, cudaSetDevice, cudaDeviceGetAtt
               cudaMemsetAsync, cudaDeviceSynchronize]
 
 
-def cuInit(Flags):  # noqa: N802, N803
+def cuInit(Flags: Any) -> Any:  # noqa: N802, N803
     sim()
     return (real_driver.CUresult.CUDA_SUCCESS,)
 
 
-def cuDeviceGetCount():  # noqa: N802
+def cuDeviceGetCount() -> Any:  # noqa: N802
     return (real_driver.CUresult.CUDA_SUCCESS, sim().ndev)
 
 
-def cuDriverGetVersion():  # noqa: N802
+def cuDriverGetVersion() -> Any:  # noqa: N802
     return (real_driver.CUresult.CUDA_SUCCESS, 13000)
 
 
-_DRIVER_FUNCTIONS = [cuInit, cuDeviceGetCount, cuDriverGetVersion]
+_DRIVER_FUNCTIONS: list[Callable[..., Any]] = [cuInit, cuDeviceGetCount, cuDriverGetVersion]
 
 
 def _param_names(fn: Callable[..., Any]) -> list[str]:
@@ -1145,7 +1145,7 @@ def _module(name: str, real: types.ModuleType, functions: list[Callable[..., Any
             raise SimError(f"{real.__name__}.{attr} is not simulated (tests/simnccl/cudart.py)")
         return value
 
-    mod.__getattr__ = __getattr__  # type: ignore[attr-defined]
+    setattr(mod, "__getattr__", __getattr__)  # noqa: B010 - PEP 562 on a module object
     return mod
 
 

@@ -64,9 +64,9 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import nccl.bindings.nccl as real
+import nccl.bindings.nccl as real  # type: ignore[import-untyped]
 import numpy as np
-from nccl.bindings._internal import utils as real_utils
+from nccl.bindings._internal import utils as real_utils  # type: ignore[import-untyped]
 
 from . import checks, cudart
 from .net import Aborted, Addr, Net, PeerLost
@@ -170,7 +170,7 @@ class World:
         self._next = 0x5100
         self.calls: dict[str, int] = {}
         self.threads_started = 0
-        self.inside: dict[int, dict[int, str]] = {}  # family root -> {thread: call}
+        self.inside: dict[int, dict[int, tuple[int, str]]] = {}  # family root -> {thread: (comm, call)}
         self.delay: dict[str, float] = {}  # call -> seconds spent inside it (tests widen race windows)
         self.fail: dict[str, int] = {}  # call -> result its next async job ends with (fault injection)
         self.fail_call: dict[str, int] = {}  # call -> result its next call returns at once (fault injection)
@@ -739,79 +739,79 @@ def _coll(kind: str, nccl_name: str, send: int, recv: int, count: int, dtype: in
 
 # The binding's functions (parameter names as in nccl4py 0.6.0; checked at install).
 
-def all_reduce(sendbuff, recvbuff, count, datatype, op, comm, stream):
+def all_reduce(sendbuff: Any, recvbuff: Any, count: Any, datatype: Any, op: Any, comm: Any, stream: Any) -> Any:
     _, a = _enter("ncclAllReduce", "all_reduce", (sendbuff, recvbuff, count, datatype, op, comm, stream))
     _coll("all_reduce", "ncclAllReduce", a[0], a[1], a[2], a[3], a[4], 0, comm, a[6])
 
 
-def reduce(sendbuff, recvbuff, count, datatype, op, root, comm, stream):
+def reduce(sendbuff: Any, recvbuff: Any, count: Any, datatype: Any, op: Any, root: Any, comm: Any, stream: Any) -> Any:
     _, a = _enter("ncclReduce", "reduce", (sendbuff, recvbuff, count, datatype, op, root, comm, stream))
     _coll("reduce", "ncclReduce", a[0], a[1], a[2], a[3], a[4], a[5], comm, a[7])
 
 
-def broadcast(sendbuff, recvbuff, count, datatype, root, comm, stream):
+def broadcast(sendbuff: Any, recvbuff: Any, count: Any, datatype: Any, root: Any, comm: Any, stream: Any) -> Any:
     _, a = _enter("ncclBroadcast", "broadcast", (sendbuff, recvbuff, count, datatype, root, comm, stream))
     _coll("broadcast", "ncclBroadcast", a[0], a[1], a[2], a[3], 0, a[4], comm, a[6])
 
 
-def all_gather(sendbuff, recvbuff, sendcount, datatype, comm, stream):
+def all_gather(sendbuff: Any, recvbuff: Any, sendcount: Any, datatype: Any, comm: Any, stream: Any) -> Any:
     _, a = _enter("ncclAllGather", "all_gather", (sendbuff, recvbuff, sendcount, datatype, comm, stream))
     _coll("all_gather", "ncclAllGather", a[0], a[1], a[2], a[3], 0, 0, comm, a[5])
 
 
-def reduce_scatter(sendbuff, recvbuff, recvcount, datatype, op, comm, stream):
+def reduce_scatter(sendbuff: Any, recvbuff: Any, recvcount: Any, datatype: Any, op: Any, comm: Any, stream: Any) -> Any:
     _, a = _enter("ncclReduceScatter", "reduce_scatter", (sendbuff, recvbuff, recvcount, datatype, op, comm, stream))
     _coll("reduce_scatter", "ncclReduceScatter", a[0], a[1], a[2], a[3], a[4], 0, comm, a[6])
 
 
-def allto_all(sendbuff, recvbuff, count, datatype, comm, stream):
+def allto_all(sendbuff: Any, recvbuff: Any, count: Any, datatype: Any, comm: Any, stream: Any) -> Any:
     _, a = _enter("ncclAlltoAll", "allto_all", (sendbuff, recvbuff, count, datatype, comm, stream))
     _coll("allto_all", "ncclAlltoAll", a[0], a[1], a[2], a[3], 0, 0, comm, a[5])
 
 
-def gather(sendbuff, recvbuff, count, datatype, root, comm, stream):
+def gather(sendbuff: Any, recvbuff: Any, count: Any, datatype: Any, root: Any, comm: Any, stream: Any) -> Any:
     _, a = _enter("ncclGather", "gather", (sendbuff, recvbuff, count, datatype, root, comm, stream))
     _coll("gather", "ncclGather", a[0], a[1], a[2], a[3], 0, a[4], comm, a[6])
 
 
-def scatter(sendbuff, recvbuff, count, datatype, root, comm, stream):
+def scatter(sendbuff: Any, recvbuff: Any, count: Any, datatype: Any, root: Any, comm: Any, stream: Any) -> Any:
     _, a = _enter("ncclScatter", "scatter", (sendbuff, recvbuff, count, datatype, root, comm, stream))
     _coll("scatter", "ncclScatter", a[0], a[1], a[2], a[3], 0, a[4], comm, a[6])
 
 
-def send(sendbuff, count, datatype, peer, comm, stream):
+def send(sendbuff: Any, count: Any, datatype: Any, peer: Any, comm: Any, stream: Any) -> Any:
     _, a = _enter("ncclSend", "send", (sendbuff, count, datatype, peer, comm, stream))
     _coll("send", "ncclSend", a[0], 0, a[1], a[2], 0, 0, comm, a[5], peer=a[3])
 
 
-def recv(recvbuff, count, datatype, peer, comm, stream):
+def recv(recvbuff: Any, count: Any, datatype: Any, peer: Any, comm: Any, stream: Any) -> Any:
     _, a = _enter("ncclRecv", "recv", (recvbuff, count, datatype, peer, comm, stream))
     _coll("recv", "ncclRecv", 0, a[0], a[1], a[2], 0, 0, comm, a[5], peer=a[3])
 
 
-def group_start():
+def group_start() -> Any:
     w, _ = _enter("ncclGroupStart", "group_start", ())
     _group_start(w)
 
 
-def group_end():
+def group_end() -> Any:
     w, _ = _enter("ncclGroupEnd", "group_end", ())
     _raise(_group_end(w))
 
 
 # --- version, ids, errors -----------------------------------------------------------------------------------
 
-def get_version():
+def get_version() -> Any:
     w, _ = _enter("ncclGetVersion", "get_version", ())
     return w.version
 
 
-def get_error_string(result):
+def get_error_string(result: Any) -> Any:
     _enter("ncclGetErrorString", "get_error_string", (result,))
     return real.get_error_string(result)
 
 
-def get_unique_id():
+def get_unique_id() -> Any:
     """bootstrap.cc bootstrapGetUniqueId: a root is started in this process; the id says where it listens."""
     w, _ = _enter("ncclGetUniqueId", "get_unique_id", ())
     token = os.urandom(16)
@@ -931,12 +931,12 @@ def _add_job(w: World, c: SimComm, job: Callable[[], int]) -> None:
     g.jobs.append((c, job))
 
 
-def comm_init_rank_config(nranks, comm_id, rank, config):
+def comm_init_rank_config(nranks: Any, comm_id: Any, rank: Any, config: Any) -> Any:
     w, a = _enter("ncclCommInitRankConfig", "comm_init_rank_config", (nranks, comm_id, rank, config))
     return _init(w, "ncclCommInitRankConfig", a[0], a[2], [_id_bytes(a[1], 1)], a[3])
 
 
-def comm_init_rank_scalable(nranks, myrank, n_id, comm_ids, config):
+def comm_init_rank_scalable(nranks: Any, myrank: Any, n_id: Any, comm_ids: Any, config: Any) -> Any:
     w, a = _enter("ncclCommInitRankScalable", "comm_init_rank_scalable", (nranks, myrank, n_id, comm_ids, config))
     raw = _id_bytes(a[3], a[2])
     ids = [raw[i * 128:(i + 1) * 128] for i in range(a[2])]
@@ -1052,12 +1052,12 @@ def _write_handle(newcomm: Any, handle: int) -> None:
     ctypes.c_void_p.from_address(newcomm.handle_ptr).value = handle
 
 
-def comm_split(comm, color, key, config):
+def comm_split(comm: Any, color: Any, key: Any, config: Any) -> Any:
     w, a = _enter("ncclCommSplit", "comm_split", (comm, color, key, config))
     return _child(w, "ncclCommSplit", comm, a[3], a[1], a[2], None, 0)
 
 
-def comm_shrink(comm, exclude_ranks_list, exclude_ranks_count, config, shrink_flags):
+def comm_shrink(comm: Any, exclude_ranks_list: Any, exclude_ranks_count: Any, config: Any, shrink_flags: Any) -> Any:
     w, a = _enter("ncclCommShrink", "comm_shrink",
                   (comm, exclude_ranks_list, exclude_ranks_count, config, shrink_flags))
     excl = a[1]
@@ -1068,7 +1068,7 @@ def comm_shrink(comm, exclude_ranks_list, exclude_ranks_count, config, shrink_fl
 
 # --- queries ------------------------------------------------------------------------------------------------
 
-def comm_get_async_error(comm):
+def comm_get_async_error(comm: Any) -> Any:
     w, _ = _enter("ncclCommGetAsyncError", "comm_get_async_error", (comm,))
     c = _comm(w, comm, "ncclCommGetAsyncError")
     if c is None:
@@ -1078,7 +1078,7 @@ def comm_get_async_error(comm):
         return _async_error(c)
 
 
-def comm_user_rank(comm):
+def comm_user_rank(comm: Any) -> Any:
     w, _ = _enter("ncclCommUserRank", "comm_user_rank", (comm,))
     c = _comm(w, comm, "ncclCommUserRank")
     if c is None:
@@ -1089,7 +1089,7 @@ def comm_user_rank(comm):
         return c.rank
 
 
-def comm_count(comm):
+def comm_count(comm: Any) -> Any:
     w, _ = _enter("ncclCommCount", "comm_count", (comm,))
     c = _comm(w, comm, "ncclCommCount")
     if c is None:
@@ -1126,7 +1126,7 @@ def _free(w: World, c: SimComm, why: str) -> None:
         w.dead_comms[c.handle] = c
 
 
-def comm_finalize(comm):
+def comm_finalize(comm: Any) -> Any:
     w, _ = _enter("ncclCommFinalize", "comm_finalize", (comm,))
     c = _comm(w, comm, "ncclCommFinalize")
     if c is None:
@@ -1154,7 +1154,7 @@ def comm_finalize(comm):
         _raise(ret)
 
 
-def comm_destroy(comm):
+def comm_destroy(comm: Any) -> Any:
     w, _ = _enter("ncclCommDestroy", "comm_destroy", (comm,))
     c = _comm(w, comm, "ncclCommDestroy")
     if c is None:
@@ -1168,7 +1168,7 @@ def comm_destroy(comm):
         _free(w, c, "ncclCommDestroy")
 
 
-def comm_abort(comm):
+def comm_abort(comm: Any) -> Any:
     w, _ = _enter("ncclCommAbort", "comm_abort", (comm,))
     c = _comm(w, comm, "ncclCommAbort")
     if c is None:
@@ -1184,7 +1184,7 @@ def comm_abort(comm):
         _free(w, c, "ncclCommAbort")
 
 
-def comm_revoke(comm, revoke_flags):
+def comm_revoke(comm: Any, revoke_flags: Any) -> Any:
     w, a = _enter("ncclCommRevoke", "comm_revoke", (comm, revoke_flags))
     c = _comm(w, comm, "ncclCommRevoke")
     if c is None:
@@ -1213,7 +1213,7 @@ def comm_revoke(comm, revoke_flags):
 
 # --- user reduction ops ---------------------------------------------------------------------------------------
 
-def red_op_create_pre_mul_sum(scalar, datatype, residence, comm):
+def red_op_create_pre_mul_sum(scalar: Any, datatype: Any, residence: Any, comm: Any) -> Any:
     w, a = _enter("ncclRedOpCreatePreMulSum", "red_op_create_pre_mul_sum", (scalar, datatype, residence, comm))
     c = _comm(w, comm, "ncclRedOpCreatePreMulSum")
     if c is None:
@@ -1235,7 +1235,7 @@ def red_op_create_pre_mul_sum(scalar, datatype, residence, comm):
         return op
 
 
-def red_op_destroy(op, comm):
+def red_op_destroy(op: Any, comm: Any) -> Any:
     w, a = _enter("ncclRedOpDestroy", "red_op_destroy", (op, comm))
     if 0 <= a[0] < NUM_OPS:  # "operator is a NCCL builtin"
         _raise(INVALID_ARGUMENT)
@@ -1248,7 +1248,7 @@ def red_op_destroy(op, comm):
             _raise(INVALID_ARGUMENT)
 
 
-_FUNCTIONS = [all_reduce, reduce, broadcast, all_gather, reduce_scatter, allto_all, gather, scatter, send, recv,
+_FUNCTIONS: list[Callable[..., Any]] = [all_reduce, reduce, broadcast, all_gather, reduce_scatter, allto_all, gather, scatter, send, recv,
               group_start, group_end, get_version, get_error_string, get_unique_id, comm_init_rank_config,
               comm_init_rank_scalable, comm_split, comm_shrink, comm_get_async_error, comm_user_rank, comm_count,
               comm_finalize, comm_destroy, comm_abort, comm_revoke, red_op_create_pre_mul_sum, red_op_destroy]
@@ -1275,7 +1275,7 @@ def module() -> types.ModuleType:
             raise cudart.SimError(f"nccl.bindings.nccl.{attr} is not simulated (tests/simnccl/ncclsim.py)")
         return value
 
-    mod.__getattr__ = __getattr__  # type: ignore[attr-defined]
+    setattr(mod, "__getattr__", __getattr__)  # noqa: B010 - PEP 562 on a module object
     return mod
 
 
