@@ -164,7 +164,8 @@ def test_defect1_any_binding_error_is_a_backend_error_and_frees_the_comm() -> No
 # --- issue 16: unique ids in O(1) store requests per rank; several bootstrap roots ----------------------------------
 
 class _CountingStore(HashStore):
-    """Counts the requests each rank (thread) makes."""
+    """Counts the requests each rank (thread) makes; the unique ids are published late (a slow rank 0), so
+    that a rank polling for them would show in the count."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -176,6 +177,7 @@ class _CountingStore(HashStore):
 
     def set(self, key: str, value: Any) -> None:
         self._count()
+        time.sleep(0.5)
         super().set(key, value)
 
     def get(self, key: str) -> bytes:
