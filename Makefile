@@ -2,7 +2,7 @@ PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 NPROC ?= 4
 
-.PHONY: install test test-gpu bench demo lint torch-suite
+.PHONY: install test test-sim test-gpu bench demo lint torch-suite
 
 install:
 	$(PIP) install -q -e '.[test]'
@@ -10,6 +10,10 @@ install:
 # The CPU suite: every test that does not need a GPU (gpu tests skip with a reason).
 test: install
 	$(PYTHON) -m pytest -q
+
+# The NCCL backend's logic on the simulated bindings (tests/simnccl; also part of `make test`): no GPU needed.
+test-sim: install
+	$(PYTHON) -m pytest -q -m simnccl
 
 # On a machine with a GPU: the gpu-marked tests only (the NCCL backend, bench and doctor on a GPU).
 # Without a GPU it says so and exits 0; tools/gpu_check.sh runs the whole GPU checklist on a lent machine.
@@ -39,6 +43,7 @@ bench: install
 	$(PYTHON) tools/bench_recorder.py
 	$(PYTHON) tools/bench_nan_check.py
 	$(PYTHON) tools/bench_ddp.py
+	$(PYTHON) tools/bench_nccl_blocking.py
 
 # torch's own distributed suite (DistributedTest) on gloo and on nccl_pg, 2 and 3 ranks, compared
 # (about 10 min on 2 cores); exits 1 if a test passes on gloo and not on nccl_pg. Result in docs/TORCH.md.

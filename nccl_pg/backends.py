@@ -15,8 +15,10 @@ NO_GPU_MESSAGE = "ProcessGroupNCCL is only supported with GPUs, no GPUs found!"
 @functools.cache
 def gpu_count() -> int:
     """GPUs visible to this process; 0 without a driver or CUDA bindings."""
+    from .comm.nccl import _lib  # noqa: PLC0415 - loads no CUDA library by itself
+
     try:
-        from cuda.bindings import driver
+        driver = _lib.driver()
     except ImportError:
         return 0
     try:

@@ -119,6 +119,13 @@ HOST_BROADCAST: Var[str] = Var(
     "Large-broadcast algorithm of the host backend: a pipelined chain, a binomial tree, or auto (the tree "
     "when a host runs more ranks of the communicator than it has CPUs).")
 
+# --- NCCL backend ----------------------------------------------------------
+RANKS_PER_ROOT: Var[int] = Var(
+    "NCCL_PG_RANKS_PER_ROOT", parse_int(1, 2**31 - 1), 128,
+    "Ranks per NCCL bootstrap root: a communicator of more ranks is created with ncclCommInitRankScalable "
+    "and ceil(ranks / this) unique ids (NCCL >= 2.23), so that no single rank bootstraps them all.",
+    aliases=("TORCH_NCCL_RANKS_PER_ROOT",))
+
 # --- process groups --------------------------------------------------------
 USE_COMM_NONBLOCKING: Var[bool] = Var(
     "NCCL_PG_USE_COMM_NONBLOCKING", parse_bool, False,
@@ -220,7 +227,7 @@ OBJECT_MAX_BYTES: Var[int] = Var(
     "peer raises DistBackendError before anything is allocated.")
 
 ALL: tuple[Var, ...] = (STORE_SECRET, STORE_TIMEOUT, STORE_MAX_VALUE_SIZE, USE_AGENT_STORE, HOST_ADDR,
-                        HOST_BROADCAST, USE_COMM_NONBLOCKING, ENABLE_TIMING, WATCHDOG_INTERVAL, DEBUG,
+                        HOST_BROADCAST, RANKS_PER_ROOT, USE_COMM_NONBLOCKING, ENABLE_TIMING, WATCHDOG_INTERVAL, DEBUG,
                         ASYNC_ERROR_HANDLING, BLOCKING_WAIT, HEARTBEAT_TIMEOUT, ENABLE_MONITORING,
                         DUMP_ON_TIMEOUT, DUMP_FILE, NAN_CHECK, KERNEL_CACHE, TRACE_BUFFER_SIZE, TRACE_STACKS,
                         OBJECT_SERIALIZER, OBJECT_MAX_BYTES)

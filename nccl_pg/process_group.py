@@ -606,7 +606,9 @@ class ProcessGroup:
                nan: list[Pending] | None = None) -> Work:
         """``peers``: None for a collective, else the p2p operation's peers;
         ``nan``: async NaN checks the Work reports."""
-        work = Work(self, op_type, seq, outputs, stream.record(), start, self._timeout,
+        # With timing, the end event times too (CUDA measures only between two timing events).
+        end = stream.record() if start is None or self._comm is None else stream.record(self._comm.new_event(timing=True))
+        work = Work(self, op_type, seq, outputs, end, start, self._timeout,
                     [e for e in entries if e is not None], peers, nan)
         with self._lock:
             self._pending.add(work)
@@ -711,9 +713,9 @@ class ProcessGroup:
 
     def _packed(self, ins: list[Any], like: Any, stream: Stream) -> Any:
         """``ins`` copied (on ``stream``) into one flat buffer, once the
-        caller's work writing them has run."""
-        self._backend.wait_for_caller(stream, self._device)
+        caller's work writing them (and allocating it) has run."""
         tmp = self._backend.empty(sum(i.size for i in ins), like.dtype, self._device)
+        self._backend.wait_for_caller(stream, self._device)
         at = 0
         for i in ins:
             self._backend.copy(tmp[at:at + i.size], i, stream)

@@ -229,7 +229,10 @@ class Work:
         now = time.time_ns()
         ran = error is None or isinstance(error, NanError)
         if self._start is not None and ran:
-            self._duration_ms = self._start.elapsed_ms(self._end)
+            try:
+                self._duration_ms = self._start.elapsed_ms(self._end)
+            except Exception:  # no duration rather than a Work that never completes
+                self._duration_ms = None
         for e in self._entries:
             e.retired = True
             if ran:
@@ -283,23 +286,25 @@ class Work:
     def wait(self, timeout: float | timedelta | None = None) -> bool:
         """Block until the operation completes and its outputs can be read;
         raise DistBackendError if it failed, timed out (group timeout), or is
-        still running after ``timeout`` seconds. In blocking-wait mode
+        still running after ``timeout`` (seconds >= 0 or a timedelta; given,
+        the CPU waits for the operation on every backend, as torch's does;
+        ``None`` or ``inf``: no limit of the wait's own, the group timeout
+        still ends the operation). In blocking-wait mode
         (``NCCL_PG_BLOCKING_WAIT``) a wait that raises aborts the group
         first, as torch's does: later operations fail at once, with the
-        reason, instead of queueing behind the failed one. ``timeout=None``
-        or ``inf``: no limit of the wait's own (the group timeout still ends
-        the operation)."""
-        limit = None if timeout is None else time.monotonic() + _wait_seconds(timeout)
+        reason, instead of queueing behind the failed one."""
+        seconds = None if timeout is None else _wait_seconds(timeout)
+        limit = None if seconds is None else time.monotonic() + seconds
         backend = self._group._backend
         if self._captured:
             backend.make_caller_wait(self._end, self._group._device)
             return True
-        if backend.blocking_wait or self._group._blocking_wait:
+        if backend.blocking_wait or self._group._blocking_wait or limit is not None:
             while not self._poll():
                 now = time.monotonic()
                 if limit is not None and now >= limit:
                     error = DistBackendError(f"timeout: {self._where()} not complete after wait({timeout}): Timed out "
-                                             f"waiting {1000 * float(timeout or 0):.0f}ms for it")
+                                             f"waiting {1000 * (seconds or 0):.0f}ms for it")
                     if self._group._blocking_wait:
                         self._group._abort_for_blocking_wait(self, error)
                     raise error

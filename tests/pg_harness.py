@@ -3,7 +3,10 @@ seed suites' MultiProcessTestCase does (rendezvous over a FileStore).
 
 Ranks are forked from a multiprocessing forkserver that has imported numpy,
 nccl_pg and the scenario's module once, so a world of four costs a few tens
-of milliseconds instead of four interpreter start-ups. Each rank runs
+of milliseconds instead of four interpreter start-ups. ``backend="simnccl"``
+runs the NCCL backend on the simulated bindings (tests/simnccl): each rank
+installs the simulation, drives simulated GPU 1, makes its arrays with
+simnccl.xp, and fails if the simulation recorded a violation. Each rank runs
 ``scenario(rank_ctx, **kwargs)`` and sends back its return value (or its
 traceback); the parent then tells every rank to exit, so a rank that finished
 early stays alive while its peers still talk to it. Every wait is bounded and
@@ -29,6 +32,7 @@ import nccl_pg as dist
 from nccl_pg import backends
 
 _preloaded: set[str] = set()
+SIM_DEVICE = 1  # the simulated GPU a simnccl rank drives
 
 
 def nccl_unavailable_reason() -> str | None:
@@ -52,14 +56,17 @@ class Rank:
     """What a scenario gets: its rank, the world size, the backend, and
     helpers to rendezvous and to make arrays for the backend."""
 
-    def __init__(self, rank: int, world_size: int, backend: str, path: str, tmp_dir: str) -> None:
+    def __init__(self, rank: int, world_size: int, backend: str, path: str, tmp_dir: str, sim: bool = False) -> None:
         self.rank, self.world_size, self.backend = rank, world_size, backend
-        self.path, self.tmp_dir = path, tmp_dir
+        self.path, self.tmp_dir, self.sim = path, tmp_dir, sim
         self._store: dist.FileStore | None = None
 
     @property
     def device(self) -> int:
-        """The device this rank drives (ranks share GPU 0 on a GPU machine)."""
+        """The device this rank drives (ranks share GPU 0 on a GPU machine; simulated ranks drive GPU 1, so that
+        a context created on GPU 0 by mistake is seen)."""
+        if self.sim:
+            return SIM_DEVICE
         return 0 if self.backend == "nccl" else self.rank
 
     def store(self) -> dist.FileStore:
@@ -77,6 +84,10 @@ class Rank:
     def array(self, data: Any, dtype: Any = None) -> Any:
         """``data`` as an array of the backend (numpy on host, CuPy on GPU)."""
         a = np.asarray(data, dtype=dtype)
+        if self.sim:
+            from simnccl import xp  # noqa: PLC0415 - simulated runs only
+
+            return xp.asarray(a)
         if self.backend == "nccl":
             import cupy  # noqa: PLC0415 - GPU runs only
 
@@ -99,8 +110,17 @@ def _child(scenario: Callable[..., Any], rank: int, world_size: int, backend: st
             for name, value in {"NCCL_HOSTID": f"rank{rank}", **backends.SAME_GPU_ENV}.items():
                 os.environ.setdefault(name, value)
         os.environ.update(env)
+        sim = backend == "simnccl"
+        if sim:
+            import simnccl  # noqa: PLC0415
+
+            simnccl.install()
+            simnccl.select_device(SIM_DEVICE)  # what torch.cuda.set_device(local_rank) does in a real job
+            backend = "nccl"
         try:
-            value = scenario(Rank(rank, world_size, backend, path, tmp_dir), **kwargs)
+            value = scenario(Rank(rank, world_size, backend, path, tmp_dir, sim), **kwargs)
+            if sim and simnccl.violations():
+                raise AssertionError("the NCCL simulation recorded violations:\n" + "\n".join(simnccl.violations()))
             conn.send(("ok", value))
         except BaseException:
             conn.send(("error", traceback.format_exc()))
@@ -112,9 +132,9 @@ def _child(scenario: Callable[..., Any], rank: int, world_size: int, backend: st
         os._exit(code)  # no atexit, no joining of backend threads
 
 
-def _context(module: str) -> mp.context.ForkServerContext:
+def _context(module: str, extra: str | None = None) -> mp.context.ForkServerContext:
     ctx = mp.get_context("forkserver")
-    wanted = {"numpy", "ml_dtypes", "nccl_pg", __name__, module}
+    wanted = {"numpy", "ml_dtypes", "nccl_pg", __name__, module} | ({extra} if extra else set())
     if not wanted <= _preloaded:
         _preloaded.update(wanted)
         ctx.set_forkserver_preload(sorted(_preloaded))  # effective if the server is not started yet
@@ -125,7 +145,7 @@ def run_world(scenario: Callable[..., Any], world_size: int, tmp_path: Any, back
               env: Mapping[str, str] | None = None, timeout: float = 60.0, **kwargs: Any) -> list[Any]:
     """Run ``scenario`` on ``world_size`` processes; returns each rank's
     result, or raises AssertionError with every failing rank's traceback."""
-    ctx = _context(scenario.__module__)
+    ctx = _context(scenario.__module__, "simnccl" if backend == "simnccl" else None)
     tmp_dir = str(tmp_path)
     path = os.path.join(tmp_dir, f"store.{time.monotonic_ns()}")
     procs: list[mp.process.BaseProcess] = []

@@ -32,7 +32,11 @@ own; nothing is left running at the end of a cell.
 
 Under ``gpu``, {SIGKILL, exit 1, hang, skip} x {all_reduce, send/recv} run
 again with three ranks sharing GPU 0 over NCCL (CuPy arrays; a lost peer may
-surface as NCCL's own error or as the timeout naming rank 1).
+surface as NCCL's own error or as the timeout naming rank 1). Under
+``simnccl`` the same cells run the NCCL backend's code on the simulated
+bindings (tests/simnccl; each rank drives simulated GPU 1 and reports the
+violations the simulation recorded): our logic against NCCL's documented
+behaviour, not GPU behaviour.
 
 Worlds run ``CONCURRENCY`` at a time on a thread pool (a module fixture
 starts every selected cell in collection order); each test waits for its
@@ -86,44 +90,55 @@ port, rank, fault, op, mode, T, backend = (int(sys.argv[1]), int(sys.argv[2]), s
                                            int(sys.argv[5]), float(sys.argv[6]), sys.argv[7])
 if backend == "nccl":
     import cupy as np  # every rank on GPU 0 (the parent set NCCL_HOSTID and the socket transport)
+elif backend == "simnccl":  # the NCCL backend on the simulated bindings, simulated GPU 1
+    import simnccl
+    simnccl.install()
+    simnccl.select_device(1)
+    from simnccl import xp as np
 else:
     import numpy as np
 N, V = 3, 1
 store = TCPStore("127.0.0.1", port, timeout=60)
 
 
+ASYNC = backend != "host"  # NCCL: a call returns before the operation ran; wait (bounded) to see its outcome
+
+
+def done(work):
+    if ASYNC:
+        work.wait(T + 30)
+
+
 def run_op():
     if op == "all_reduce":
         x = np.full(4, rank + 1.0)
-        dist.all_reduce(x)
+        done(dist.all_reduce(x, async_op=ASYNC))
         assert (x == 6).all(), x
     elif op == "broadcast":
         x = np.full(4, float(rank))
-        dist.broadcast(x, src=V)
+        done(dist.broadcast(x, src=V, async_op=ASYNC))
         assert (x == V).all(), x
     elif op == "barrier":
-        dist.barrier()
+        done(dist.barrier(async_op=ASYNC))
     elif op == "send_recv":
         bufs = {p: np.zeros(4) for p in range(N) if p != rank} if rank == V else {V: np.zeros(4)}
         ops = [dist.P2POp(dist.isend, np.full(4, float(rank)), p) for p in bufs]
         ops += [dist.P2POp(dist.irecv, b, p) for p, b in bufs.items()]
         for w in dist.batch_isend_irecv(ops):
-            w.wait()
+            w.wait(T + 30) if ASYNC else w.wait()
         for p, b in bufs.items():
             assert (b == p).all(), (p, b)
     elif op == "all_to_all":
         outs = [np.zeros(2) for _ in range(N)]
-        dist.all_to_all(outs, [np.full(2, 10.0 * rank + p) for p in range(N)])
-        for p, o in enumerate(outs):
-            assert (o == 10.0 * p + rank).all(), (p, o)
+        done(dist.all_to_all(outs, [np.full(2, 10.0 * rank + p) for p in range(N)], async_op=ASYNC))
     else:
         raise ValueError(op)
 
 
 # Start-up (3 interpreters per world, several worlds at once on 2 cores) may take longer than T:
 # build the communicator under a long timeout, then give the group its short one.
-dist.init_process_group(backend, store=store, rank=rank, world_size=N, timeout=60,
-                        device_id=0 if backend == "nccl" else None)
+dist.init_process_group("nccl" if backend == "simnccl" else backend, store=store, rank=rank, world_size=N,
+                        timeout=60, device_id={"nccl": 0, "simnccl": 1}.get(backend))
 run_op()  # warm-up: the communicator and its connections exist, and the op works
 dist.distributed._set_pg_timeout(T)
 store.set(f"ready/{rank}", "1")
@@ -165,6 +180,8 @@ if mode in (1, 3):
 t = time.monotonic()
 dist.destroy_process_group()
 res["destroy_s"] = time.monotonic() - t
+if backend == "simnccl":
+    res["violations"] = simnccl.violations()
 store.set(f"result/{rank}", json.dumps(res))
 '''
 
@@ -175,11 +192,11 @@ class Cell:
     op: str
     mode: int = 2
     blocking: bool = False  # NCCL_PG_BLOCKING_WAIT=1: wait() polls, and aborts the group when it raises
-    backend: str = "host"  # "nccl": three ranks on GPU 0
+    backend: str = "host"  # "nccl": three ranks on GPU 0; "simnccl": the NCCL backend on the simulated bindings
 
     def __str__(self) -> str:
         return (f"{self.fault}-{self.op}-mode{self.mode}" + ("-blocking" if self.blocking else "")
-                + ("-nccl" if self.backend == "nccl" else ""))
+                + ("" if self.backend == "host" else f"-{self.backend}"))
 
     @property
     def failing_op(self) -> int:
@@ -243,6 +260,9 @@ def run_world(cell: Cell, stop: threading.Event) -> Outcome:
         for r in range(N):
             logs[r] = open(os.path.join(tmp, f"rank{r}.log"), "w+")
             rank_env = {**env, "NCCL_HOSTID": f"rank{r}", **SAME_GPU_ENV} if cell.backend == "nccl" else env
+            if cell.backend == "simnccl":
+                tests = os.path.dirname(os.path.abspath(__file__))
+                rank_env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [tests, env.get("PYTHONPATH")]))}
             procs[r] = subprocess.Popen(
                 [sys.executable, "-c", CHILD, str(store.port), str(r), cell.fault, cell.op, str(cell.mode),
                  str(TIMEOUT), cell.backend], stdin=subprocess.DEVNULL, stdout=logs[r], stderr=subprocess.STDOUT,
@@ -331,7 +351,7 @@ class Matrix:
 def matrix(request: pytest.FixtureRequest) -> Iterator[Matrix]:
     cells = [item.callspec.params["cell"] for item in request.session.items
              if isinstance(getattr(item, "callspec", None) and item.callspec.params.get("cell"), Cell)]
-    cells = [c for c in cells if c.backend == "host" or nccl_unavailable_reason() is None]
+    cells = [c for c in cells if c.backend != "nccl" or nccl_unavailable_reason() is None]
     m = Matrix(cells)
     yield m
     m.close()
@@ -372,11 +392,12 @@ def check(o: Outcome) -> None:
             missing = "with ranks [1]: a peer did not post" if cell.op == "send_recv" else "ranks [1] never issued"
             assert "timeout" in err["msg"] and missing in err["msg"], o.describe()
             assert took >= TIMEOUT, o.describe()  # a timeout, not something earlier
-        elif cell.backend == "nccl":  # a lost peer may surface as a timeout naming it, or as NCCL's own error
+        elif cell.backend in ("nccl", "simnccl"):  # a lost peer surfaces as a timeout naming it, or NCCL's error
             assert re.search(r"ranks? \[?1\b", err["msg"]) or "NCCL" in err["msg"], o.describe()
         else:
             assert "rank 1" in err["msg"], o.describe()  # names the peer whose connection was lost
         assert res["destroy_s"] < TIMEOUT + SLACK, o.describe()
+        assert res.get("violations", []) == [], o.describe()
 
 
 MATRIX = [Cell(f, op) for f in FAULTS for op in OPS]
@@ -408,4 +429,16 @@ def test_fault_matrix_nccl(matrix: Matrix, cell: Cell) -> None:
     reason = nccl_unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
+    check(matrix.outcome(cell))
+
+
+SIM_CELLS = [Cell(f, op, backend="simnccl") for f in ("kill", "exit1", "hang", "skip")
+             for op in ("all_reduce", "send_recv")]
+
+
+@pytest.mark.simnccl
+@pytest.mark.timeout(3 * WORLD_LIMIT + 10)
+@pytest.mark.parametrize("cell", SIM_CELLS, ids=str)
+def test_fault_matrix_simnccl(matrix: Matrix, cell: Cell) -> None:
+    """The NCCL cells on the simulated bindings: the NCCL backend's code, every CI run."""
     check(matrix.outcome(cell))

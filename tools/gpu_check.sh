@@ -2,13 +2,15 @@
 # Run the GPU checklist (../shared/gpu/CHECKLIST.md) on a lent GPU machine and
 # keep every result under $OUT (default /tmp/nccl_pg_gpu_check).
 #
-#   tools/gpu_check.sh [STAGE ...]      STAGE: env doctor tests bench multi nan compare (default: all, in that order)
+#   tools/gpu_check.sh [STAGE ...]      STAGE: env doctor tests bench multi blocking nan compare (default: all, in
+#                                       that order)
 #
 # From the project root, as the device tool runs commands (the wheels carried in
 # .whl, see ../shared/gpu/README.md):
 #   run(command="tools/gpu_check.sh doctor tests", carry=[".whl"])
 # One device command may run 10 minutes: split the stages over several calls
-# (e.g. "env doctor tests", then "bench multi", then "compare").
+# (e.g. "env doctor tests", then "bench multi blocking", then "nan compare").
+# Record the results in docs/GPU_VALIDATION.md (the checklist table) and docs/BENCHMARKS.md.
 #
 # Environment: OUT (results folder), WHEELS (default .whl), QUICK=1 (shorter
 # benchmarks), STAGE_TIMEOUT (seconds per stage, default 540).
@@ -81,7 +83,7 @@ run_multi() {  # checklist 3 (bench side): 2 ranks on the one GPU (NCCL_HOSTID +
 export OUT E N OH SINGLE_OPS
 export -f run_env run_bench run_multi  # stages run in a child bash, under timeout
 
-stages=${*:-env doctor tests bench multi nan compare}
+stages=${*:-env doctor tests bench multi blocking nan compare}
 for s in $stages; do
     case $s in
         env) stage env run_env ;;
@@ -89,10 +91,12 @@ for s in $stages; do
         tests) stage tests python3 -m pytest -m gpu -q -rA -p no:cacheprovider --junitxml "$OUT/pytest_gpu.xml" ;;
         bench) stage bench run_bench ;;
         multi) stage multi run_multi ;;
+        blocking) stage blocking python3 tools/bench_nccl_blocking.py --real --json "$OUT/blocking.json" ;;  # checklist 6
         nan) stage nan python3 tools/bench_nan_check.py $NAN --json "$OUT/nan_check.json" ;;  # checklist 5
         compare) stage compare python3 tools/bench_nccl_compare.py $CMP --json "$OUT/compare.json" \
                      --markdown "$OUT/compare.md" ;;
-        *) echo "gpu_check: unknown stage $s (env doctor tests bench multi nan compare)" | tee -a "$SUMMARY"; failed=1 ;;
+        *) echo "gpu_check: unknown stage $s (env doctor tests bench multi blocking nan compare)" | tee -a "$SUMMARY"
+           failed=1 ;;
     esac
 done
 echo "gpu_check: $([ $failed = 0 ] && echo all stages passed || echo 'some stage FAILED') (results in $OUT)" \

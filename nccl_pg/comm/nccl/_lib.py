@@ -1,8 +1,10 @@
-"""Lazy access to nccl4py's low-level bindings and the CUDA runtime, plus the
-tables that map numpy dtypes and ReduceOps to NCCL's enums.
+"""Lazy access to nccl4py's low-level bindings and the CUDA runtime and
+driver, plus the tables that map numpy dtypes and ReduceOps to NCCL's enums.
 
-Nothing here loads libnccl or libcudart at import time: ``bindings()`` and
-``cudart()`` import on first use, so ``import nccl_pg`` stays GPU-free.
+Nothing here loads libnccl or libcudart at import time: ``bindings()``,
+``cudart()`` and ``driver()`` import on first use, so ``import nccl_pg`` stays
+GPU-free. ``use_modules()`` is the one seam through which other modules can
+stand in for them (the CUDA-less simulation in tests/simnccl does).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ CONFIG_UNDEF = -(2**31)
 
 # First NCCL versions (ncclGetVersion codes: major*10000 + minor*100 + patch) with a feature.
 V_SPLIT = 21800
+V_SCALABLE = 22300  # ncclCommInitRankScalable
 V_NATIVE_ALLTOALL = 22800  # ncclAlltoAll / ncclGather / ncclScatter
 V_SHRINK = 22700  # ncclCommShrink
 V_REVOKE = 22900  # ncclCommRevoke
@@ -48,9 +51,25 @@ _MOVE_AS_BYTES = frozenset({"int16", "uint16"})
 _NCCL_OPS = {ReduceOp.SUM: 0, ReduceOp.PRODUCT: 1, ReduceOp.MAX: 2, ReduceOp.MIN: 3, ReduceOp.AVG: 4}
 
 
+_standins: dict[str, Any] = {}
+
+
+def use_modules(nccl_module: Any = None, runtime_module: Any = None, driver_module: Any = None) -> None:
+    """Make ``bindings()``, ``cudart()`` and ``driver()`` return these modules
+    instead of ``nccl.bindings.nccl`` and ``cuda.bindings.runtime``/``driver``;
+    called with no argument, the real ones again."""
+    _standins.clear()
+    pairs = (("nccl", nccl_module), ("runtime", runtime_module), ("driver", driver_module))
+    _standins.update({k: v for k, v in pairs if v is not None})
+    for loader in (bindings, cudart, driver, version):
+        loader.cache_clear()
+
+
 @functools.cache
 def bindings() -> Any:
     """``nccl.bindings.nccl`` (imports nccl4py; libnccl loads at the first call)."""
+    if "nccl" in _standins:
+        return _standins["nccl"]
     import nccl.bindings.nccl as b  # noqa: PLC0415 - lazy by design
 
     return b
@@ -58,9 +77,20 @@ def bindings() -> Any:
 
 @functools.cache
 def cudart() -> Any:
+    if "runtime" in _standins:
+        return _standins["runtime"]
     from cuda.bindings import runtime  # noqa: PLC0415 - lazy by design
 
     return runtime
+
+
+@functools.cache
+def driver() -> Any:
+    if "driver" in _standins:
+        return _standins["driver"]
+    from cuda.bindings import driver as drv  # noqa: PLC0415 - lazy by design
+
+    return drv
 
 
 @functools.cache

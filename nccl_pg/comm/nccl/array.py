@@ -3,9 +3,13 @@ hands to the process-group core (flat, contiguous, one dtype, one device).
 
 Accepted inputs, none copied:
 - torch tensors (read directly: ``data_ptr``/``numel``/``device``),
-- anything with ``__cuda_array_interface__`` (CuPy, Numba, ...),
-- anything with ``__dlpack__`` on a CUDA device (JAX, ...), read from the
-  DLPack capsule without consuming it (the capsule stays the owner).
+- anything with ``__cuda_array_interface__`` (CuPy, Numba, ...); a v3
+  ``stream`` other than the caller's current stream is synchronized with it,
+  as the interface asks of a consumer,
+- anything with ``__dlpack__`` on a CUDA device (JAX, ...), exported with
+  ``stream=`` the caller's current stream (the producer makes it wait for its
+  own work) and read from the capsule without consuming it (the capsule stays
+  the owner).
 
 bf16 and fp8 map to ml_dtypes' numpy dtypes when ml_dtypes is installed.
 """
@@ -183,7 +187,29 @@ def _from_cai(a: Any, what: str) -> DeviceArray:
     device = getattr(dev, "id", None)  # CuPy: no driver call needed
     if not isinstance(device, int):
         device = pointer_device(ptr, what) if size else 0
+    producer = cai.get("stream")
+    if producer is not None and caller_kind() != "cupy":  # CuPy reports its current stream: ours already
+        _order_after(int(producer), device)
     return DeviceArray(ptr, size, dtype, device, a)
+
+
+def _order_after(producer: int, device: int) -> None:
+    """Make the caller's current stream wait for the work enqueued so far on
+    ``producer`` (a CUDA Array Interface v3 stream: 1 legacy, 2 per-thread,
+    else a handle), unless that is the caller's stream."""
+    from ._lib import check_cuda, cudart  # noqa: PLC0415
+    from .stream import caller_stream  # noqa: PLC0415 - stream.py imports this module
+
+    consumer = caller_stream(device)
+    if producer == consumer or (producer == 1 and consumer == 0):
+        return
+    rt = cudart()
+    ev = check_cuda(rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming), "cudaEventCreateWithFlags")
+    try:
+        check_cuda(rt.cudaEventRecord(ev, producer), "cudaEventRecord")
+        check_cuda(rt.cudaStreamWaitEvent(consumer, ev, 0), "cudaStreamWaitEvent")
+    finally:
+        rt.cudaEventDestroy(ev)  # released once it has completed; the wait keeps its state
 
 
 # --- DLPack -----------------------------------------------------------------------------------------
@@ -223,7 +249,14 @@ def _from_dlpack(a: Any, what: str) -> DeviceArray:
     if int(dev_type) not in (_KDL_CUDA, _KDL_CUDA_MANAGED):
         raise ValueError(f"{what}: arrays must be on a CUDA device (DLPack device type {int(dev_type)}); "
                          "use the host backend for CPU arrays")
-    capsule = a.__dlpack__()  # the legacy, unversioned capsule; not consumed: it keeps the memory alive
+    from .stream import caller_stream  # noqa: PLC0415 - stream.py imports this module
+
+    consumer = caller_stream(int(dev_id))
+    try:  # the producer makes our stream wait for its work (DLPack: 1 is the legacy default stream)
+        capsule = a.__dlpack__(stream=consumer or 1)
+    except TypeError:  # a producer older than the stream argument
+        capsule = a.__dlpack__()
+    # the legacy, unversioned capsule; not consumed: it keeps the memory alive
     t = _DLTensor.from_address(_capsule_pointer(capsule))  # DLManagedTensor starts with its DLTensor
     name = _DL_CODES.get((t.dtype.code, t.dtype.bits))
     if name is None or t.dtype.lanes != 1:

@@ -4,7 +4,6 @@ current stream ordered before and after each operation."""
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -12,16 +11,19 @@ import numpy as np
 
 from ..base import Backend, CommConfig, Event, Stream
 from ._lib import check_cuda, cudart
-from .array import DeviceArray, as_device_array, cupy_module
+from .array import DeviceArray, as_device_array
 from .communicator import NcclCommunicator
-from .stream import CudaEvent, CudaStream, _device_guard, _restore, caller_stream
+from .memory import DeviceMemory
+from .stream import CudaEvent, CudaStream, adopt_thread, caller_stream
 
 _H2D, _D2H, _D2D = 1, 2, 3  # cudaMemcpyKind
+_RELAXED = 2  # cudaStreamCaptureModeRelaxed
 
 
 def device_index(device: Any) -> int:
     """A CUDA device ordinal from None (the current device), an int,
-    "cuda:N", or an object with ``.index``/``.id`` (torch/CuPy devices)."""
+    "cuda:N", or an object with ``.index``/``.id`` (torch/CuPy devices; a
+    torch ``device("cuda")`` without an index means the current device)."""
     if device is None:
         return int(check_cuda(cudart().cudaGetDevice(), "cudaGetDevice"))
     if isinstance(device, (int, np.integer)):
@@ -35,39 +37,16 @@ def device_index(device: Any) -> int:
         value = getattr(device, attr, None)
         if isinstance(value, int):
             return value
+    if getattr(device, "type", None) == "cuda" and getattr(device, "index", 0) is None:
+        return device_index(None)
     raise ValueError(f"cannot tell which CUDA device {device!r} is")
-
-
-class _CudaMemory:
-    """Device memory from cudaMalloc, freed with the last reference (used when CuPy is absent)."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, nbytes: int, device: int) -> None:
-        prev = _device_guard(device)
-        try:
-            self.ptr = int(check_cuda(cudart().cudaMalloc(max(nbytes, 1)), "cudaMalloc"))
-        finally:
-            _restore(prev)
-
-    def __del__(self) -> None:
-        ptr = getattr(self, "ptr", 0)
-        if ptr:
-            try:
-                cudart().cudaFree(ptr)
-            except Exception:
-                pass
-
-
-def _have_cupy() -> bool:
-    return cupy_module() is not None or importlib.util.find_spec("cupy") is not None
 
 
 class NcclBackend(Backend):
     name = "nccl"
 
     def __init__(self) -> None:
-        self._cupy: bool | None = None
+        self._side: dict[int, CudaStream] = {}  # device -> a private stream for copies made outside a capture
 
     def create(self, store: Any, nranks: int, rank: int, config: CommConfig, device: Any = None) -> NcclCommunicator:
         return NcclCommunicator.create(store, nranks, rank, config, device_index(device))
@@ -80,15 +59,7 @@ class NcclBackend(Backend):
 
     def empty(self, count: int, dtype: Any, device: Any = None) -> DeviceArray:
         dt, dev = np.dtype(dtype), device_index(device)
-        if self._cupy is None:
-            self._cupy = _have_cupy()
-        if self._cupy:
-            import cupy  # noqa: PLC0415 - optional, lazy
-
-            with cupy.cuda.Device(dev):
-                owner = cupy.empty(count * dt.itemsize, dtype=cupy.uint8)
-            return DeviceArray(int(owner.data.ptr), count, dt, dev, owner)
-        mem = _CudaMemory(count * dt.itemsize, dev)
+        mem = DeviceMemory(count * dt.itemsize, dev, caller_stream(dev))
         return DeviceArray(mem.ptr, count, dt, dev, mem)
 
     def copy(self, dst: Any, src: Any, stream: Stream) -> None:
@@ -103,11 +74,33 @@ class NcclBackend(Backend):
 
     def from_host(self, data: Any, device: Any = None) -> DeviceArray:
         host = np.ascontiguousarray(data).reshape(-1)
-        out = self.empty(host.size, host.dtype, device)
+        dev = device_index(device)
+        stream = caller_stream(dev)
+        rt = cudart()
+        if int(check_cuda(rt.cudaStreamIsCapturing(stream), "cudaStreamIsCapturing")):
+            return self._from_host_outside_capture(host, dev)
+        mem = DeviceMemory(host.nbytes, dev, stream)
         if host.nbytes:  # on the caller's stream: the core orders the NCCL stream after it
-            check_cuda(cudart().cudaMemcpyAsync(out.ptr, host.ctypes.data, host.nbytes, _H2D,
-                                                caller_stream(out.device)), "cudaMemcpyAsync")
-        return out
+            check_cuda(rt.cudaMemcpyAsync(mem.ptr, host.ctypes.data, host.nbytes, _H2D, stream), "cudaMemcpyAsync")
+        return DeviceArray(mem.ptr, host.size, host.dtype, dev, mem)
+
+    def _from_host_outside_capture(self, host: np.ndarray, device: int) -> DeviceArray:
+        """The caller's stream captures a graph: a copy from pageable memory cannot be captured, and would
+        invalidate it. Make the array now, on a private stream, in relaxed capture mode (this thread's calls
+        then leave the capture alone); every replay of the graph reads it."""
+        rt = cudart()
+        mode = check_cuda(rt.cudaThreadExchangeStreamCaptureMode(_RELAXED), "cudaThreadExchangeStreamCaptureMode")
+        try:
+            if device not in self._side:
+                self._side[device] = CudaStream(device)
+            side = self._side[device].handle
+            mem = DeviceMemory(host.nbytes, device, side)
+            if host.nbytes:
+                check_cuda(rt.cudaMemcpyAsync(mem.ptr, host.ctypes.data, host.nbytes, _H2D, side), "cudaMemcpyAsync")
+            check_cuda(rt.cudaStreamSynchronize(side), "cudaStreamSynchronize")
+        finally:
+            check_cuda(rt.cudaThreadExchangeStreamCaptureMode(mode), "cudaThreadExchangeStreamCaptureMode")
+        return DeviceArray(mem.ptr, host.size, host.dtype, device, mem)
 
     def to_host(self, array: Any) -> np.ndarray:
         a = as_device_array(array, "to_host")
@@ -140,11 +133,12 @@ class NcclBackend(Backend):
 
         return find_nan([as_device_array(a, "NaN check") for a in arrays], stream, trap)
 
-
     def prepare_poller(self) -> None:
-        # The poller queries events while the caller may capture a CUDA graph: in the default (global)
-        # capture mode such a query from any thread would invalidate the capture; thread-local mode confines
-        # the capture's checks to the capturing thread.
+        # The poller is nccl_pg's thread: it makes each event's device current before querying it (a CUDA call
+        # on a thread that never chose a device would create a context on GPU 0). It queries events while the
+        # caller may capture a CUDA graph: in the default (global) capture mode such a query from any thread
+        # would invalidate the capture; thread-local mode confines the capture's checks to the capturing thread.
+        adopt_thread()
         rt = cudart()
         check_cuda(rt.cudaThreadExchangeStreamCaptureMode(rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal),
                    "cudaThreadExchangeStreamCaptureMode")

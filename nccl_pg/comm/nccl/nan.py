@@ -22,6 +22,7 @@ import numpy as np
 from ... import kernels
 from ...nan_check import RULES, Rule, lane_dtype
 from ..base import Stream
+from . import _lib
 from ._lib import check_cuda, cudart
 from .array import DeviceArray
 from .stream import CudaEvent, CudaStream, _device_guard, _restore, caller_stream
@@ -35,9 +36,7 @@ _ARG_TYPES = (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint64
 
 
 def _driver() -> Any:
-    from cuda.bindings import driver  # noqa: PLC0415 - lazy by design
-
-    return driver
+    return _lib.driver()
 
 
 class _Slot:

@@ -12,12 +12,14 @@ NCCL still reads or writes it.
 from __future__ import annotations
 
 import collections
+import threading
 import time
 from typing import Any
 
 from ..base import Event, Stream
 from ._lib import check_cuda, cudart
 from .array import caller_kind, cupy_module, torch_module
+from .memory import DeviceMemory, free_released
 
 _NOT_READY = 600  # cudaErrorNotReady
 _CAPTURE_NONE = 0  # cudaStreamCaptureStatusNone
@@ -32,9 +34,28 @@ class _AbortFlag:
         self.aborted = False
 
 
+_thread = threading.local()
+
+
+def adopt_thread(device: int | None = None) -> None:
+    """The calling thread is nccl_pg's own (a communicator's init or split
+    thread, the watchdog's poller): the backend makes the device it works on
+    current and never restores the previous one. A new thread's current device
+    is 0 until it chooses one, so restoring it, or making CUDA calls without
+    choosing, would create a context on GPU 0 in every process."""
+    _thread.ours = True
+    if device is not None:
+        _device_guard(device)
+
+
 def _device_guard(device: int) -> int | None:
     """Make ``device`` current; returns the previous device to restore (None: unchanged)."""
     rt = cudart()
+    if getattr(_thread, "ours", False):
+        if getattr(_thread, "device", None) != device:
+            check_cuda(rt.cudaSetDevice(device), "cudaSetDevice")
+            _thread.device = device
+        return None
     prev = check_cuda(rt.cudaGetDevice(), "cudaGetDevice")
     if prev == device:
         return None
@@ -47,17 +68,29 @@ def _restore(prev: int | None) -> None:
         cudart().cudaSetDevice(prev)
 
 
+# CUDA events of dead CudaEvents, per (device, timing), for the next ones: an event is re-recorded at each use,
+# and the last reference to a CudaEvent may go on any thread (a watchdog thread retiring a Work), where a CUDA
+# call (cudaEventDestroy) would create a context on GPU 0 if that thread never chose a device.
+_spare_events: dict[tuple[int, bool], list[Any]] = {}
+
+
 class CudaEvent(Event):
     __slots__ = ("handle", "device", "timing", "_flag", "_refs", "_recorded")
 
     def __init__(self, device: int, timing: bool = False, flag: _AbortFlag | None = None) -> None:
-        rt = cudart()
-        flags = rt.cudaEventDefault if timing else rt.cudaEventDisableTiming
-        prev = _device_guard(device)
+        spare = _spare_events.get((device, timing))
         try:
-            self.handle = check_cuda(rt.cudaEventCreateWithFlags(flags), "cudaEventCreateWithFlags")
-        finally:
-            _restore(prev)
+            self.handle = spare.pop() if spare else None
+        except IndexError:  # another thread took the last one
+            self.handle = None
+        if self.handle is None:
+            rt = cudart()
+            flags = rt.cudaEventDefault if timing else rt.cudaEventDisableTiming
+            prev = _device_guard(device)
+            try:
+                self.handle = check_cuda(rt.cudaEventCreateWithFlags(flags), "cudaEventCreateWithFlags")
+            finally:
+                _restore(prev)
         self.device, self.timing, self._flag = device, timing, flag
         self._refs: list[Any] | None = None
         self._recorded = False
@@ -65,14 +98,13 @@ class CudaEvent(Event):
     def __del__(self) -> None:
         handle = getattr(self, "handle", None)
         if handle is not None:
-            try:
-                cudart().cudaEventDestroy(handle)
-            except Exception:  # interpreter shutdown: CUDA may be gone
-                pass
+            _spare_events.setdefault((self.device, self.timing), []).append(handle)
 
     def query(self) -> bool:
         if not self._recorded:
             return True  # never recorded: complete, as cudaEventQuery says
+        if getattr(_thread, "ours", False) and getattr(_thread, "device", None) != self.device:
+            _device_guard(self.device)  # the watchdog's poller: on this event's device, not on GPU 0
         (err,) = cudart().cudaEventQuery(self.handle)
         code = int(err)
         if code == 0:
@@ -140,13 +172,20 @@ class CudaStream(Stream):
         ev = CudaEvent(self.device, flag=self._flag) if event is None else event
         if not isinstance(ev, CudaEvent):
             raise TypeError(f"a CudaStream records CudaEvents, got {type(ev).__name__}")
+        capturing = self.capturing
+        if capturing:  # no event queries during a capture; the graph may replay any time later
+            for ref in self._pending:
+                if isinstance(ref, DeviceMemory) and ref.captured:
+                    ref.free_on(self.handle)  # a graph allocation: freed in the graph, after its last use and
+                    # before the event (whoever joins the capture back through it also waits for the free)
+                else:
+                    self._graph_refs.append(ref)
+            self._pending = []
         check_cuda(cudart().cudaEventRecord(ev.handle, self.handle), "cudaEventRecord")
         ev._recorded = True
         if ev._flag is None:
             ev._flag = self._flag
-        if self.capturing:  # no event queries during a capture; the graph may replay any time later
-            self._graph_refs.extend(self._pending)
-            self._pending = []
+        if capturing:
             return ev
         if self._pending:
             ev._refs, self._pending = self._pending, []
@@ -186,17 +225,25 @@ class CudaStream(Stream):
     def synchronize(self, timeout: float | None = None) -> bool:
         return self.record().synchronize(timeout)
 
+    def release_kept(self) -> None:
+        """Forget the buffers of the operations an abort or revoke stopped."""
+        self._pending.clear()
+
     def release(self) -> None:
         """Forget the kept buffers (after abort/destroy) and destroy an owned stream."""
         self._pending.clear()
         self._inflight.clear()
         self._graph_refs.clear()
-        if self._owned and self.handle is not None:
-            try:
+        prev = _device_guard(self.device)
+        try:
+            free_released(self.device)
+            if self._owned and self.handle is not None:
                 cudart().cudaStreamDestroy(self.handle)
-            except Exception:
-                pass
-            self.handle = None
+                self.handle = None
+        except Exception:
+            pass
+        finally:
+            _restore(prev)
 
 
 def caller_stream(device: int) -> int:
