@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from . import bench, doctor, env, launcher, trace
@@ -74,9 +75,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def serve_store(host: str, port: int) -> int:
     secret = env.STORE_SECRET.get()
-    # Blocked before the server starts its threads, which inherit the mask:
-    # the stop signals then reach only sigwait below.
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    # Python-level handlers rather than a blocked mask and sigwait: threads that native libraries started at
+    # import (numpy's BLAS pool, say) do not block the signals, and the kernel may hand a process-directed
+    # SIGTERM to one of them, whose default action would end the process without stopping the server.
+    received: list[int] = []
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        received.append(signum)
+        stop.set()
+
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, on_signal)
     try:
         server = TCPStoreServer(host, port, secret=secret)
         server.start()
@@ -86,8 +96,8 @@ def serve_store(host: str, port: int) -> int:
     try:
         auth = f"on ({env.STORE_SECRET.name})" if secret else "off"
         print(f"nccl-pg store: listening on {host}:{server.port}, authentication {auth}", flush=True)
-        signum = signal.sigwait(STOP_SIGNALS)
-        print(f"nccl-pg store: received {signal.Signals(signum).name}, stopping", flush=True)
+        stop.wait()
+        print(f"nccl-pg store: received {signal.Signals(received[0]).name}, stopping", flush=True)
     finally:
         server.stop()
     return 0
