@@ -75,7 +75,7 @@ class _Waiter:
 
 class _Conn:
     __slots__ = ("sock", "fd", "peer", "phase", "deadline", "inbuf", "out", "client_nonce", "server_nonce",
-                 "waiters", "last_active", "events", "closed")
+                 "waiters", "last_active", "events", "paused", "closed")
 
     def __init__(self, sock: socket.socket, peer: str, deadline: float) -> None:
         self.sock = sock
@@ -90,6 +90,7 @@ class _Conn:
         self.waiters: set[_Waiter] = set()
         self.last_active = deadline
         self.events = _IN
+        self.paused = False  # back-pressure: its requests wait until its answers are read
         self.closed = False
 
 
@@ -374,6 +375,8 @@ class TCPStoreServer:
         if conn.phase != _READY:
             self._read_handshake(conn)
             return
+        if conn.paused:  # (an error or hang-up event) a write error will tell
+            return
         try:
             n = conn.sock.recv_into(self._rbuf)
         except (BlockingIOError, InterruptedError):
@@ -477,6 +480,7 @@ class TCPStoreServer:
                     return end
             pos = stop
             if len(out) > OUT_LIMIT:  # back-pressure: read no more until the client reads its answers
+                conn.paused = True
                 self._set_events(conn, _OUT)
                 break
         return pos
@@ -840,23 +844,15 @@ class TCPStoreServer:
             else:
                 self._set_events(conn, _OUT if conn.phase == _CLOSING else (_IN | _OUT if out else _IN))
             return
-        if not out:
-            if conn.events != _IN:
-                self._resume(conn)
-        elif len(out) > OUT_LIMIT:
+        if conn.paused and len(out) <= OUT_LIMIT:  # the client read enough: go on with its requests
+            conn.paused = False
+            self._process_inbuf(conn)
+            if out:
+                self._dirty[conn] = None
+        if conn.paused:
             self._set_events(conn, _OUT)
         else:
-            self._set_events(conn, _IN | _OUT)
-
-    def _resume(self, conn: _Conn) -> None:
-        """Nothing left to send: read again, starting with requests that
-        back-pressure held back."""
-        paused = not conn.events & _IN
-        self._set_events(conn, _IN)
-        if paused and conn.inbuf:
-            self._process_inbuf(conn)
-            if conn.out:
-                self._dirty[conn] = None
+            self._set_events(conn, _IN | _OUT if out else _IN)
 
     def _close(self, conn: _Conn) -> None:
         if conn.closed:

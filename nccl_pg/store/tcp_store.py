@@ -234,7 +234,7 @@ class _Connection:
                 finally:
                     self.read_lock.release()
                     if len(slots) > 1:
-                        self._hand_over()
+                        self._hand_over(slot)
             else:
                 body = self._follow(tag, slot, deadline)
         finally:
@@ -262,11 +262,12 @@ class _Connection:
                     return self._lead(tag, slot, deadline)
                 finally:
                     self.read_lock.release()
-                    self._hand_over()
+                    self._hand_over(slot)
             left = deadline - time.monotonic()
             if left <= 0 or not wake.acquire(timeout=left):
                 if slot.body is not None:
                     return slot.body
+                self._hand_over(slot)  # we may have been picked to read just as we gave up
                 raise TimeoutError
             with self.state_lock:
                 slot.signalled = False
@@ -325,13 +326,12 @@ class _Connection:
                 slot.signalled = True
                 slot.wake.release()
 
-    def _hand_over(self) -> None:
-        """Wake one thread still waiting for an answer, to read in our place."""
-        if len(self.slots) <= 1:
-            return
+    def _hand_over(self, own: _Slot) -> None:
+        """Wake one other thread still waiting for an answer, to read in our place."""
         with self.state_lock:
             for slot in self.slots.values():
-                if slot.wake is not None and slot.body is None and slot.failure is None and not slot.signalled:
+                if (slot is not own and slot.wake is not None and slot.body is None and slot.failure is None
+                        and not slot.signalled):
                     slot.signalled = True
                     slot.wake.release()
                     return
