@@ -56,8 +56,11 @@ _WORKERS_READY_KEY = HIDDEN_PREFIX + "workers_ready"
 _ANSWER_GRACE = 5.0
 # Below glibc's mmap threshold, so a small answer costs no mmap/munmap.
 _RECV_SIZE = 64 * 1024
-_SET_HEAD = struct.Struct("<IBII")  # frame length, op, tag, key length
+_SET_HEAD_PACK = struct.Struct("<IBII").pack  # frame length, op, tag, key length
+_REQUEST_HEAD_PACK = P.REQUEST_HEAD.pack
 _U32_PACK, _F64_PACK, _I64_PACK, _I64_UNPACK = P.U32.pack, P.F64.pack, P.I64.pack, P.I64.unpack_from
+# Plain ints: packing an IntEnum costs a conversion per request.
+_OP_SET, _OP_GET, _OP_ADD = int(P.Op.SET), int(P.Op.GET), int(P.Op.ADD)
 _ONE = P.I64.pack(1)
 _MAX_KEY = P.FRAME_OVERHEAD - 64  # a key must leave room for the frame's other fields
 _TIMEVAL = struct.Struct("ll")
@@ -215,11 +218,10 @@ class _Connection:
             else:
                 if is_set:
                     self.sets_sent += 1
-                self.last_use = time.monotonic()
         if error is not None:
             raise self.client.lost(self, error)
 
-    def request(self, op: P.Op, fields: bytes, deadline: float) -> bytes:
+    def request(self, op: int, fields: bytes, deadline: float) -> bytes:
         """Send a request and return its answer's status and fields."""
         tag = next(self.tags)
         slot = _Slot()
@@ -227,7 +229,7 @@ class _Connection:
         slots[tag] = slot
         sets_before = self.sets_sent
         try:
-            self.send(P.REQUEST_HEAD.pack(5 + len(fields), op, tag) + fields)
+            self.send(_REQUEST_HEAD_PACK(5 + len(fields), op, tag) + fields)
             if self.read_lock.acquire(False):
                 try:
                     body = self._lead(tag, slot, deadline)
@@ -402,9 +404,12 @@ class _Client:
         self.forks = fork_count()
 
     def connection(self) -> _Connection:
+        """The connection, for a request about to be sent on it."""
         conn = self.conn
+        now = time.monotonic()
         if (conn is not None and conn.failure is None and self.forks == fork_count()
-                and (conn.slots or time.monotonic() - conn.last_use < conn.idle_limit)):
+                and (now - conn.last_use < conn.idle_limit or conn.slots)):
+            conn.last_use = now
             return conn
         return self._reconnect()
 
@@ -580,7 +585,7 @@ class TCPStore(Store):
 
     # --- requests ---------------------------------------------------------------
 
-    def _call(self, op: P.Op, fields: bytes, what: str, keys: list[str], wait: float | None = None) -> bytes:
+    def _call(self, op: int, fields: bytes, what: str, keys: list[str], wait: float | None = None) -> bytes:
         """Send one request; returns its OK answer (status byte and fields).
         ``wait`` is the server-side deadline of a blocking request."""
         if self._closed:
@@ -646,16 +651,38 @@ class TCPStore(Store):
             value = to_bytes(value, key)
         client = self._client
         k = key.encode()
-        if len(value) > client.max_value_size or len(k) > _MAX_KEY:
+        n = len(value)
+        if n > client.max_value_size or len(k) > _MAX_KEY:
             self._check_value(key, value)
             raise ValueError(f"set request for a key of {len(k)} bytes is over the store's frame limit")
-        frame = b"".join((_SET_HEAD.pack(13 + len(k) + len(value), P.Op.SET, 0, len(k)), k,
-                          _U32_PACK(len(value)), value))
+        frame = _SET_HEAD_PACK(13 + len(k) + n, _OP_SET, 0, len(k)) + k + _U32_PACK(n) + value
+        # The common case inline (this is the rendezvous' most frequent call):
+        # the connection is up, not idle, not inherited through a fork.
+        conn = client.conn
+        now = time.monotonic()
+        if (conn is not None and not self._closed and conn.failure is None and client.forks == fork_count()
+                and now - conn.last_use < conn.idle_limit):
+            conn.last_use = now
+            error = None
+            with conn.send_lock:
+                if conn.failure is None:
+                    try:
+                        conn.sock.sendall(frame)
+                    except OSError as exc:  # a partial frame may have gone out: the stream is unusable
+                        error = exc
+                    else:
+                        conn.sets_sent += 1
+                        return
+            if error is not None:  # (outside the send lock: lost() takes the client's)
+                raise self._broken(client.lost(conn, error), "set", [key])
+        self._send_set(key, frame)
+
+    def _send_set(self, key: str, frame: bytes) -> None:
         if self._closed:
             raise DistStoreError(f"{self!r} is closed")
         for _ in range(3):
             try:
-                client.connection().send(frame, True)
+                self._client.connection().send(frame, True)
                 return
             except _Retry:
                 continue
@@ -666,7 +693,7 @@ class TCPStore(Store):
     def get(self, key: str) -> bytes:
         key = check_key(key)
         k = key.encode()
-        body = self._call(P.Op.GET, b"".join((_U32_PACK(len(k)), k, _F64_PACK(self._timeout))), "get", [key],
+        body = self._call(_OP_GET, b"".join((_U32_PACK(len(k)), k, _F64_PACK(self._timeout))), "get", [key],
                           self._timeout)
         return body[5:]  # status, u32 length, value
 
@@ -675,7 +702,7 @@ class TCPStore(Store):
             amount = check_amount(amount)
         key = check_key(key)
         k = key.encode()
-        return _I64_UNPACK(self._call(P.Op.ADD, b"".join((_U32_PACK(len(k)), k, _I64_PACK(amount))), "add",
+        return _I64_UNPACK(self._call(_OP_ADD, b"".join((_U32_PACK(len(k)), k, _I64_PACK(amount))), "add",
                                       [key]), 1)[0]
 
     def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:
