@@ -5,7 +5,9 @@ Measures, for both stores with the same harness:
      another process and (labelled "in-process") inside the client's process;
   2. the total ops/s of several client processes hammering one server;
   3. the time for N client connections to rendezvous: each connects, adds to a
-     counter, and waits for a key that the N-th arrival sets.
+     counter, and waits for a key that the N-th arrival sets (N up to 10,000);
+  4. the server's memory per connection: its resident set size with N idle
+     connections open (after one request each), minus before, over N.
 
 Each store's server runs in a process of its own; clients run in a pool of
 worker processes, so the orchestrating process never competes for a core
@@ -217,12 +219,44 @@ def _rendezvous(conn: Connection, lib: str, port: int, total: int, local: int, p
     conn.send((max(ends, default=0.0), errors[:3]))
 
 
+def _hold(conn: Connection, lib: str, port: int, local: int, prefix: str) -> None:
+    """``local`` threads each open a store, make one request and keep it open
+    until the parent's start time (the parent reads the server's memory meanwhile)."""
+    stores: list[Any] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def one() -> None:
+        try:
+            store = _client(lib, port)
+            store.add(prefix + "held", 1)
+            with lock:
+                stores.append(store)
+        except Exception as exc:
+            with lock:
+                errors.append(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(local)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    conn.send("ready")
+    _sleep_until(conn.recv())
+    for store in stores:
+        _close(store)
+    stores.clear()
+    conn.send((len(threads) - len(errors), errors[:3]))
+
+
 def _worker_main(conn: Connection, cpus: set[int] | None) -> None:
     _setup_process(cpus)
+    threading.stack_size(256 * 1024)  # thousands of client threads per worker
+    jobs: dict[str, Callable[..., None]] = {"ops": _ops, "rdv": _rendezvous, "hold": _hold}
     while (msg := conn.recv()) is not None:
         kind, args = msg
         try:
-            (_ops if kind == "ops" else _rendezvous)(conn, *args)
+            jobs[kind](conn, *args)
         except Exception as exc:
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
@@ -243,13 +277,16 @@ class Pool:
             self.conns.append(parent)
             self.procs.append(proc)
 
-    def run(self, kind: str, jobs: list[tuple], lead: float = 0.05) -> list[Any]:
+    def run(self, kind: str, jobs: list[tuple], lead: float = 0.05,
+            on_ready: Callable[[], None] | None = None) -> list[Any]:
         """Send one job per worker, wait until all are ready, start them together."""
         conns = self.conns[:len(jobs)]
         for conn, job in zip(conns, jobs, strict=True):
             conn.send((kind, job))
         for conn in conns:
             _expect(conn.recv(), "ready")
+        if on_ready is not None:
+            on_ready()
         start = time.monotonic() + lead
         for conn in conns:
             conn.send(start)
@@ -269,6 +306,12 @@ class Pool:
 def _expect(msg: Any, want: str) -> None:
     if msg != want:
         raise RuntimeError(f"worker failed: {msg[1] if isinstance(msg, tuple) else msg!r}")
+
+
+def _rss(pid: int) -> int:
+    """Resident set size of a process, in bytes (Linux)."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
 def _start_servers(ctx: Any, cpus: set[int] | None) -> dict[str, tuple[int, Connection, Any]]:
@@ -316,7 +359,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     server_cpus, client_cpus = _placement(args.pin)
     servers = _start_servers(ctx, server_cpus)
     pool = Pool(ctx, args.procs, client_cpus)
-    res: dict[str, Any] = {"single_remote": {}, "single_inproc": {}, "aggregate": {}, "rendezvous": {}}
+    res: dict[str, Any] = {"single_remote": {}, "single_inproc": {}, "aggregate": {}, "rendezvous": {},
+                           "memory": {}}
     try:
         for label, remote in (("single_remote", True), ("single_inproc", False)):
             for op in OPS:
@@ -353,12 +397,39 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                     time.sleep(0.2)  # let the server retire the closed connections
             res["rendezvous"][n] = samples
             _progress("rendezvous", n, samples)
+        fresh = _start_servers(ctx, server_cpus)  # memory freed by earlier rounds would hide the growth
+        try:
+            for lib in LIBS:  # memory per connection, at the largest N
+                res["memory"][lib] = _memory(pool, lib, fresh[lib], max(args.clients), args.procs)
+        finally:
+            _stop_servers(fresh)
     finally:
         pool.close()
-        for _, conn, proc in servers.values():
-            conn.send(None)
-            proc.join(10)
+        _stop_servers(servers)
     return res
+
+
+def _stop_servers(servers: dict[str, tuple[int, Connection, Any]]) -> None:
+    for _, conn, proc in servers.values():
+        conn.send(None)
+        proc.join(10)
+
+
+def _memory(pool: Pool, lib: str, server: tuple[int, Connection, Any], n: int, procs: int) -> dict[str, float]:
+    """The server's resident set growth with ``n`` idle connections open."""
+    port, _, proc = server
+    shares = [n // procs + (p < n % procs) for p in range(procs)]
+    before = _rss(proc.pid)
+    held: list[int] = []
+    results = pool.run("hold", [(lib, port, k, f"hold/{lib}/") for k in shares if k], lead=0.1,
+                       on_ready=lambda: held.append(_rss(proc.pid)))
+    errors = [e for _, (_, errs) in results for e in errs]
+    if errors:
+        raise RuntimeError(f"{lib}: holding {n} connections failed: {errors[:3]}")
+    per = (held[0] - before) / n
+    print(f"  memory {lib}: {per / 1024:.2f} KiB per connection at {n}", file=sys.stderr, flush=True)
+    time.sleep(0.5)  # let the server retire the closed connections
+    return {"connections": n, "rss_before": before, "rss_held": held[0], "per_connection": per}
 
 
 def _progress(label: str, what: object, samples: dict[str, list[float]]) -> None:
@@ -395,6 +466,16 @@ def _table(res: dict[str, Any], args: argparse.Namespace) -> str:
     for n, s in res["rendezvous"].items():
         ours, theirs = med(s["nccl_pg"]), med(s["torch"])
         lines.append(f"| {n:>5} | {ours:>10.3f} | {theirs:>10.3f} | {theirs / ours:>15.2f} |")
+    lines.append("")
+    mem = res["memory"]
+    lines.append(f"Server memory with {mem['nccl_pg']['connections']} idle connections open (resident set "
+                 f"growth / N)")
+    lines.append(f"| {'store':<8} | {'RSS before MiB':>14} | {'RSS held MiB':>12} | {'KiB per connection':>18} |")
+    lines.append(f"|{'-' * 10}|{'-' * 15}:|{'-' * 13}:|{'-' * 19}:|")
+    for lib in LIBS:
+        m = mem[lib]
+        lines.append(f"| {lib:<8} | {m['rss_before'] / 2**20:>14.1f} | {m['rss_held'] / 2**20:>12.1f} | "
+                     f"{m['per_connection'] / 1024:>18.2f} |")
     return "\n".join(lines)
 
 
@@ -403,7 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="short run (~40 s)")
     parser.add_argument("--json", metavar="PATH", help="also write every sample as JSON")
     parser.add_argument("--procs", type=int, default=4, help="client processes for aggregate and rendezvous")
-    parser.add_argument("--clients", type=int, nargs="+", default=[64, 256, 1024], help="rendezvous sizes N")
+    parser.add_argument("--clients", type=int, nargs="+", default=[64, 1024, 10000],
+                        help="rendezvous sizes N (the largest also measures memory per connection)")
     parser.add_argument("--torch-dns", choices=["numeric", "system"], default="numeric",
                         help="numeric: preload a shim so torch's address formatting does no reverse DNS")
     parser.add_argument("--pin", choices=["split", "none"], default="split",
