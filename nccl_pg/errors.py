@@ -58,9 +58,11 @@ class NanError(DistError):
         self.op, self.input, self.index = op, input, index
 
 
-# Our class -> torch.distributed's class of the same family.
+# Our class -> torch.distributed's class of the same family (torch raises
+# DistBackendError for what its NaN check finds).
 _TORCH_NAMES = {DistError: "DistError", DistBackendError: "DistBackendError", DistStoreError: "DistStoreError",
-                QueueEmptyError: "QueueEmptyError", DistNetworkError: "DistNetworkError"}
+                QueueEmptyError: "QueueEmptyError", DistNetworkError: "DistNetworkError",
+                NanError: "DistBackendError"}
 _compatible: dict[type, type] = {}  # our class (or a subclass of one) -> the subclass of both
 _OURS_ATTR = "_nccl_pg_class"
 

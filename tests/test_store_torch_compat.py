@@ -345,7 +345,7 @@ try:
     store.queue_pop("q", block=False)
 except td.QueueEmptyError:
     pass
-for cls, theirs in ((DistBackendError, td.DistBackendError), (NanError, td.DistError)):
+for cls, theirs in ((DistBackendError, td.DistBackendError), (NanError, td.DistBackendError)):
     try:
         raise cls("x")
     except theirs:
@@ -374,3 +374,20 @@ def test_errors_pickle_as_ours() -> None:
     exc = errors.NanError("nan", rank=3)
     back = pickle.loads(pickle.dumps(exc))
     assert isinstance(back, errors.NanError) and back.rank == 3 and str(back) == "nan"
+
+
+def test_torch_store_adapter_passes_the_extended_api_through() -> None:
+    """nccl_pg.torch's view of the store torch hands a backend has the same API."""
+    td = pytest.importorskip("torch.distributed")
+    from nccl_pg.torch.store import TorchStore
+
+    store = TorchStore(td.HashStore(), timeout=0.2)
+    assert store.has_extended_api()
+    store.queue_push("q", b"1")
+    assert store.queue_len("q") == 1 and store.queue_pop("q") == b"1"
+    with pytest.raises(errors.QueueEmptyError):
+        store.queue_pop("q", block=False)
+    with pytest.raises(errors.DistStoreError, match="timeout"):  # our deadline, not torch's 30 minutes
+        store.queue_pop("q")
+    store.set("k", b"v")
+    assert store.clone().get("k") == b"v" and store.list_keys() == ["k"]

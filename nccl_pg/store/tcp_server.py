@@ -95,24 +95,21 @@ class _Conn:
 
 
 class _Poller:
-    """epoll where there is one, else poll(); timeouts in seconds."""
+    """epoll where there is one, else poll(); ``poll`` takes seconds."""
 
     def __init__(self) -> None:
-        self._epoll = select.epoll() if hasattr(select, "epoll") else None
-        self._poll = select.poll() if self._epoll is None else None
-        impl: Any = self._epoll or self._poll
+        impl: Any
+        if hasattr(select, "epoll"):
+            impl = select.epoll()
+            self.poll: Callable[[float], list[tuple[int, int]]] = impl.poll  # bound: no wrapper call per turn
+            self.close: Callable[[], None] = impl.close
+        else:
+            impl = select.poll()
+            self.poll = lambda seconds: impl.poll(math.ceil(seconds * 1000))
+            self.close = lambda: None
         self.register: Callable[[int, int], None] = impl.register
         self.modify: Callable[[int, int], None] = impl.modify
         self.unregister: Callable[[int], None] = impl.unregister
-
-    def poll(self, seconds: float) -> list[tuple[int, int]]:
-        if self._epoll is not None:
-            return self._epoll.poll(seconds)
-        return self._poll.poll(math.ceil(seconds * 1000))  # type: ignore[union-attr]
-
-    def close(self) -> None:
-        if self._epoll is not None:
-            self._epoll.close()
 
 
 def raise_fd_limit() -> tuple[int, int]:
@@ -288,20 +285,20 @@ class TCPStoreServer:
 
     def serve_forever(self) -> None:
         self._serving = True
-        poller, conns = self._poller, self._conns
+        poller, conns, poll, monotonic = self._poller, self._conns, self._poller.poll, time.monotonic
         listen_fd, wake_fd = self._listener.fileno(), self._wake_r.fileno()
         poller.register(listen_fd, _IN)
         poller.register(wake_fd, _IN)
-        next_sweep = time.monotonic() + _SWEEP_PERIOD
+        next_sweep = monotonic() + _SWEEP_PERIOD
         try:
             while not self._stopping:
-                timers = [next_sweep]
-                if self._deadlines:
-                    timers.append(self._deadlines[0][0])
-                if self._accept_paused_until:
-                    timers.append(self._accept_paused_until)
-                events = poller.poll(max(min(timers) - time.monotonic(), 0.0))
-                self._now = now = time.monotonic()
+                wake_at = next_sweep
+                if self._deadlines and self._deadlines[0][0] < wake_at:
+                    wake_at = self._deadlines[0][0]
+                if self._accept_paused_until and self._accept_paused_until < wake_at:
+                    wake_at = self._accept_paused_until
+                events = poll(max(wake_at - monotonic(), 0.0))
+                self._now = now = monotonic()
                 for fd, mask in events:
                     conn = conns.get(fd)
                     if conn is None:
@@ -849,10 +846,10 @@ class TCPStoreServer:
             self._process_inbuf(conn)
             if out:
                 self._dirty[conn] = None
-        if conn.paused:
-            self._set_events(conn, _OUT)
-        else:
-            self._set_events(conn, _IN | _OUT if out else _IN)
+        events = _OUT if conn.paused else (_IN | _OUT if out else _IN)
+        if events != conn.events:
+            conn.events = events
+            self._poller.modify(conn.fd, events)
 
     def _close(self, conn: _Conn) -> None:
         if conn.closed:
