@@ -407,13 +407,13 @@ class TCPStoreServer:
     def _process(self, conn: _Conn, buf: bytearray, view: memoryview, pos: int, end: int) -> int:
         """Handle the whole requests in ``buf[pos:end]``; returns where the
         unhandled rest starts (a partial frame, or input paused by back-pressure)."""
-        unpack_head, unpack_u32, unpack_i64 = P.REQUEST_HEAD.unpack_from, P.U32.unpack_from, P.I64.unpack_from
-        pack_answer, pack_i64, pack_u32, unpack_f64 = P.ANSWER_HEAD.pack, P.I64.pack, P.U32.pack, P.F64.unpack_from
+        unpack_u32, unpack_i64, unpack_f64 = P.U32.unpack_from, P.I64.unpack_from, P.F64.unpack_from
+        pack_answer, pack_i64, pack_u32 = P.ANSWER_HEAD.pack, P.I64.pack, P.U32.pack
         data, waiting, counts, max_value = self._state.data, self._waiting, self._counts, self.max_value_size
-        out = conn.out
+        max_frame, out = self._max_frame, conn.out
         while end - pos >= 4:
             (n,) = unpack_u32(buf, pos)
-            if n > self._max_frame:
+            if n > max_frame:
                 self._fail(conn, f"frame of {n} bytes exceeds the limit of {self._max_frame} bytes "
                                  f"(max value size {self.max_value_size}, NCCL_PG_STORE_MAX_VALUE_SIZE)")
                 return end
@@ -423,9 +423,9 @@ class TCPStoreServer:
             stop = pos + 4 + n
             if stop > end:
                 break
-            _, op, tag = unpack_head(buf, pos)
+            op = buf[pos + 4]
             counts[op] += 1
-            if op == _SET:  # the hot path, inline
+            if op == _SET:  # the hot path, inline (its tag is not needed: it is not answered)
                 kend = pos + 13 + (unpack_u32(buf, pos + 9)[0] if n >= 9 else stop)
                 if kend + 4 > stop or kend + 4 + unpack_u32(buf, kend)[0] != stop:
                     self._fail(conn, "malformed request: bad SET fields")
@@ -442,7 +442,10 @@ class TCPStoreServer:
                 data[key] = bytes(view[kend + 4:stop])
                 if key in waiting:
                     self._notify(key)
-            elif op == _ADD and n >= 17 and unpack_u32(buf, pos + 9)[0] == n - 17:  # hot too: inline
+                pos = stop
+                continue
+            (tag,) = unpack_u32(buf, pos + 5)
+            if op == _ADD and n >= 17 and unpack_u32(buf, pos + 9)[0] == n - 17:  # hot too: inline
                 try:
                     key = str(view[pos + 13:stop - 8], "utf-8")
                     value = int(data.get(key, 0)) + unpack_i64(buf, stop - 8)[0]

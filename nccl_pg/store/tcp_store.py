@@ -25,6 +25,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 
 from .. import env
@@ -69,6 +70,18 @@ _CLOSE_FLUSH = 5.0  # at most this long, close() confirms that the sets it sent 
 # multi_tenant masters of this process: (host, port) -> [server, users]
 _tenants: dict[tuple[str, int], list] = {}
 _tenants_lock = threading.Lock()
+
+
+_live_clients: weakref.WeakSet[_Client] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for client in list(_live_clients):
+        client.forget_parent()
+
+
+if hasattr(os, "register_at_fork"):  # rather than a pid check on every call
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _Retry(Exception):
@@ -401,25 +414,26 @@ class _Client:
         self.conn: _Connection | None = None
         self.closed = False
         self.users = 1
-        self.forks = fork_count()
+        _live_clients.add(self)
+
+    def forget_parent(self) -> None:
+        """In a forked child (at once, from the fork hook): the parent's socket
+        and locks are not ours; the next request opens a connection of our own."""
+        self.lock = threading.Lock()
+        inherited, self.conn = self.conn, None
+        if inherited is not None:
+            inherited.sock.close()  # our copy of the descriptor only: never shutdown()
 
     def connection(self) -> _Connection:
         """The connection, for a request about to be sent on it."""
         conn = self.conn
         now = time.monotonic()
-        if (conn is not None and conn.failure is None and self.forks == fork_count()
-                and (now - conn.last_use < conn.idle_limit or conn.slots)):
+        if conn is not None and conn.failure is None and (now - conn.last_use < conn.idle_limit or conn.slots):
             conn.last_use = now
             return conn
         return self._reconnect()
 
     def _reconnect(self) -> _Connection:
-        if self.forks != fork_count():  # in a forked child: the parent's socket and locks are not ours
-            self.forks = fork_count()
-            self.lock = threading.Lock()
-            inherited, self.conn = self.conn, None
-            if inherited is not None:
-                inherited.sock.close()  # our copy of the descriptor only: never shutdown()
         with self.lock:
             if self.closed:
                 raise DistStoreError(f"TCPStore({self.address}) is closed")
@@ -455,12 +469,6 @@ class _Client:
         return broken
 
     def close(self) -> None:
-        if self.forks != fork_count():  # a forked child's copy: leave the parent's connection alone
-            self.closed = True
-            if self.conn is not None:
-                self.conn.sock.close()
-                self.conn = None
-            return
         conn = self.conn
         if conn is not None and conn.failure is None and conn.unconfirmed_sets():
             try:  # confirm that the set() calls still in flight were applied
@@ -655,12 +663,12 @@ class TCPStore(Store):
         if n > client.max_value_size or len(k) > _MAX_KEY:
             self._check_value(key, value)
             raise ValueError(f"set request for a key of {len(k)} bytes is over the store's frame limit")
-        frame = _SET_HEAD_PACK(13 + len(k) + n, _OP_SET, 0, len(k)) + k + _U32_PACK(n) + value
+        frame = b"".join((_SET_HEAD_PACK(13 + len(k) + n, _OP_SET, 0, len(k)), k, _U32_PACK(n), value))
         # The common case inline (this is the rendezvous' most frequent call):
         # the connection is up, not idle, not inherited through a fork.
         conn = client.conn
         now = time.monotonic()
-        if (conn is not None and not self._closed and conn.failure is None and client.forks == fork_count()
+        if (conn is not None and not self._closed and conn.failure is None
                 and now - conn.last_use < conn.idle_limit):
             conn.last_use = now
             error = None
