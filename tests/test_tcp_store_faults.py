@@ -580,3 +580,29 @@ def test_fatal_answer_drops_the_connection(server: TCPStoreServer) -> None:
             store._call(P.Op.PING, b"junk", "ping", [])  # a request our client never sends
         assert store.get("k") == b"v"  # on a new connection; the server closed the old one
         wait_until(lambda: server.num_connections == 1)
+
+
+def test_client_retries_a_handshake_the_server_cut(server: TCPStoreServer) -> None:
+    """A server drops handshakes that take longer than handshake_timeout (a
+    process with thousands of threads can be that slow): the client tries
+    again until its connect timeout instead of failing at once."""
+    listener = socket.create_server((HOST, 0))
+    cuts = []
+
+    def flaky_front() -> None:  # cuts the first two connections mid-handshake, then relays
+        for _ in range(2):
+            sock, _ = listener.accept()
+            sock.recv(P.HELLO_SIZE)
+            sock.close()
+            cuts.append(1)
+        down, _ = listener.accept()
+        up = socket.create_connection((HOST, server.port))
+        for src, dst in ((down, up), (up, down)):
+            threading.Thread(target=lambda s=src, d=dst: [d.sendall(c) for c in iter(lambda: s.recv(65536), b"")],
+                             daemon=True).start()
+
+    threading.Thread(target=flaky_front, daemon=True).start()
+    with TCPStore(HOST, listener.getsockname()[1], timeout=10) as store:
+        assert_works(store)
+    assert len(cuts) == 2
+    listener.close()

@@ -170,7 +170,7 @@ class TCPStoreServer:
         port: int = 0,
         secret: str | bytes | None = None,
         max_value_size: int | None = None,
-        handshake_timeout: float = 10.0,
+        handshake_timeout: float = 30.0,
         backlog: int = 4096,
         idle_timeout: float | None = None,
         listen_fd: int | None = None,

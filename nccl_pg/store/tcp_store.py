@@ -121,20 +121,27 @@ class _Connection:
         self.sets_sent = 0
         self.sets_confirmed = 0  # sets sent before a request the server has answered
         self.rcvtimeo = math.inf
-        self.sock = self._connect(deadline)
-        self.fd = self.sock.fileno()
-        try:
-            self.max_value_size, idle = self._handshake(deadline)
-        except TimeoutError:
-            self.sock.close()
-            raise DistNetworkError(f"timeout: store server {client.address} did not complete the handshake") from None
-        except OSError as exc:
-            self.sock.close()
-            raise DistNetworkError(f"connection to store server {client.address} lost during the handshake: "
-                                   f"{exc}") from None
-        except BaseException:
-            self.sock.close()
-            raise
+        backoff = Backoff(deadline, first=0.01, cap=1.0)
+        while True:
+            self.sock = self._connect(deadline)
+            try:
+                self.max_value_size, idle = self._handshake(deadline)
+                break
+            except TimeoutError:
+                self.sock.close()
+                raise DistNetworkError(f"timeout: store server {client.address} did not complete the "
+                                       f"handshake") from None
+            except OSError as exc:
+                # The server drops a handshake that takes too long (a process
+                # whose threads starve can be that slow): try again in time.
+                self.sock.close()
+                self.buf.clear()
+                if not backoff.sleep():
+                    raise DistNetworkError(f"connection to store server {client.address} lost during the "
+                                           f"handshake: {exc}") from None
+            except BaseException:
+                self.sock.close()
+                raise
         # Blocking socket with kernel timeouts: one system call per send and
         # per recv (settimeout() would add a poll to each).
         self.sock.settimeout(None)
