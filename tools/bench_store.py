@@ -51,6 +51,8 @@ MULTI_KEYS = [f"bench/multi/{i}" for i in range(16)]
 OPS = ("set", "get", "add", "multi_get")
 AGG_OPS = ("set", "get", "add")
 LIBS = ("nccl_pg", "torch")
+PARTS = ("single", "aggregate", "rendezvous", "memory")
+BIG_N = 2000
 STORE_TIMEOUT = 120.0
 BATCH = 50  # ops between clock reads
 
@@ -308,6 +310,13 @@ def _expect(msg: Any, want: str) -> None:
         raise RuntimeError(f"worker failed: {msg[1] if isinstance(msg, tuple) else msg!r}")
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds a process has used (Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _rss(pid: int) -> int:
     """Resident set size of a process, in bytes (Linux)."""
     with open(f"/proc/{pid}/status") as f:
@@ -360,9 +369,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     servers = _start_servers(ctx, server_cpus)
     pool = Pool(ctx, args.procs, client_cpus)
     res: dict[str, Any] = {"single_remote": {}, "single_inproc": {}, "aggregate": {}, "rendezvous": {},
-                           "memory": {}}
+                           "rendezvous_server_cpu": {}, "memory": {}}
     try:
         for label, remote in (("single_remote", True), ("single_inproc", False)):
+            if "single" not in args.parts:
+                break
             for op in OPS:
                 samples: dict[str, list[float]] = {lib: [] for lib in LIBS}
                 for order in _orders(args.reps):
@@ -372,7 +383,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                         samples[lib].append(rate)
                 res[label][op] = samples
                 _progress(label, op, samples)
-        for op in AGG_OPS:
+        for op in AGG_OPS if "aggregate" in args.parts else ():
             samples = {lib: [] for lib in LIBS}
             for order in _orders(args.agg_reps):
                 for lib in order:
@@ -381,28 +392,36 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             res["aggregate"][op] = samples
             _progress("aggregate", op, samples)
         trial = 0
-        for n in args.clients:
+        for n in args.clients if "rendezvous" in args.parts else ():
             samples = {lib: [] for lib in LIBS}
-            for i, order in enumerate(_orders(args.rdv_reps + 1)):
+            cpu: dict[str, list[float]] = {lib: [] for lib in LIBS}
+            # Thousands of client threads load the whole (shared) machine: one
+            # round each past BIG_N, after the smaller sizes' warm-up.
+            rounds = _orders(args.rdv_reps + 1) if n <= BIG_N else [(), *_orders(1)]
+            for i, order in enumerate(rounds):
                 for lib in order:
                     trial += 1
                     shares = [n // args.procs + (p < n % args.procs) for p in range(args.procs)]
                     jobs = [(lib, servers[lib][0], n, k, f"rdv/{trial}/") for k in shares if k]
+                    cpu0 = _cpu_s(servers[lib][2].pid)
                     results = pool.run("rdv", jobs, lead=0.2)
                     errors = [e for _, (_, errs) in results for e in errs]
                     if errors:
                         raise RuntimeError(f"{lib} rendezvous of {n} failed: {errors[:3]}")
+                    time.sleep(0.2)  # let the server retire the closed connections
                     if i:  # the first round is warm-up
                         samples[lib].append(max(end for _, (end, _) in results) - results[0][0])
-                    time.sleep(0.2)  # let the server retire the closed connections
+                        cpu[lib].append(_cpu_s(servers[lib][2].pid) - cpu0)
             res["rendezvous"][n] = samples
+            res["rendezvous_server_cpu"][n] = cpu
             _progress("rendezvous", n, samples)
-        fresh = _start_servers(ctx, server_cpus)  # memory freed by earlier rounds would hide the growth
-        try:
-            for lib in LIBS:  # memory per connection, at the largest N
-                res["memory"][lib] = _memory(pool, lib, fresh[lib], max(args.clients), args.procs)
-        finally:
-            _stop_servers(fresh)
+        if "memory" in args.parts:
+            fresh = _start_servers(ctx, server_cpus)  # memory freed by earlier rounds would hide the growth
+            try:
+                for lib in LIBS:  # memory per connection, at the largest N
+                    res["memory"][lib] = _memory(pool, lib, fresh[lib], max(args.clients), args.procs)
+            finally:
+                _stop_servers(fresh)
     finally:
         pool.close()
         _stop_servers(servers)
@@ -453,20 +472,38 @@ def _table(res: dict[str, Any], args: argparse.Namespace) -> str:
             lines.append(f"| {op:<12} | {ours:>13,.0f} | {theirs:>13,.0f} | {ours / theirs:>10.2f} |")
         lines.append("")
 
-    rates(f"Single client, server in another process (median of {args.reps} x {args.duration} s)",
-          res["single_remote"])
-    rates(f"Single client, server thread in the client's process (is_master=True; median of {args.reps})",
-          res["single_inproc"])
-    rates(f"Aggregate: {args.procs} client processes, one server (total ops/s, median of {args.agg_reps} x "
-          f"{args.agg_duration} s)", res["aggregate"])
+    if res["single_remote"]:
+        rates(f"Single client, server in another process (median of {args.reps} x {args.duration} s)",
+              res["single_remote"])
+        rates(f"Single client, server thread in the client's process (is_master=True; median of {args.reps})",
+              res["single_inproc"])
+    if res["aggregate"]:
+        rates(f"Aggregate: {args.procs} client processes, one server (total ops/s, median of {args.agg_reps} x "
+              f"{args.agg_duration} s)", res["aggregate"])
+    if res["rendezvous"]:
+        _rendezvous_table(res, args, lines)
+    if res["memory"]:
+        _memory_table(res, lines)
+    return "\n".join(lines)
+
+
+def _rendezvous_table(res: dict[str, Any], args: argparse.Namespace, lines: list[str]) -> None:
+    med = statistics.median
     lines.append(f"Rendezvous: N connections from {args.procs} processes (threads) connect, add, wait for the "
-                 f"last arrival (median of {args.rdv_reps}; ratio = torch time / nccl_pg time)")
-    lines.append(f"| {'N':>5} | {'nccl_pg s':>10} | {'torch s':>10} | {'ours/torch rate':>15} |")
-    lines.append(f"|{'-' * 6}:|{'-' * 11}:|{'-' * 11}:|{'-' * 16}:|")
+                 f"last arrival (median of {args.rdv_reps}, one round past N = {BIG_N}; ratio = torch time / "
+                 f"nccl_pg time; server CPU: what the server process used for the round)")
+    lines.append(f"| {'N':>5} | {'nccl_pg s':>10} | {'torch s':>10} | {'ours/torch rate':>15} | "
+                 f"{'nccl_pg server CPU s':>20} | {'torch server CPU s':>18} |")
+    lines.append(f"|{'-' * 6}:|{'-' * 11}:|{'-' * 11}:|{'-' * 16}:|{'-' * 21}:|{'-' * 19}:|")
     for n, s in res["rendezvous"].items():
         ours, theirs = med(s["nccl_pg"]), med(s["torch"])
-        lines.append(f"| {n:>5} | {ours:>10.3f} | {theirs:>10.3f} | {theirs / ours:>15.2f} |")
+        cpu = res["rendezvous_server_cpu"][n]
+        lines.append(f"| {n:>5} | {ours:>10.3f} | {theirs:>10.3f} | {theirs / ours:>15.2f} | "
+                     f"{med(cpu['nccl_pg']):>20.2f} | {med(cpu['torch']):>18.2f} |")
     lines.append("")
+
+
+def _memory_table(res: dict[str, Any], lines: list[str]) -> None:
     mem = res["memory"]
     lines.append(f"Server memory with {mem['nccl_pg']['connections']} idle connections open (resident set "
                  f"growth / N)")
@@ -476,7 +513,6 @@ def _table(res: dict[str, Any], args: argparse.Namespace) -> str:
         m = mem[lib]
         lines.append(f"| {lib:<8} | {m['rss_before'] / 2**20:>14.1f} | {m['rss_held'] / 2**20:>12.1f} | "
                      f"{m['per_connection'] / 1024:>18.2f} |")
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -488,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="rendezvous sizes N (the largest also measures memory per connection)")
     parser.add_argument("--torch-dns", choices=["numeric", "system"], default="numeric",
                         help="numeric: preload a shim so torch's address formatting does no reverse DNS")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="what to measure")
     parser.add_argument("--pin", choices=["split", "none"], default="split",
                         help="split: servers on the first CPU, clients on the others")
     args = parser.parse_args(argv)
