@@ -169,6 +169,7 @@ def _ops(conn: Connection, lib: str, port: int | None, op: str, duration: float,
         conn.send("ready")
         _sleep_until(conn.recv())
         n = 0
+        cpu0 = _own_cpu_s()
         start = time.monotonic()
         end = start + duration
         while True:
@@ -178,7 +179,8 @@ def _ops(conn: Connection, lib: str, port: int | None, op: str, duration: float,
             if time.monotonic() >= end:
                 break
         store.check(["bench/value"])  # the server has applied every op
-        conn.send(n / (time.monotonic() - start))
+        elapsed = time.monotonic() - start
+        conn.send((n / elapsed, n, (_own_cpu_s() - cpu0) / n))
     finally:
         _close(store)
 
@@ -368,8 +370,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     server_cpus, client_cpus = _placement(args.pin)
     servers = _start_servers(ctx, server_cpus)
     pool = Pool(ctx, args.procs, client_cpus)
-    res: dict[str, Any] = {"single_remote": {}, "single_inproc": {}, "aggregate": {}, "rendezvous": {},
-                           "rendezvous_server_cpu": {}, "memory": {}}
+    res: dict[str, Any] = {"single_remote": {}, "single_inproc": {}, "aggregate": {}, "aggregate_cpu": {},
+                           "rendezvous": {}, "rendezvous_server_cpu": {}, "memory": {}}
     try:
         for label, remote in (("single_remote", True), ("single_inproc", False)):
             if "single" not in args.parts:
@@ -379,17 +381,24 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 for order in _orders(args.reps):
                     for lib in order:
                         port = servers[lib][0] if remote else None
-                        ((_, rate),) = pool.run("ops", [(lib, port, op, args.duration, args.warmup)])
+                        ((_, (rate, _, _)),) = pool.run("ops", [(lib, port, op, args.duration, args.warmup)])
                         samples[lib].append(rate)
                 res[label][op] = samples
                 _progress(label, op, samples)
         for op in AGG_OPS if "aggregate" in args.parts else ():
             samples = {lib: [] for lib in LIBS}
+            costs: dict[str, list[tuple[float, float]]] = {lib: [] for lib in LIBS}
             for order in _orders(args.agg_reps):
                 for lib in order:
                     jobs = [(lib, servers[lib][0], op, args.agg_duration, args.warmup)] * args.procs
-                    samples[lib].append(sum(rate for _, rate in pool.run("ops", jobs)))
+                    server_cpu0 = _cpu_s(servers[lib][2].pid)
+                    results = [r for _, r in pool.run("ops", jobs)]
+                    ops = sum(n for _, n, _ in results)
+                    samples[lib].append(sum(rate for rate, _, _ in results))
+                    costs[lib].append((statistics.mean(c for _, _, c in results),
+                                       (_cpu_s(servers[lib][2].pid) - server_cpu0) / ops))
             res["aggregate"][op] = samples
+            res["aggregate_cpu"][op] = costs
             _progress("aggregate", op, samples)
         trial = 0
         for n in args.clients if "rendezvous" in args.parts else ():
@@ -480,6 +489,15 @@ def _table(res: dict[str, Any], args: argparse.Namespace) -> str:
     if res["aggregate"]:
         rates(f"Aggregate: {args.procs} client processes, one server (total ops/s, median of {args.agg_reps} x "
               f"{args.agg_duration} s)", res["aggregate"])
+        lines.append("CPU per operation in the aggregate runs (median; client: a client process's own, server: "
+                     "the server process's over all the clients' operations, from /proc in 10 ms ticks)")
+        lines.append(f"| {'op':<12} | {'nccl_pg client us':>17} | {'torch client us':>15} | "
+                     f"{'nccl_pg server us':>17} | {'torch server us':>15} |")
+        lines.append(f"|{'-' * 14}|{'-' * 18}:|{'-' * 16}:|{'-' * 18}:|{'-' * 16}:|")
+        for op, c in res["aggregate_cpu"].items():
+            cells = [med([x[i] for x in c[lib]]) * 1e6 for i in (0, 1) for lib in LIBS]
+            lines.append(f"| {op:<12} | {cells[0]:>17.1f} | {cells[1]:>15.1f} | {cells[2]:>17.1f} | {cells[3]:>15.1f} |")
+        lines.append("")
     if res["rendezvous"]:
         _rendezvous_table(res, args, lines)
     if res["memory"]:
