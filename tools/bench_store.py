@@ -9,9 +9,10 @@ Measures, for both stores with the same harness:
   4. the server's memory per connection: its resident set size with N idle
      connections open (after one request each), minus before, over N.
 
-Each store's server runs in a process of its own; clients run in a pool of
-worker processes, so the orchestrating process never competes for a core
-while a measurement runs. By default servers are pinned to the first CPU and
+Each store's server runs in a process of its own; its clients run in a pool of
+worker processes of their own (the two stores' clients never share a
+process), so the orchestrating process never competes for a core while a
+measurement runs. By default servers are pinned to the first CPU and
 clients to the others (``--pin``). Repeats alternate which store goes first,
 and the median is reported. Rates count only ops the server has applied:
 torch's set() does not wait for an answer, so every timed loop ends with one
@@ -369,7 +370,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     server_cpus, client_cpus = _placement(args.pin)
     servers = _start_servers(ctx, server_cpus)
-    pool = Pool(ctx, args.procs, client_cpus)
+    # Each store's clients run in worker processes of their own: torch's client
+    # leaves work behind in a process that ours would then share it with.
+    pools = {lib: Pool(ctx, args.procs, client_cpus) for lib in LIBS}
     res: dict[str, Any] = {"single_remote": {}, "single_inproc": {}, "aggregate": {}, "aggregate_cpu": {},
                            "rendezvous": {}, "rendezvous_server_cpu": {}, "memory": {}}
     try:
@@ -381,7 +384,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 for order in _orders(args.reps):
                     for lib in order:
                         port = servers[lib][0] if remote else None
-                        ((_, (rate, _, _)),) = pool.run("ops", [(lib, port, op, args.duration, args.warmup)])
+                        ((_, (rate, _, _)),) = pools[lib].run("ops", [(lib, port, op, args.duration, args.warmup)])
                         samples[lib].append(rate)
                 res[label][op] = samples
                 _progress(label, op, samples)
@@ -392,7 +395,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 for lib in order:
                     jobs = [(lib, servers[lib][0], op, args.agg_duration, args.warmup)] * args.procs
                     server_cpu0 = _cpu_s(servers[lib][2].pid)
-                    results = [r for _, r in pool.run("ops", jobs)]
+                    results = [r for _, r in pools[lib].run("ops", jobs)]
                     ops = sum(n for _, n, _ in results)
                     samples[lib].append(sum(rate for rate, _, _ in results))
                     costs[lib].append((statistics.mean(c for _, _, c in results),
@@ -413,7 +416,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                     shares = [n // args.procs + (p < n % args.procs) for p in range(args.procs)]
                     jobs = [(lib, servers[lib][0], n, k, f"rdv/{trial}/") for k in shares if k]
                     cpu0 = _cpu_s(servers[lib][2].pid)
-                    results = pool.run("rdv", jobs, lead=0.2)
+                    results = pools[lib].run("rdv", jobs, lead=0.2)
                     errors = [e for _, (_, errs) in results for e in errs]
                     if errors:
                         raise RuntimeError(f"{lib} rendezvous of {n} failed: {errors[:3]}")
@@ -428,11 +431,12 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             fresh = _start_servers(ctx, server_cpus)  # memory freed by earlier rounds would hide the growth
             try:
                 for lib in LIBS:  # memory per connection, at the largest N
-                    res["memory"][lib] = _memory(pool, lib, fresh[lib], max(args.clients), args.procs)
+                    res["memory"][lib] = _memory(pools[lib], lib, fresh[lib], max(args.clients), args.procs)
             finally:
                 _stop_servers(fresh)
     finally:
-        pool.close()
+        for pool in pools.values():
+            pool.close()
         _stop_servers(servers)
     return res
 
