@@ -103,6 +103,10 @@ STORE_TIMEOUT: Var[float] = Var(
 STORE_MAX_VALUE_SIZE: Var[int] = Var(
     "NCCL_PG_STORE_MAX_VALUE_SIZE", parse_int(1, 2**31 - 1), 64 * 2**20,
     "Largest value (bytes) a TCPStore server accepts.")
+STORE_IDLE_TIMEOUT: Var[float] = Var(
+    "NCCL_PG_STORE_IDLE_TIMEOUT", parse_seconds, 600.0,
+    "Seconds after which a TCPStore server closes an authenticated connection that has sent nothing and has "
+    "no blocked request (clients reconnect by themselves when they need the store again).")
 USE_AGENT_STORE: Var[bool] = Var(
     "NCCL_PG_USE_AGENT_STORE", parse_bool, False,
     "Set by `nccl-pg run`: the launcher hosts the TCPStore, so rank 0 connects as a client.",
@@ -226,8 +230,8 @@ OBJECT_MAX_BYTES: Var[int] = Var(
     "Largest serialized object (bytes) an object collective sends or accepts; a larger size announced by a "
     "peer raises DistBackendError before anything is allocated.")
 
-ALL: tuple[Var, ...] = (STORE_SECRET, STORE_TIMEOUT, STORE_MAX_VALUE_SIZE, USE_AGENT_STORE, HOST_ADDR,
-                        HOST_BROADCAST, RANKS_PER_ROOT, USE_COMM_NONBLOCKING, ENABLE_TIMING, WATCHDOG_INTERVAL, DEBUG,
+ALL: tuple[Var, ...] = (STORE_SECRET, STORE_TIMEOUT, STORE_MAX_VALUE_SIZE, STORE_IDLE_TIMEOUT, USE_AGENT_STORE,
+                        HOST_ADDR, HOST_BROADCAST, RANKS_PER_ROOT, USE_COMM_NONBLOCKING, ENABLE_TIMING, WATCHDOG_INTERVAL, DEBUG,
                         ASYNC_ERROR_HANDLING, BLOCKING_WAIT, HEARTBEAT_TIMEOUT, ENABLE_MONITORING,
                         DUMP_ON_TIMEOUT, DUMP_FILE, NAN_CHECK, KERNEL_CACHE, TRACE_BUFFER_SIZE, TRACE_STACKS,
                         OBJECT_SERIALIZER, OBJECT_MAX_BYTES)

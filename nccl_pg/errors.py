@@ -1,11 +1,30 @@
 """Exception types. Names mirror torch.distributed so that user code that
-catches them ports unchanged; every message is meant to be acted on."""
+catches them ports unchanged; every message is meant to be acted on.
+
+When torch is loaded (before or after nccl_pg; nccl_pg never imports it),
+every error created from then on is also an instance of torch.distributed's
+class of the same family, so ``except torch.distributed.DistStoreError``
+catches our store errors. Python refuses to change the bases of an existing
+class to torch's (their instance layouts differ), so the error created is an
+instance of a subclass of both, made on first use: ``isinstance`` against
+ours and against torch's holds, ``type(exc).__name__`` is unchanged, and it
+pickles as our class.
+"""
 
 from __future__ import annotations
+
+import sys
+from typing import Any
 
 
 class DistError(RuntimeError):
     """Base class of every error raised by nccl_pg."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> DistError:
+        return super().__new__(_torch_compatible(cls), *args)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_ours(type(self)), self.args, self.__dict__ or None)
 
 
 class DistBackendError(DistError):
@@ -14,6 +33,10 @@ class DistBackendError(DistError):
 
 class DistStoreError(DistError):
     """A rendezvous store operation failed or timed out."""
+
+
+class QueueEmptyError(DistStoreError):
+    """``queue_pop(key, block=False)`` found the queue empty."""
 
 
 class DistNetworkError(DistError):
@@ -33,3 +56,32 @@ class NanError(DistError):
         super().__init__(message)
         self.rank, self.group, self.group_desc = rank, group, group_desc
         self.op, self.input, self.index = op, input, index
+
+
+# Our class -> torch.distributed's class of the same family (torch raises
+# DistBackendError for what its NaN check finds).
+_TORCH_NAMES = {DistError: "DistError", DistBackendError: "DistBackendError", DistStoreError: "DistStoreError",
+                QueueEmptyError: "QueueEmptyError", DistNetworkError: "DistNetworkError",
+                NanError: "DistBackendError"}
+_compatible: dict[type, type] = {}  # our class (or a subclass of one) -> the subclass of both
+_OURS_ATTR = "_nccl_pg_class"
+
+
+def _torch_compatible(cls: type) -> type:
+    made = _compatible.get(cls)
+    if made is not None:
+        return made
+    tdist = sys.modules.get("torch.distributed")
+    if tdist is None or cls.__dict__.get(_OURS_ATTR) is not None:
+        return cls
+    theirs = next((getattr(tdist, _TORCH_NAMES[base], None) for base in cls.__mro__ if base in _TORCH_NAMES), None)
+    if not isinstance(theirs, type):  # torch.distributed still importing, or unavailable
+        return cls
+    made = type(cls.__name__, (cls, theirs), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                               "__doc__": cls.__doc__, _OURS_ATTR: cls})
+    _compatible[cls] = made
+    return made
+
+
+def _ours(cls: type) -> type:
+    return cls.__dict__.get(_OURS_ATTR) or cls

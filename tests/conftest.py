@@ -25,7 +25,8 @@ def _skip_unavailable_nccl(request: pytest.FixtureRequest) -> None:
 @pytest.fixture
 def clean_store_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """Store tests set secrets and limits explicitly; the environment must not (children inherit this)."""
-    for name in ("NCCL_PG_STORE_SECRET", "NCCL_PG_STORE_MAX_VALUE_SIZE", "NCCL_PG_STORE_TIMEOUT"):
+    for name in ("NCCL_PG_STORE_SECRET", "NCCL_PG_STORE_MAX_VALUE_SIZE", "NCCL_PG_STORE_TIMEOUT",
+                 "NCCL_PG_STORE_IDLE_TIMEOUT"):
         monkeypatch.delenv(name, raising=False)
 
 

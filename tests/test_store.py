@@ -10,6 +10,7 @@ import struct
 import subprocess
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -118,18 +119,19 @@ def test_append(store: Store) -> None:
 
 
 def test_check_delete_num_keys(store: Store) -> None:
-    assert store.num_keys() == 0
+    base = store.num_keys()  # FileStore counts its reference count key, as torch's
+    assert base == (1 if isinstance(store, FileStore) else 0)
     assert store.check([])
     store.set("a", b"1")
     store.add("b", 1)
-    assert store.num_keys() == 2
+    assert store.num_keys() == base + 2
     assert store.check(["a", "b"])
     assert not store.check(["a", "c"])
     assert store.delete_key("a") is True
     assert store.delete_key("a") is False
     assert store.delete_key("never") is False
     assert not store.check(["a"])
-    assert store.num_keys() == 1
+    assert store.num_keys() == base + 1
 
 
 def test_multi_set_multi_get(store: Store) -> None:
@@ -137,7 +139,7 @@ def test_multi_set_multi_get(store: Store) -> None:
     assert store.multi_get(["z", "x", "y"]) == [b"", b"1", b"2"]
     assert store.multi_get([]) == []
     store.multi_set([], [])
-    assert store.num_keys() == 3
+    assert store.num_keys() == 3 + (1 if isinstance(store, FileStore) else 0)
 
 
 def test_wait_released_by_another_thread(store: Store) -> None:
@@ -202,6 +204,7 @@ def test_get_timeout_uses_set_timeout(store: Store, op: str) -> None:
 
 
 def test_bad_arguments(store: Store) -> None:
+    base = store.num_keys()
     with pytest.raises(TypeError, match="keys must be str"):
         store.set(1, b"v")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="k'.*int"):
@@ -233,7 +236,7 @@ def test_bad_arguments(store: Store) -> None:
             store.set_timeout(bad)
     with pytest.raises(TypeError, match="timeout"):
         store.wait(["k"], timeout="1")  # type: ignore[arg-type]
-    assert store.num_keys() == 0  # nothing half-done
+    assert store.num_keys() == base  # nothing half-done
     assert store.timeout == 10
 
 
@@ -244,21 +247,30 @@ def test_prefix_store_namespaces(tmp_path: Path) -> None:
     b.set("k", b"B")
     assert a.add("n", 2) == 2 and b.add("n", 3) == 3
     assert (a.get("k"), b.get("k"), base.get("a/k"), base.get("b/n")) == (b"A", b"B", b"A", b"3")
-    assert base.num_keys() == 4 == a.num_keys()
+    assert base.num_keys() == 4 + 1 == a.num_keys()  # and the file's reference count
     assert a.delete_key("k") and not a.check(["k"]) and b.check(["k"])
     with pytest.raises(DistStoreError, match="a/never"):
         a.wait(["never"], timeout=0.1)
     base.close()
 
 
-def test_num_keys_hides_bookkeeping_keys(tmp_path: Path) -> None:
-    with TCPStore("127.0.0.1", 0, world_size=1, is_master=True, timeout=5) as tcp:
+def test_num_keys_counts_bookkeeping_keys_as_torch(tmp_path: Path) -> None:
+    """torch counts TCPStore's worker counter (only with a world_size) and
+    FileStore's reference counts in num_keys(), but hides the rest and lists none."""
+    with TCPStore("127.0.0.1", 0, is_master=True, timeout=5) as tcp:
         assert tcp.num_keys() == 0
-        tcp.set("k", b"v")
+    with TCPStore("127.0.0.1", 0, world_size=1, is_master=True, timeout=5) as tcp:
         assert tcp.num_keys() == 1
-    with FileStore(tmp_path / "f", world_size=2) as f1, FileStore(tmp_path / "f", world_size=2) as f2:
-        f1.set("k", b"v")
-        assert f1.num_keys() == f2.num_keys() == 1
+        tcp.set("k", b"v")
+        assert tcp.num_keys() == 2 and tcp.list_keys() == ["k"]
+    f1 = FileStore(tmp_path / "f", world_size=2)
+    f2 = FileStore(tmp_path / "f", world_size=2)
+    f1.set("k", b"v")
+    assert f1.num_keys() == f2.num_keys() == 2 and f1.list_keys() == ["k"]
+    f1.close()
+    assert f2.num_keys() == 3  # the count of users that finished appears
+    f2.close()
+    assert HashStore().num_keys() == 0
 
 
 # --- FileStore across processes -------------------------------------------------
@@ -327,26 +339,119 @@ s.close()
     assert not path.exists()
 
 
-def _set_record(key: bytes, value: bytes) -> bytes:
-    """A set record as FileStore writes it: b"S", u32 key length, key, u32 value length, value."""
-    return b"S" + struct.pack("<I", len(key)) + key + struct.pack("<I", len(value)) + value
+def _record(kind: bytes, key: bytes, value: bytes) -> bytes:
+    """A record as docs/STORES.md describes it: kind, u32 key and value lengths,
+    CRC-32 of key and value, CRC-32 of those 13 bytes, then key and value."""
+    part = kind + struct.pack("<III", len(key), len(value), zlib.crc32(key + value))
+    return part + struct.pack("<I", zlib.crc32(part)) + key + value
 
 
-@pytest.mark.parametrize("cut", [2, 7, 12], ids=["in-header", "in-key", "in-value"])
+@pytest.mark.parametrize("cut", [10, 19, 23], ids=["in-head", "in-key", "in-value"])
 def test_file_store_truncated_record_is_repaired(tmp_path: Path, cut: int) -> None:
     path = tmp_path / "store"
     with FileStore(path, timeout=5) as writer:
         writer.set("a", b"1")
         size = path.stat().st_size
         with open(path, "ab") as f:  # a writer that died mid-record
-            f.write(_set_record(b"bbbb", b"value")[:cut])
+            f.write(_record(b"S", b"bbbb", b"value")[:cut])
         assert not writer.check(["bbbb"])  # readers skip the partial record
         assert writer.get("a") == b"1"
         writer.set("c", b"3")  # the next writer cuts it off before appending
-        assert path.stat().st_size == size + len(_set_record(b"c", b"3"))
+        assert path.stat().st_size == size + len(_record(b"S", b"c", b"3"))
         with FileStore(path, timeout=5) as reader:  # replays the whole file from the start
             assert reader.check(["a", "c"]) and not reader.check(["bbbb"])
             assert reader.multi_get(["a", "c"]) == [b"1", b"3"]
+
+
+def _file_with_keys(path: Path, n: int) -> list[int]:
+    """A FileStore file holding keys k0..k{n-1}; returns each record's offset."""
+    with FileStore(path, world_size=2, timeout=5) as s:  # one of two users: the file stays after close
+        offsets = []
+        for i in range(n):
+            offsets.append(path.stat().st_size)
+            s.set(f"k{i}", f"v{i}")
+    return offsets
+
+
+@pytest.mark.parametrize("damage", ["length", "data"])
+def test_file_store_corruption_mid_log_is_an_error_not_a_loss(tmp_path: Path, damage: str) -> None:
+    """A damaged record in the middle of the log raises DistStoreError for every
+    user, and nobody truncates the valid records after it (issue 14 item 8)."""
+    path = tmp_path / "store"
+    offsets = _file_with_keys(path, 30)
+    raw = bytearray(path.read_bytes())
+    at = offsets[10] + (1 if damage == "length" else 17 + 2)  # the key length, or a byte of the key
+    raw[at] ^= 0x40
+    path.write_bytes(bytes(raw))
+    with pytest.raises(DistStoreError, match=r"corrupted: a record('s data)? .*fails its checksum at offset \d+"):
+        FileStore(path, timeout=5)
+    assert path.read_bytes() == raw  # nothing truncated: the 19 records after it are still there
+
+
+def test_file_store_non_utf8_key_in_file(tmp_path: Path) -> None:
+    """A key another program wrote that is not UTF-8 is a DistStoreError naming
+    the offset (issue 14 item 16), and a key that cannot be encoded is refused at the call."""
+    path = tmp_path / "store"
+    _file_with_keys(path, 1)
+    size = path.stat().st_size
+    with open(path, "ab") as f:
+        f.write(_record(b"S", b"\xff\xfebad", b"v"))
+    with pytest.raises(DistStoreError, match=f"not UTF-8 .* at offset {size}"):
+        FileStore(path, timeout=5)
+    with HashStore() as h, pytest.raises(ValueError, match="cannot be encoded as UTF-8"):
+        h.set("\udcff", b"v")
+
+
+@pytest.mark.parametrize("how", ["replaced", "removed"])
+def test_file_store_replaced_under_running_users(tmp_path: Path, how: str) -> None:
+    """Each side of a replaced file would wait forever for the other's keys:
+    detected at the next operation instead (issue 14 item 8)."""
+    path = tmp_path / "store"
+    old = FileStore(path, timeout=5)
+    old.set("a", b"1")
+    os.unlink(path)
+    if how == "replaced":
+        new = FileStore(path, timeout=5)
+        new.set("b", b"2")
+    with pytest.raises(DistStoreError, match=f"{how} by another program"):
+        old.get("a")
+    with pytest.raises(DistStoreError, match=f"{how} by another program"):
+        old.set("c", b"3")
+    if how == "replaced":
+        assert new.check(["b"]) and not new.check(["c"])
+        new.close()
+    old.close()
+
+
+FLOCK_HOLDER = """
+import fcntl, os, signal, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)  # frozen while holding the lock
+"""
+
+
+@pytest.mark.parametrize("op", ["set", "get", "check", "constructor"])
+def test_file_store_lock_held_by_frozen_process(tmp_path: Path, spawn: Spawn, op: str) -> None:
+    """flock has a deadline: a user frozen while holding the lock costs the
+    others a timeout error, not a hang (issue 14 item 6)."""
+    path = tmp_path / "store"
+    store = FileStore(path, timeout=0.5)
+    store.set("k", b"v")
+    holder = spawn(FLOCK_HOLDER, path)
+    assert holder.stdout.readline() == "locked\n"
+    start = time.monotonic()
+    with pytest.raises(DistStoreError, match="timeout: could not lock .* is it frozen"):
+        if op == "constructor":
+            FileStore(path, timeout=0.5)
+        else:
+            getattr(store, op)(*{"set": ("k", b"w"), "get": ("k",), "check": (["k"],)}[op])
+    assert 0.45 < time.monotonic() - start < 5
+    holder.kill()
+    holder.wait(10)
+    assert store.get("k") == b"v"  # the lock died with its holder
+    store.close()
 
 
 def test_file_store_missing_directory(tmp_path: Path) -> None:

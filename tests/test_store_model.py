@@ -1,5 +1,6 @@
 """Property test: random operation sequences give the same results on every
-store as on a plain-dict model of the torch.distributed store semantics."""
+store as on a plain-dict model of the torch.distributed store semantics
+(queues included)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nccl_pg import DistStoreError, FileStore, HashStore, PrefixStore, Store, TCPStore
+from nccl_pg.errors import QueueEmptyError
 
 KEYS = st.sampled_from(["a", "b", "c", "ü/x", ""])
 VALUES = st.binary(max_size=12) | st.sampled_from([b"0", b"7", b"-3"])
@@ -24,13 +26,40 @@ OPS = st.lists(
         st.tuples(st.just("num_keys")),
         st.tuples(st.just("get_present"), KEYS),
         st.tuples(st.just("multi_set"), st.lists(st.tuples(KEYS, VALUES), max_size=3)),
+        st.tuples(st.just("queue_push"), KEYS, VALUES),
+        st.tuples(st.just("queue_pop_nowait"), KEYS),
+        st.tuples(st.just("queue_len"), KEYS),
     ),
     max_size=25,
 )
 
 
-def model_apply(data: dict[str, bytes], op: tuple) -> Any:
+class Model:
+    """Keys with values, and queues beside them under the same names (as torch's)."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.queues: dict[str, list[bytes]] = {}
+
+
+def model_apply(model: Model, op: tuple) -> Any:
     name, *args = op
+    data, queues = model.data, model.queues
+    if name == "queue_push":
+        queues.setdefault(args[0], []).append(args[1])
+        return None
+    if name == "queue_pop_nowait":
+        queue = queues.get(args[0])
+        return queue.pop(0) if queue else "empty"
+    if name == "queue_len":
+        return len(queues.get(args[0], []))
+    if name == "delete_key":
+        existed = args[0] in data or bool(queues.get(args[0]))
+        data.pop(args[0], None)
+        queues.pop(args[0], None)
+        return existed
+    if name == "check":
+        return all(k in data or queues.get(k) for k in args[0])
     if name == "set":
         data[args[0]] = args[1]
     elif name == "add":
@@ -52,10 +81,6 @@ def model_apply(data: dict[str, bytes], op: tuple) -> Any:
         return data[key]
     elif name == "append":
         data[args[0]] = data.get(args[0], b"") + args[1]
-    elif name == "delete_key":
-        return data.pop(args[0], None) is not None
-    elif name == "check":
-        return all(k in data for k in args[0])
     elif name == "num_keys":
         return len(data)
     elif name == "get_present":
@@ -65,12 +90,17 @@ def model_apply(data: dict[str, bytes], op: tuple) -> Any:
     return None
 
 
-def store_apply(store: Store, op: tuple) -> Any:
+def store_apply(store: Store, op: tuple, expected: Any) -> Any:
     name, *args = op
-    if name == "get_present":  # get blocks on a missing key; only ask for present ones
-        return store.get(args[0]) if store.check([args[0]]) else None
+    if name == "get_present":  # get blocks on a key without a value: ask only when the model has one
+        return None if expected is None else store.get(args[0])
     if name == "multi_set":
         return store.multi_set([k for k, _ in args[0]], [v for _, v in args[0]])
+    if name == "queue_pop_nowait":
+        try:
+            return store.queue_pop(args[0], block=False)
+        except QueueEmptyError:
+            return "empty"
     try:
         return getattr(store, name)(*args)
     except DistStoreError:
@@ -101,12 +131,12 @@ def test_random_sequences_match_model(kind: str, ops: list[tuple], tmp_path_fact
             store = tcp_master
             for key in ["a", "b", "c", "ü/x", ""]:
                 tcp_master.delete_key(key)
-    model: dict[str, bytes] = {}
-    base_keys = store.num_keys() if kind in ("tcp", "prefix") else 0
+    model = Model()
+    base_keys = store.num_keys()  # keys of other examples, FileStore's reference count
     try:
         for op in ops:
             expected = model_apply(model, op)
-            got = store_apply(store, op)
+            got = store_apply(store, op, expected)
             if op[0] == "num_keys":
                 got -= base_keys
             assert got == expected, (op, model)

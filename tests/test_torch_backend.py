@@ -236,8 +236,8 @@ def test_error_types_map_to_torch():
                          (errors.NanError("b"), tdist.DistBackendError),
                          (errors.DistStoreError("c"), tdist.DistStoreError),
                          (errors.DistNetworkError("d"), tdist.DistNetworkError)):
-        mapped = to_torch(ours)
-        assert type(mapped) is theirs and str(mapped) == str(ours)
+        mapped = to_torch(ours)  # (ours are torch's already, with torch loaded: nccl_pg/errors.py)
+        assert isinstance(mapped, theirs) and str(mapped) == str(ours)
     other = ValueError("x")
     assert to_torch(other) is other
 

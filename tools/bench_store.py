@@ -5,11 +5,14 @@ Measures, for both stores with the same harness:
      another process and (labelled "in-process") inside the client's process;
   2. the total ops/s of several client processes hammering one server;
   3. the time for N client connections to rendezvous: each connects, adds to a
-     counter, and waits for a key that the N-th arrival sets.
+     counter, and waits for a key that the N-th arrival sets (N up to 10,000);
+  4. the server's memory per connection: its resident set size with N idle
+     connections open (after one request each), minus before, over N.
 
-Each store's server runs in a process of its own; clients run in a pool of
-worker processes, so the orchestrating process never competes for a core
-while a measurement runs. By default servers are pinned to the first CPU and
+Each store's server runs in a process of its own; its clients run in a pool of
+worker processes of their own (the two stores' clients never share a
+process), so the orchestrating process never competes for a core while a
+measurement runs. By default servers are pinned to the first CPU and
 clients to the others (``--pin``). Repeats alternate which store goes first,
 and the median is reported. Rates count only ops the server has applied:
 torch's set() does not wait for an answer, so every timed loop ends with one
@@ -49,6 +52,8 @@ MULTI_KEYS = [f"bench/multi/{i}" for i in range(16)]
 OPS = ("set", "get", "add", "multi_get")
 AGG_OPS = ("set", "get", "add")
 LIBS = ("nccl_pg", "torch")
+PARTS = ("single", "aggregate", "rendezvous", "memory")
+BIG_N = 2000
 STORE_TIMEOUT = 120.0
 BATCH = 50  # ops between clock reads
 
@@ -165,6 +170,7 @@ def _ops(conn: Connection, lib: str, port: int | None, op: str, duration: float,
         conn.send("ready")
         _sleep_until(conn.recv())
         n = 0
+        cpu0 = _own_cpu_s()
         start = time.monotonic()
         end = start + duration
         while True:
@@ -174,7 +180,8 @@ def _ops(conn: Connection, lib: str, port: int | None, op: str, duration: float,
             if time.monotonic() >= end:
                 break
         store.check(["bench/value"])  # the server has applied every op
-        conn.send(n / (time.monotonic() - start))
+        elapsed = time.monotonic() - start
+        conn.send((n / elapsed, n, (_own_cpu_s() - cpu0) / n))
     finally:
         _close(store)
 
@@ -217,12 +224,44 @@ def _rendezvous(conn: Connection, lib: str, port: int, total: int, local: int, p
     conn.send((max(ends, default=0.0), errors[:3]))
 
 
+def _hold(conn: Connection, lib: str, port: int, local: int, prefix: str) -> None:
+    """``local`` threads each open a store, make one request and keep it open
+    until the parent's start time (the parent reads the server's memory meanwhile)."""
+    stores: list[Any] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def one() -> None:
+        try:
+            store = _client(lib, port)
+            store.add(prefix + "held", 1)
+            with lock:
+                stores.append(store)
+        except Exception as exc:
+            with lock:
+                errors.append(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(local)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    conn.send("ready")
+    _sleep_until(conn.recv())
+    for store in stores:
+        _close(store)
+    stores.clear()
+    conn.send((len(threads) - len(errors), errors[:3]))
+
+
 def _worker_main(conn: Connection, cpus: set[int] | None) -> None:
     _setup_process(cpus)
+    threading.stack_size(256 * 1024)  # thousands of client threads per worker
+    jobs: dict[str, Callable[..., None]] = {"ops": _ops, "rdv": _rendezvous, "hold": _hold}
     while (msg := conn.recv()) is not None:
         kind, args = msg
         try:
-            (_ops if kind == "ops" else _rendezvous)(conn, *args)
+            jobs[kind](conn, *args)
         except Exception as exc:
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
@@ -243,13 +282,16 @@ class Pool:
             self.conns.append(parent)
             self.procs.append(proc)
 
-    def run(self, kind: str, jobs: list[tuple], lead: float = 0.05) -> list[Any]:
+    def run(self, kind: str, jobs: list[tuple], lead: float = 0.05,
+            on_ready: Callable[[], None] | None = None) -> list[Any]:
         """Send one job per worker, wait until all are ready, start them together."""
         conns = self.conns[:len(jobs)]
         for conn, job in zip(conns, jobs, strict=True):
             conn.send((kind, job))
         for conn in conns:
             _expect(conn.recv(), "ready")
+        if on_ready is not None:
+            on_ready()
         start = time.monotonic() + lead
         for conn in conns:
             conn.send(start)
@@ -269,6 +311,19 @@ class Pool:
 def _expect(msg: Any, want: str) -> None:
     if msg != want:
         raise RuntimeError(f"worker failed: {msg[1] if isinstance(msg, tuple) else msg!r}")
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds a process has used (Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss(pid: int) -> int:
+    """Resident set size of a process, in bytes (Linux)."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
 def _start_servers(ctx: Any, cpus: set[int] | None) -> dict[str, tuple[int, Connection, Any]]:
@@ -315,50 +370,98 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     server_cpus, client_cpus = _placement(args.pin)
     servers = _start_servers(ctx, server_cpus)
-    pool = Pool(ctx, args.procs, client_cpus)
-    res: dict[str, Any] = {"single_remote": {}, "single_inproc": {}, "aggregate": {}, "rendezvous": {}}
+    # Each store's clients run in worker processes of their own: torch's client
+    # leaves work behind in a process that ours would then share it with.
+    pools = {lib: Pool(ctx, args.procs, client_cpus) for lib in LIBS}
+    res: dict[str, Any] = {"single_remote": {}, "single_inproc": {}, "aggregate": {}, "aggregate_cpu": {},
+                           "rendezvous": {}, "rendezvous_server_cpu": {}, "memory": {}}
     try:
         for label, remote in (("single_remote", True), ("single_inproc", False)):
+            if "single" not in args.parts:
+                break
             for op in OPS:
                 samples: dict[str, list[float]] = {lib: [] for lib in LIBS}
                 for order in _orders(args.reps):
                     for lib in order:
                         port = servers[lib][0] if remote else None
-                        ((_, rate),) = pool.run("ops", [(lib, port, op, args.duration, args.warmup)])
+                        ((_, (rate, _, _)),) = pools[lib].run("ops", [(lib, port, op, args.duration, args.warmup)])
                         samples[lib].append(rate)
                 res[label][op] = samples
                 _progress(label, op, samples)
-        for op in AGG_OPS:
+        for op in AGG_OPS if "aggregate" in args.parts else ():
             samples = {lib: [] for lib in LIBS}
+            costs: dict[str, list[tuple[float, float]]] = {lib: [] for lib in LIBS}
             for order in _orders(args.agg_reps):
                 for lib in order:
                     jobs = [(lib, servers[lib][0], op, args.agg_duration, args.warmup)] * args.procs
-                    samples[lib].append(sum(rate for _, rate in pool.run("ops", jobs)))
+                    server_cpu0 = _cpu_s(servers[lib][2].pid)
+                    results = [r for _, r in pools[lib].run("ops", jobs)]
+                    ops = sum(n for _, n, _ in results)
+                    samples[lib].append(sum(rate for rate, _, _ in results))
+                    costs[lib].append((statistics.mean(c for _, _, c in results),
+                                       (_cpu_s(servers[lib][2].pid) - server_cpu0) / ops))
             res["aggregate"][op] = samples
+            res["aggregate_cpu"][op] = costs
             _progress("aggregate", op, samples)
         trial = 0
-        for n in args.clients:
+        for n in args.clients if "rendezvous" in args.parts else ():
             samples = {lib: [] for lib in LIBS}
-            for i, order in enumerate(_orders(args.rdv_reps + 1)):
+            cpu: dict[str, list[float]] = {lib: [] for lib in LIBS}
+            # Thousands of client threads load the whole (shared) machine: one
+            # round each past BIG_N, after the smaller sizes' warm-up.
+            rounds = _orders(args.rdv_reps + 1) if n <= BIG_N else [(), *_orders(1)]
+            for i, order in enumerate(rounds):
                 for lib in order:
                     trial += 1
                     shares = [n // args.procs + (p < n % args.procs) for p in range(args.procs)]
                     jobs = [(lib, servers[lib][0], n, k, f"rdv/{trial}/") for k in shares if k]
-                    results = pool.run("rdv", jobs, lead=0.2)
+                    cpu0 = _cpu_s(servers[lib][2].pid)
+                    results = pools[lib].run("rdv", jobs, lead=0.2)
                     errors = [e for _, (_, errs) in results for e in errs]
                     if errors:
                         raise RuntimeError(f"{lib} rendezvous of {n} failed: {errors[:3]}")
+                    time.sleep(0.2)  # let the server retire the closed connections
                     if i:  # the first round is warm-up
                         samples[lib].append(max(end for _, (end, _) in results) - results[0][0])
-                    time.sleep(0.2)  # let the server retire the closed connections
+                        cpu[lib].append(_cpu_s(servers[lib][2].pid) - cpu0)
             res["rendezvous"][n] = samples
+            res["rendezvous_server_cpu"][n] = cpu
             _progress("rendezvous", n, samples)
+        if "memory" in args.parts:
+            fresh = _start_servers(ctx, server_cpus)  # memory freed by earlier rounds would hide the growth
+            try:
+                for lib in LIBS:  # memory per connection, at the largest N
+                    res["memory"][lib] = _memory(pools[lib], lib, fresh[lib], max(args.clients), args.procs)
+            finally:
+                _stop_servers(fresh)
     finally:
-        pool.close()
-        for _, conn, proc in servers.values():
-            conn.send(None)
-            proc.join(10)
+        for pool in pools.values():
+            pool.close()
+        _stop_servers(servers)
     return res
+
+
+def _stop_servers(servers: dict[str, tuple[int, Connection, Any]]) -> None:
+    for _, conn, proc in servers.values():
+        conn.send(None)
+        proc.join(10)
+
+
+def _memory(pool: Pool, lib: str, server: tuple[int, Connection, Any], n: int, procs: int) -> dict[str, float]:
+    """The server's resident set growth with ``n`` idle connections open."""
+    port, _, proc = server
+    shares = [n // procs + (p < n % procs) for p in range(procs)]
+    before = _rss(proc.pid)
+    held: list[int] = []
+    results = pool.run("hold", [(lib, port, k, f"hold/{lib}/") for k in shares if k], lead=0.1,
+                       on_ready=lambda: held.append(_rss(proc.pid)))
+    errors = [e for _, (_, errs) in results for e in errs]
+    if errors:
+        raise RuntimeError(f"{lib}: holding {n} connections failed: {errors[:3]}")
+    per = (held[0] - before) / n
+    print(f"  memory {lib}: {per / 1024:.2f} KiB per connection at {n}", file=sys.stderr, flush=True)
+    time.sleep(0.5)  # let the server retire the closed connections
+    return {"connections": n, "rss_before": before, "rss_held": held[0], "per_connection": per}
 
 
 def _progress(label: str, what: object, samples: dict[str, list[float]]) -> None:
@@ -382,20 +485,56 @@ def _table(res: dict[str, Any], args: argparse.Namespace) -> str:
             lines.append(f"| {op:<12} | {ours:>13,.0f} | {theirs:>13,.0f} | {ours / theirs:>10.2f} |")
         lines.append("")
 
-    rates(f"Single client, server in another process (median of {args.reps} x {args.duration} s)",
-          res["single_remote"])
-    rates(f"Single client, server thread in the client's process (is_master=True; median of {args.reps})",
-          res["single_inproc"])
-    rates(f"Aggregate: {args.procs} client processes, one server (total ops/s, median of {args.agg_reps} x "
-          f"{args.agg_duration} s)", res["aggregate"])
+    if res["single_remote"]:
+        rates(f"Single client, server in another process (median of {args.reps} x {args.duration} s)",
+              res["single_remote"])
+        rates(f"Single client, server thread in the client's process (is_master=True; median of {args.reps})",
+              res["single_inproc"])
+    if res["aggregate"]:
+        rates(f"Aggregate: {args.procs} client processes, one server (total ops/s, median of {args.agg_reps} x "
+              f"{args.agg_duration} s)", res["aggregate"])
+        lines.append("CPU per operation in the aggregate runs (median; client: a client process's own, server: "
+                     "the server process's over all the clients' operations, from /proc in 10 ms ticks)")
+        lines.append(f"| {'op':<12} | {'nccl_pg client us':>17} | {'torch client us':>15} | "
+                     f"{'nccl_pg server us':>17} | {'torch server us':>15} |")
+        lines.append(f"|{'-' * 14}|{'-' * 18}:|{'-' * 16}:|{'-' * 18}:|{'-' * 16}:|")
+        for op, c in res["aggregate_cpu"].items():
+            cells = [med([x[i] for x in c[lib]]) * 1e6 for i in (0, 1) for lib in LIBS]
+            lines.append(f"| {op:<12} | {cells[0]:>17.1f} | {cells[1]:>15.1f} | {cells[2]:>17.1f} | {cells[3]:>15.1f} |")
+        lines.append("")
+    if res["rendezvous"]:
+        _rendezvous_table(res, args, lines)
+    if res["memory"]:
+        _memory_table(res, lines)
+    return "\n".join(lines)
+
+
+def _rendezvous_table(res: dict[str, Any], args: argparse.Namespace, lines: list[str]) -> None:
+    med = statistics.median
     lines.append(f"Rendezvous: N connections from {args.procs} processes (threads) connect, add, wait for the "
-                 f"last arrival (median of {args.rdv_reps}; ratio = torch time / nccl_pg time)")
-    lines.append(f"| {'N':>5} | {'nccl_pg s':>10} | {'torch s':>10} | {'ours/torch rate':>15} |")
-    lines.append(f"|{'-' * 6}:|{'-' * 11}:|{'-' * 11}:|{'-' * 16}:|")
+                 f"last arrival (median of {args.rdv_reps}, one round past N = {BIG_N}; ratio = torch time / "
+                 f"nccl_pg time; server CPU: what the server process used for the round)")
+    lines.append(f"| {'N':>5} | {'nccl_pg s':>10} | {'torch s':>10} | {'ours/torch rate':>15} | "
+                 f"{'nccl_pg server CPU s':>20} | {'torch server CPU s':>18} |")
+    lines.append(f"|{'-' * 6}:|{'-' * 11}:|{'-' * 11}:|{'-' * 16}:|{'-' * 21}:|{'-' * 19}:|")
     for n, s in res["rendezvous"].items():
         ours, theirs = med(s["nccl_pg"]), med(s["torch"])
-        lines.append(f"| {n:>5} | {ours:>10.3f} | {theirs:>10.3f} | {theirs / ours:>15.2f} |")
-    return "\n".join(lines)
+        cpu = res["rendezvous_server_cpu"][n]
+        lines.append(f"| {n:>5} | {ours:>10.3f} | {theirs:>10.3f} | {theirs / ours:>15.2f} | "
+                     f"{med(cpu['nccl_pg']):>20.2f} | {med(cpu['torch']):>18.2f} |")
+    lines.append("")
+
+
+def _memory_table(res: dict[str, Any], lines: list[str]) -> None:
+    mem = res["memory"]
+    lines.append(f"Server memory with {mem['nccl_pg']['connections']} idle connections open (resident set "
+                 f"growth / N)")
+    lines.append(f"| {'store':<8} | {'RSS before MiB':>14} | {'RSS held MiB':>12} | {'KiB per connection':>18} |")
+    lines.append(f"|{'-' * 10}|{'-' * 15}:|{'-' * 13}:|{'-' * 19}:|")
+    for lib in LIBS:
+        m = mem[lib]
+        lines.append(f"| {lib:<8} | {m['rss_before'] / 2**20:>14.1f} | {m['rss_held'] / 2**20:>12.1f} | "
+                     f"{m['per_connection'] / 1024:>18.2f} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -403,9 +542,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="short run (~40 s)")
     parser.add_argument("--json", metavar="PATH", help="also write every sample as JSON")
     parser.add_argument("--procs", type=int, default=4, help="client processes for aggregate and rendezvous")
-    parser.add_argument("--clients", type=int, nargs="+", default=[64, 256, 1024], help="rendezvous sizes N")
+    parser.add_argument("--clients", type=int, nargs="+", default=[64, 1024, 10000],
+                        help="rendezvous sizes N (the largest also measures memory per connection)")
     parser.add_argument("--torch-dns", choices=["numeric", "system"], default="numeric",
                         help="numeric: preload a shim so torch's address formatting does no reverse DNS")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="what to measure")
     parser.add_argument("--pin", choices=["split", "none"], default="split",
                         help="split: servers on the first CPU, clients on the others")
     args = parser.parse_args(argv)

@@ -1,11 +1,12 @@
 """The Store interface, argument checks shared by every store, and the
 key-value state machine that HashStore, FileStore and the TCPStore server all
-apply (so the semantics of add/compare_set/append are defined once)."""
+apply (so the semantics of add/compare_set/append/queues are defined once)."""
 
 from __future__ import annotations
 
+import os
 import time
-from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
 
@@ -14,8 +15,12 @@ from ..errors import DistStoreError
 Value = bytes | bytearray | memoryview | str
 Timeout = float | int | timedelta
 
-# Keys under this prefix are the stores' own bookkeeping: hidden from num_keys.
-RESERVED_PREFIX = "\x00nccl_pg/"
+# Keys the stores keep for themselves; list_keys() shows neither kind.
+# num_keys() leaves out those under HIDDEN_PREFIX and counts those under
+# COUNTED_PREFIX, as torch counts its own (TCPStore's worker counter,
+# FileStore's reference counts).
+HIDDEN_PREFIX = "\x00nccl_pg/"
+COUNTED_PREFIX = "\x01nccl_pg/"
 
 
 def as_seconds(timeout: Timeout, what: str = "timeout") -> float:
@@ -32,8 +37,14 @@ def as_seconds(timeout: Timeout, what: str = "timeout") -> float:
 
 
 def check_key(key: object) -> str:
+    if type(key) is str and key.isascii():
+        return key
     if not isinstance(key, str):
         raise TypeError(f"store keys must be str, got {type(key).__name__}: {key!r}")
+    try:
+        key.encode()
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"store key {key!r} cannot be encoded as UTF-8 ({exc.reason})") from None
     return key
 
 
@@ -49,7 +60,10 @@ def to_bytes(value: object, key: str) -> bytes:
     if isinstance(value, (bytearray, memoryview)):
         return bytes(value)
     if isinstance(value, str):
-        return value.encode()
+        try:
+            return value.encode()
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"value for key {key!r} cannot be encoded as UTF-8 ({exc.reason})") from None
     raise TypeError(f"value for key {key!r} must be bytes or str, got {type(value).__name__}")
 
 
@@ -58,70 +72,6 @@ def timeout_error(where: str, keys: Sequence[str], missing: Sequence[str], waite
     return DistStoreError(
         f"timeout: waited {waited:.2f} s in {where} for key(s) {list(keys)!r}; still missing: {shown!r}"
     )
-
-
-class Store(ABC):
-    """A key-value store for rendezvous and signalling between ranks.
-
-    Values are bytes (str is encoded as UTF-8). ``get``, ``wait`` and
-    ``multi_get`` block until the keys exist, at most ``timeout`` seconds, then
-    raise DistStoreError naming the keys still missing.
-    """
-
-    def __init__(self, timeout: Timeout = 300.0) -> None:
-        self._timeout = as_seconds(timeout)
-
-    @property
-    def timeout(self) -> float:
-        return self._timeout
-
-    def set_timeout(self, timeout: Timeout) -> None:
-        self._timeout = as_seconds(timeout)
-
-    def _deadline(self, timeout: Timeout | None) -> float:
-        return self._timeout if timeout is None else as_seconds(timeout)
-
-    @abstractmethod
-    def set(self, key: str, value: Value) -> None: ...
-
-    @abstractmethod
-    def get(self, key: str) -> bytes: ...
-
-    @abstractmethod
-    def add(self, key: str, amount: int) -> int: ...
-
-    @abstractmethod
-    def compare_set(self, key: str, expected: Value, desired: Value) -> bytes: ...
-
-    @abstractmethod
-    def wait(self, keys: Sequence[str], timeout: Timeout | None = None) -> None: ...
-
-    @abstractmethod
-    def check(self, keys: Sequence[str]) -> bool: ...
-
-    @abstractmethod
-    def delete_key(self, key: str) -> bool: ...
-
-    @abstractmethod
-    def num_keys(self) -> int: ...
-
-    @abstractmethod
-    def multi_get(self, keys: Sequence[str]) -> list[bytes]: ...
-
-    @abstractmethod
-    def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None: ...
-
-    @abstractmethod
-    def append(self, key: str, value: Value) -> None: ...
-
-    def close(self) -> None:
-        """Release connections or files; the store is unusable afterwards."""
-
-    def __enter__(self) -> Store:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def check_amount(amount: object) -> int:
@@ -140,16 +90,152 @@ def check_multi_set(keys: Sequence[str], values: Sequence[Value]) -> tuple[list[
     return keys, [to_bytes(v, k) for k, v in zip(keys, values, strict=False)]
 
 
+def check_world_size(world_size: object) -> int:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"barrier world_size must be a positive int, got {world_size!r}")
+    return world_size
+
+
+class Store:
+    """A key-value store for rendezvous and signalling between ranks.
+
+    Values are bytes (str is encoded as UTF-8). ``get``, ``wait``,
+    ``multi_get`` and ``queue_pop`` block until the keys exist, at most
+    ``timeout`` seconds, then raise DistStoreError naming the keys still
+    missing.
+
+    As with torch.distributed.Store, a subclass may implement only the basic
+    operations: ``set``, ``get``, ``add``, ``compare_set`` (and ``check`` for
+    ``wait``); ``append``, ``multi_get``, ``multi_set``, ``wait`` and
+    ``barrier`` then fall back on them, and what has no fallback raises
+    NotImplementedError. The stores of this package implement everything.
+    """
+
+    _timeout: float = 300.0  # for subclasses that do not call __init__
+
+    def __init__(self, timeout: Timeout = 300.0) -> None:
+        self._timeout = as_seconds(timeout)
+
+    @property
+    def timeout(self) -> float:
+        return self._timeout
+
+    def set_timeout(self, timeout: Timeout) -> None:
+        self._timeout = as_seconds(timeout)
+
+    def _deadline(self, timeout: Timeout | None) -> float:
+        return self.timeout if timeout is None else as_seconds(timeout)
+
+    def _not_implemented(self, op: str, why: str = "") -> NotImplementedError:
+        return NotImplementedError(f"Not implemented: {type(self).__name__}.{op}(){why}")
+
+    # --- the basic operations: a subclass implements these --------------------
+
+    def set(self, key: str, value: Value) -> None:
+        raise self._not_implemented("set")
+
+    def get(self, key: str) -> bytes:
+        raise self._not_implemented("get")
+
+    def add(self, key: str, amount: int) -> int:
+        raise self._not_implemented("add")
+
+    def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:
+        raise self._not_implemented("compare_set")
+
+    def check(self, keys: Sequence[str]) -> bool:
+        raise self._not_implemented("check")
+
+    def delete_key(self, key: str) -> bool:
+        raise self._not_implemented("delete_key")
+
+    def num_keys(self) -> int:
+        raise self._not_implemented("num_keys")
+
+    def list_keys(self) -> list[str]:
+        raise self._not_implemented("list_keys")
+
+    def clone(self) -> Store:
+        """Another Store object on the same data, as torch's ``clone()``."""
+        raise self._not_implemented("clone")
+
+    def queue_push(self, key: str, value: Value) -> None:
+        raise self._not_implemented("queue_push", ": queue support is not implemented by this store")
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        """Take the oldest value of the queue ``key``; with ``block``, wait up
+        to the timeout for one, else raise QueueEmptyError if there is none."""
+        raise self._not_implemented("queue_pop", ": queue support is not implemented by this store")
+
+    def queue_len(self, key: str) -> int:
+        raise self._not_implemented("queue_len", ": queue support is not implemented by this store")
+
+    # --- the extended operations, with torch's fallbacks ------------------------
+
+    def has_extended_api(self) -> bool:
+        """True when append/multi_get/multi_set are native, not fallbacks."""
+        return False
+
+    def wait(self, keys: Sequence[str], timeout: Timeout | None = None) -> None:
+        keys = check_keys(keys)
+        seconds = self._deadline(timeout)
+        start = time.monotonic()
+        backoff = Backoff(start + seconds)
+        while not self.check(keys):
+            if not backoff.sleep():
+                raise timeout_error(f"{type(self).__name__}.wait", keys, [], time.monotonic() - start)
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        return [self.get(k) for k in check_keys(keys)]
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
+        for key, value in zip(*check_multi_set(keys, values), strict=True):
+            self.set(key, value)
+
+    def append(self, key: str, value: Value) -> None:
+        key = check_key(key)
+        tail = to_bytes(value, key)
+        # compare_set from what we believe is there until nobody raced us.
+        # b"" matches a missing key; getting ``expected`` back means the key
+        # is missing (a match would have returned ``desired``).
+        current = b""
+        while True:
+            desired = current + tail
+            result = to_bytes(self.compare_set(key, current, desired), key)
+            if result == desired:
+                return
+            current = b"" if result == current else result
+
+    def barrier(self, key: str, world_size: int, timeout: Timeout | None = None) -> None:
+        """Block until ``world_size`` callers have called it with ``key`` (once per key)."""
+        key, world_size = check_key(key), check_world_size(world_size)
+        if self.add(key, 1) == world_size:
+            self.set(f"{key}/released", b"1")
+        self.wait([f"{key}/released"], timeout)
+
+    def close(self) -> None:
+        """Release connections or files; the store is unusable afterwards."""
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class KeyValueState:
-    """The data and the update rules; callers provide locking and waiting."""
+    """The data and the update rules; callers provide locking and waiting.
+    Queues live beside the keys, under the same names: a key "exists" for
+    check/wait when it has a value or a non-empty queue."""
 
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
+        self.queues: dict[str, deque[bytes]] = {}  # only non-empty ones
 
     def add(self, key: str, amount: int) -> int:
-        old = self.data.get(key)
+        old = self.data.get(key, b"0")
         try:
-            value = (int(old) if old is not None else 0) + amount
+            value = int(old) + amount
         except ValueError:
             raise DistStoreError(f"add() on key {key!r} whose value {old[:40]!r} is not an integer") from None
         if not -(2**63) <= value < 2**63:
@@ -177,11 +263,62 @@ class KeyValueState:
         self.data[key] = new
         return new
 
+    def delete(self, key: str) -> bool:
+        """Remove the key's value and its queue; True when either existed."""
+        return (self.data.pop(key, None) is not None) | (self.queues.pop(key, None) is not None)
+
+    def queue_push(self, key: str, value: bytes) -> None:
+        queue = self.queues.get(key)
+        if queue is None:
+            self.queues[key] = deque((value,))
+        else:
+            queue.append(value)
+
+    def queue_pop(self, key: str) -> bytes | None:
+        queue = self.queues.get(key)
+        if queue is None:
+            return None
+        value = queue.popleft()
+        if not queue:
+            del self.queues[key]
+        return value
+
+    def queue_len(self, key: str) -> int:
+        queue = self.queues.get(key)
+        return 0 if queue is None else len(queue)
+
     def missing(self, keys: Iterable[str]) -> list[str]:
+        """Keys with neither a value nor a queue (what check and wait look for)."""
+        return [k for k in keys if k not in self.data and k not in self.queues]
+
+    def missing_values(self, keys: Iterable[str]) -> list[str]:
+        """Keys without a value (what get and multi_get wait for)."""
         return [k for k in keys if k not in self.data]
 
     def num_keys(self) -> int:
-        return sum(1 for k in self.data if not k.startswith(RESERVED_PREFIX))
+        return sum(1 for k in self.data if not k.startswith(HIDDEN_PREFIX))
+
+    def list_keys(self) -> list[str]:
+        return [k for k in self.data if not k.startswith((HIDDEN_PREFIX, COUNTED_PREFIX))]
+
+
+_forks = 0
+
+
+def _count_fork() -> None:
+    global _forks
+    _forks += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_count_fork)
+
+
+def fork_count() -> int:
+    """How many times this process's ancestry forked since the import: a
+    store compares it with its own to notice that it is in a forked child
+    (cheaper than os.getpid(), a system call, on every operation)."""
+    return _forks
 
 
 class Backoff:

@@ -6,6 +6,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from ..errors import QueueEmptyError
 from .base import (
     KeyValueState,
     Store,
@@ -29,8 +30,17 @@ class HashStore(Store):
     def _wait_locked(self, keys: list[str], timeout: Timeout | None, op: str) -> None:
         seconds = self._deadline(timeout)
         start = time.monotonic()
-        if not self._cond.wait_for(lambda: not self._state.missing(keys), seconds):
-            raise timeout_error(f"HashStore.{op}", keys, self._state.missing(keys), time.monotonic() - start)
+        # wait also counts a non-empty queue as the key's presence; get and multi_get need values
+        missing = self._state.missing if op == "wait" else self._state.missing_values
+        if not self._cond.wait_for(lambda: not missing(keys), seconds):
+            raise timeout_error(f"HashStore.{op}", keys, missing(keys), time.monotonic() - start)
+
+    def has_extended_api(self) -> bool:
+        return True
+
+    def clone(self) -> HashStore:
+        """The same store (it is shared by threads already), as torch's."""
+        return self
 
     def set(self, key: str, value: Value) -> None:
         key = check_key(key)
@@ -73,11 +83,15 @@ class HashStore(Store):
     def delete_key(self, key: str) -> bool:
         key = check_key(key)
         with self._cond:
-            return self._state.data.pop(key, None) is not None
+            return self._state.delete(key)
 
     def num_keys(self) -> int:
         with self._cond:
             return self._state.num_keys()
+
+    def list_keys(self) -> list[str]:
+        with self._cond:
+            return self._state.list_keys()
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         keys = check_keys(keys)
@@ -97,3 +111,30 @@ class HashStore(Store):
         with self._cond:
             self._state.append(key, value)
             self._cond.notify_all()
+
+    def queue_push(self, key: str, value: Value) -> None:
+        key = check_key(key)
+        value = to_bytes(value, key)
+        with self._cond:
+            self._state.queue_push(key, value)
+            self._cond.notify_all()
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        key = check_key(key)
+        with self._cond:
+            if block:
+                self._wait_queue_locked(key)
+            value = self._state.queue_pop(key)
+            if value is None:
+                raise QueueEmptyError(f"queue_pop({key!r}): queue is empty")
+            return value
+
+    def _wait_queue_locked(self, key: str) -> None:
+        start = time.monotonic()  # a value set under the same key does not count: only the queue's
+        if not self._cond.wait_for(lambda: self._state.queue_len(key) > 0, self.timeout):
+            raise timeout_error("HashStore.queue_pop", [key], [key], time.monotonic() - start)
+
+    def queue_len(self, key: str) -> int:
+        key = check_key(key)
+        with self._cond:
+            return self._state.queue_len(key)

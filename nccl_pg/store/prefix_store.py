@@ -11,6 +11,8 @@ class PrefixStore(Store):
     def __init__(self, prefix: str, store: Store) -> None:
         if not isinstance(prefix, str):
             raise TypeError(f"prefix must be str, got {type(prefix).__name__}")
+        if store is None:  # as torch
+            raise ValueError("PrefixStore: store argument cannot be None")
         if not isinstance(store, Store):
             raise TypeError(f"store must be a Store, got {type(store).__name__}")
         super().__init__(store.timeout)
@@ -21,11 +23,25 @@ class PrefixStore(Store):
         return f"PrefixStore({self.prefix!r}, {self.underlying_store!r})"
 
     @property
+    def _underlying_non_prefix_store(self) -> Store:
+        """The first store below every PrefixStore layer (torch's name)."""
+        store = self.underlying_store
+        while isinstance(store, PrefixStore):
+            store = store.underlying_store
+        return store
+
+    @property
     def timeout(self) -> float:
         return self.underlying_store.timeout
 
     def set_timeout(self, timeout: Timeout) -> None:
         self.underlying_store.set_timeout(timeout)
+
+    def has_extended_api(self) -> bool:
+        return self.underlying_store.has_extended_api()
+
+    def clone(self) -> PrefixStore:
+        return PrefixStore(self.prefix, self.underlying_store.clone())
 
     def _k(self, key: str) -> str:
         return f"{self.prefix}/{check_key(key)}"
@@ -58,6 +74,11 @@ class PrefixStore(Store):
         """Keys in the whole underlying store, as in torch.distributed."""
         return self.underlying_store.num_keys()
 
+    def list_keys(self) -> list[str]:
+        """This namespace's keys, without the prefix."""
+        head = f"{self.prefix}/"
+        return [k[len(head):] for k in self.underlying_store.list_keys() if k.startswith(head)]
+
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         return self.underlying_store.multi_get(self._ks(keys))
 
@@ -66,3 +87,15 @@ class PrefixStore(Store):
 
     def append(self, key: str, value: Value) -> None:
         self.underlying_store.append(self._k(key), value)
+
+    def queue_push(self, key: str, value: Value) -> None:
+        self.underlying_store.queue_push(self._k(key), value)
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        return self.underlying_store.queue_pop(self._k(key), block)
+
+    def queue_len(self, key: str) -> int:
+        return self.underlying_store.queue_len(self._k(key))
+
+    def barrier(self, key: str, world_size: int, timeout: Timeout | None = None) -> None:
+        self.underlying_store.barrier(self._k(key), world_size, timeout)

@@ -2,25 +2,37 @@
 
 Connection set-up (mutual HMAC challenge-response; the secret never travels):
   client -> server   MAGIC (8 bytes) + client nonce (16)
-  server -> client   frame: server nonce (16) + flags (1) + max value size (8)
+  server -> client   frame: server nonce (16) + flags (1) + max value size (i64) + idle timeout (f64, 0: none)
                             + server proof (32: HMAC(secret, "server"|cn|sn), zeros without secret)
   client -> server   frame: client proof (32: HMAC(secret, "client"|sn|cn)) or empty
-  server -> client   frame: status OK, or status ERROR + message, then close
+  server -> client   answer with tag 0: status OK, or FATAL + message, then close
 
-Then request/response frames. A frame is a little-endian u32 length and a
-body. A request body is an op byte and fields; a field is bytes (u32 length +
-data), a list of them (u32 count + fields), an i64 or an f64. A response body
-is a status byte and fields.
+Before the client's proof is accepted the server reads nothing beyond these
+two messages (HELLO_SIZE bytes, then a frame of at most PROOF_SIZE bytes).
+
+Then requests and answers. A frame is a little-endian u32 length and a body.
+A request body is an op byte, a u32 tag chosen by the client (never 0) and
+fields; a field is bytes (u32 length + data), a list of them (u32 count +
+fields), an i64 or an f64. An answer body is the request's tag, a status byte
+and fields. The server handles a connection's requests in order, but a
+blocking request (get, wait, multi_get, queue_pop) does not hold up the ones
+behind it: its answer comes when it can be given, so answers may arrive out
+of order, and the tag pairs them with their requests. SET is never answered
+when it succeeds (like torch's); any failure of a SET closes the connection
+with a FATAL answer. Answers with tag 0 concern the connection: FATAL (the
+server closes it) and GOAWAY (idle too long: no request after this answer
+was handled, the client reconnects).
 """
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import hmac
 import struct
 from enum import IntEnum
 
-MAGIC = b"NCPGST01"
+MAGIC = b"NCPGST02"
 NONCE_SIZE = 16
 PROOF_SIZE = 32
 HELLO_SIZE = len(MAGIC) + NONCE_SIZE
@@ -31,11 +43,14 @@ FRAME_OVERHEAD = 1 << 20
 U32 = struct.Struct("<I")
 I64 = struct.Struct("<q")
 F64 = struct.Struct("<d")
-SERVER_HELLO = struct.Struct(f"<{NONCE_SIZE}sBq{PROOF_SIZE}s")
+SERVER_HELLO = struct.Struct(f"<{NONCE_SIZE}sBqd{PROOF_SIZE}s")
+REQUEST_HEAD = struct.Struct("<IBI")  # frame length, op, tag
+ANSWER_HEAD = struct.Struct("<IIB")   # frame length, tag, status
+CONNECTION_TAG = 0
 
 
 class Op(IntEnum):
-    SET = 1
+    SET = 1           # key, value -> no answer
     GET = 2           # key, timeout -> value (waits)
     ADD = 3           # key, i64 -> i64
     COMPARE_SET = 4   # key, expected, desired -> value
@@ -47,6 +62,10 @@ class Op(IntEnum):
     MULTI_SET = 10    # keys, values -> ()
     APPEND = 11       # key, value -> ()
     PING = 12         # -> ()
+    QUEUE_PUSH = 13   # key, value -> ()
+    QUEUE_POP = 14    # key, timeout (0: do not wait) -> value, or EMPTY
+    QUEUE_LEN = 15    # key -> i64
+    LIST_KEYS = 16    # -> keys
 
 
 class Status(IntEnum):
@@ -54,6 +73,8 @@ class Status(IntEnum):
     TIMEOUT = 1  # field: the keys still missing
     ERROR = 2    # field: a message
     FATAL = 3    # field: a message; the server closes the connection after it
+    GOAWAY = 4   # field: a message; the server handled nothing after it and closes
+    EMPTY = 5    # queue_pop without waiting found the queue empty
 
 
 def proof(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
@@ -64,12 +85,20 @@ def frame(body: bytes) -> bytes:
     return U32.pack(len(body)) + body
 
 
+def request(op: Op, tag: int, fields: bytes = b"") -> bytes:
+    return REQUEST_HEAD.pack(5 + len(fields), op, tag) + fields
+
+
+def answer(tag: int, status: Status, fields: bytes = b"") -> bytes:
+    return ANSWER_HEAD.pack(5 + len(fields), tag, status) + fields
+
+
 def pack_bytes(data: bytes) -> bytes:
     return U32.pack(len(data)) + data
 
 
 def pack_list(items: list[bytes]) -> bytes:
-    return U32.pack(len(items)) + b"".join(U32.pack(len(x)) + x for x in items)
+    return U32.pack(len(items)) + b"".join([U32.pack(len(x)) + x for x in items])
 
 
 class Reader:
@@ -77,35 +106,35 @@ class Reader:
 
     __slots__ = ("buf", "pos")
 
-    def __init__(self, buf: bytes | memoryview, pos: int = 0) -> None:
+    def __init__(self, buf: builtins.bytes | bytearray | memoryview, pos: int = 0) -> None:
         self.buf = buf
         self.pos = pos
 
-    def _take(self, n: int) -> bytes:
+    def _take(self, n: int) -> builtins.bytes:
         end = self.pos + n
         if end > len(self.buf):
             raise ValueError("truncated field")
-        data = bytes(self.buf[self.pos:end])
+        data = builtins.bytes(self.buf[self.pos:end])
         self.pos = end
         return data
 
     def u8(self) -> int:
         return self._take(1)[0]
 
-    def bytes(self) -> bytes:
+    def bytes(self) -> builtins.bytes:
         (n,) = U32.unpack(self._take(4))
         return self._take(n)
 
-    def str(self) -> str:
+    def str(self) -> builtins.str:
         return self.bytes().decode()
 
-    def list(self) -> list[bytes]:
+    def list(self) -> builtins.list[builtins.bytes]:
         (n,) = U32.unpack(self._take(4))
         if n > len(self.buf):  # each item needs at least its 4-byte length
             raise ValueError("list count larger than the frame")
         return [self.bytes() for _ in range(n)]
 
-    def str_list(self) -> list[str]:
+    def str_list(self) -> builtins.list[builtins.str]:
         return [b.decode() for b in self.list()]
 
     def i64(self) -> int:

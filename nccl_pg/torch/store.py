@@ -10,13 +10,14 @@ which the host communicator's init and the watchdog catch.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch.distributed as tdist
 
-from ..errors import DistNetworkError, DistStoreError
+from ..errors import DistNetworkError, DistStoreError, QueueEmptyError
 from ..store.base import Store, Timeout, Value, check_key, check_keys, to_bytes
 
 T = TypeVar("T")
@@ -27,6 +28,8 @@ def _ours(call: Callable[[], T], what: str) -> T:
         return call()
     except tdist.DistNetworkError as exc:
         raise DistNetworkError(f"{what}: {exc}") from exc
+    except tdist.QueueEmptyError as exc:
+        raise QueueEmptyError(f"{what}: {exc}") from exc
     except tdist.DistStoreError as exc:
         raise DistStoreError(f"{what}: {exc}") from exc
 
@@ -100,3 +103,30 @@ class TorchStore(Store):
 
     def append(self, key: str, value: Value) -> None:
         _ours(lambda: self._torch.append(check_key(key), to_bytes(value, key)), f"append({key!r})")
+
+    def list_keys(self) -> list[str]:
+        return list(_ours(self._torch.list_keys, "list_keys()"))
+
+    def has_extended_api(self) -> bool:
+        return bool(self._torch.has_extended_api())
+
+    def clone(self) -> TorchStore:
+        return TorchStore(_ours(self._torch.clone, "clone()"), self.timeout)
+
+    def queue_push(self, key: str, value: Value) -> None:
+        _ours(lambda: self._torch.queue_push(check_key(key), to_bytes(value, key)), f"queue_push({key!r})")
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        key = check_key(key)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            if block:  # bounded by our deadline, as get: wait() sees a non-empty queue
+                self.wait([key], max(deadline - time.monotonic(), 0.001))
+            try:
+                return bytes(_ours(lambda: self._torch.queue_pop(key, False), f"queue_pop({key!r})"))
+            except QueueEmptyError:
+                if not block:
+                    raise  # else another consumer took it first: wait again
+
+    def queue_len(self, key: str) -> int:
+        return int(_ours(lambda: self._torch.queue_len(check_key(key)), f"queue_len({key!r})"))
