@@ -560,10 +560,16 @@ def test_defect12_temporaries_never_synchronize_the_device() -> None:
         for _ in range(3):
             dist.all_gather(keep[:1], keep[1])
             dist.all_to_all(keep[2:3], keep[3:4])
-        dist.barrier()
-        pg._wait_for_pending_works(5)
-        gc.collect()
-        after = simnccl.counters()["cuda"]
+        # Temporaries are released once a later event on the stream is seen complete: a loaded machine may
+        # need another operation or two before that happens.
+        deadline = time.monotonic() + 10
+        while True:
+            dist.barrier()
+            pg._wait_for_pending_works(5)
+            gc.collect()
+            after = simnccl.counters()["cuda"]
+            if after.get("cudaFreeAsync", 0) > before.get("cudaFreeAsync", 0) or time.monotonic() > deadline:
+                break
         assert after.get("cudaFree", 0) == before.get("cudaFree", 0)
         assert after.get("cudaMalloc", 0) == before.get("cudaMalloc", 0)
         assert after.get("cudaFreeAsync", 0) > before.get("cudaFreeAsync", 0)
