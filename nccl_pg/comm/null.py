@@ -10,9 +10,11 @@ It keeps the contract where the contract is about the host side: numpy
 arrays as the host backend takes them, streams whose events are complete
 once recorded (and time like real ones), groups that must balance, abort and
 injected failures that fail the operations that follow and show through
-``async_error()``. What it cannot be is a collective: outputs are left as
-they are (an in-place operation is a no-op; an out-of-place output is not
-written), and ``split`` refuses, since no rank learns the others' colors.
+``async_error()``. What it cannot be is a collective: the communicator
+leaves outputs as they are (an in-place operation is a no-op; an
+out-of-place output is not written; list-shaped outputs, copied out of the
+group layer's temporary buffer, come back zero), and ``split`` refuses,
+since no rank learns the others' colors.
 Not registered by default: ``nccl_pg.testing.register_null_backend()``
 makes ``init_process_group("null", ...)`` use it, in the calling process.
 """
@@ -27,8 +29,8 @@ import numpy as np
 
 from ..errors import DistBackendError
 from ..reduce_op import ReduceOp
-from .base import CommConfig, CommState, Communicator, Event, Stream
-from .host.backend import HostBackend, HostNanScan
+from .base import Backend, CommConfig, CommState, Communicator, Event, Stream
+from .host.backend import HOST, HostNanScan
 
 
 class NullEvent(Event):
@@ -184,17 +186,48 @@ class NullCommunicator(Communicator):
         self._depth -= 1
 
 
-class NullBackend(HostBackend):
-    """numpy arrays as the host backend takes them; copies and NaN scans
-    run at once, in the caller's thread (the streams are always idle)."""
+class NullBackend(Backend):
+    """numpy arrays, taken and checked as the host backend does; copies and
+    NaN scans run at once, in the caller's thread (the streams are always
+    idle)."""
 
     name = "null"
 
     def create(self, store: Any, nranks: int, rank: int, config: CommConfig, device: Any = None) -> NullCommunicator:
         return NullCommunicator(rank, nranks, config)
 
+    def flat(self, array: Any, what: str) -> np.ndarray:
+        return HOST.flat(array, what)
+
+    def dtype(self, array: Any) -> np.dtype:
+        return HOST.dtype(array)
+
+    def writable(self, array: Any) -> bool:
+        return HOST.writable(array)
+
+    def empty(self, count: int, dtype: Any, device: Any = None) -> np.ndarray:
+        # Zeros: the communicator never writes the group layer's temporaries, which list-shaped collectives
+        # then copy into their outputs; those get defined contents.
+        return np.zeros(count, dtype=dtype)
+
     def copy(self, dst: np.ndarray, src: np.ndarray, stream: Stream) -> None:
         np.copyto(dst, src)
+
+    def from_host(self, data: Any, device: Any = None) -> np.ndarray:
+        return HOST.from_host(data, device)
+
+    def to_host(self, array: Any) -> np.ndarray:
+        return HOST.to_host(array)
+
+    def wait_for_caller(self, stream: Stream, device: Any = None) -> None:
+        return None  # the caller is the CPU
+
+    @property
+    def blocking_wait(self) -> bool:
+        return True
+
+    def make_caller_wait(self, event: Event, device: Any = None) -> None:
+        raise AssertionError("the null backend blocks in wait()")
 
     def find_nan(self, arrays: Sequence[Any], stream: Stream | None, trap: Callable[[int], str] | None,
                  device: Any = None) -> HostNanScan:
