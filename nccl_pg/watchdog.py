@@ -136,7 +136,7 @@ class Watchdog:
             # that has one: a group its user dropped (``del pg``) must be freed now.
             groups = works = w = pg = None  # type: ignore[assignment]
             with self._cond:
-                self._pending = [w for w in self._pending if not w._done.is_set()]
+                self._pending = [w for w in self._pending if not w._finished]
                 self._heartbeat = time.monotonic()
                 self._cond.notify_all()
                 self._cond.wait(self._interval)
@@ -259,6 +259,9 @@ _lock = threading.Lock()
 
 def get() -> Watchdog:
     global _watchdog
+    dog = _watchdog
+    if dog is not None:  # once started, read without the lock (every issued operation asks)
+        return dog
     with _lock:
         if _watchdog is None:
             _watchdog = Watchdog()
