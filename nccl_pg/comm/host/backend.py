@@ -15,7 +15,7 @@ from ...nan_check import first_nan_of
 from ...store import Store
 from ..base import Backend, CommConfig, Event, Stream
 from .communicator import HostCommunicator
-from .stream import HostStream
+from .stream import INLINE_BYTES, HostStream
 
 
 def _as_numpy(array: Any, what: str) -> np.ndarray:
@@ -71,7 +71,7 @@ class HostBackend(Backend):
         a = _as_numpy(array, what)
         if not a.flags.c_contiguous:
             raise ValueError(f"{what}: tensors must be contiguous (got an array with strides {a.strides})")
-        return a.reshape(-1)
+        return a if a.ndim == 1 else a.reshape(-1)
 
     def dtype(self, array: Any) -> np.dtype:
         return array.dtype
@@ -84,7 +84,10 @@ class HostBackend(Backend):
 
     def copy(self, dst: np.ndarray, src: np.ndarray, stream: Stream) -> None:
         assert isinstance(stream, HostStream)
-        stream.enqueue(lambda: np.copyto(dst, src))
+        if dst.nbytes <= INLINE_BYTES:
+            stream.run_or_enqueue(lambda: np.copyto(dst, src))
+        else:
+            stream.enqueue(lambda: np.copyto(dst, src))
 
     def from_host(self, data: Any, device: Any = None) -> np.ndarray:
         return np.ascontiguousarray(data)
@@ -109,7 +112,10 @@ class HostBackend(Backend):
             scan.run()  # the caller is the CPU: its arrays are ready now
         else:
             assert isinstance(stream, HostStream)
-            stream.enqueue(scan.run)
+            if sum(a.nbytes for a in arrays) <= INLINE_BYTES:
+                stream.run_or_enqueue(scan.run)
+            else:
+                stream.enqueue(scan.run)
         return scan
 
 
