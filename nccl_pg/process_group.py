@@ -138,6 +138,9 @@ class ProcessGroup:
         env.watchdog_timing()  # contradictory watchdog settings fail here, before the watchdog starts
         self._owner = forks.Owner()  # a forked child's copy of this group must not abort it
         self._backend = get_backend(backend) if isinstance(backend, str) else backend
+        # Where the CPU runs the operations (host, null), one may be complete when issued (nothing queued before
+        # it); a GPU's never is, and asking its event would cost a runtime call per operation.
+        self._may_complete_at_issue = self._backend.blocking_wait
         self._store = store
         self._rank, self._size = rank, size
         self.options = options or Options()
@@ -406,8 +409,9 @@ class ProcessGroup:
                 self._pending.discard(work)
             if self._timing_out:
                 self._timing_out.discard(work)
-            if ran and not work._p2p and work.seq > self._completed_seq:
-                self._completed_seq = work.seq
+            seq = work.seq
+            if ran and not work._p2p and seq > self._completed_seq:
+                self._completed_seq = seq
         if self._hooks:
             hooks = list(self._hooks)
             watchdog.get().call_soon(self, lambda: [h(work._info()) for h in hooks])
@@ -619,11 +623,11 @@ class ProcessGroup:
                nan: list[Pending] | None = None) -> Work:
         """``peers``: None for a collective, else the p2p operation's peers;
         ``nan``: async NaN checks the Work reports. A Work complete already
-        (nothing was left to wait for: the stream was idle) finishes here;
-        only the others are handed to the watchdog."""
+        (a CPU backend whose stream had nothing queued before it) finishes
+        here; only the others are handed to the watchdog."""
         end = stream.record()
         work = Work(self, op_type, seq, outputs, end, start, self._timeout, entries, peers, nan)
-        if not (end.query() and work._poll()):
+        if not (self._may_complete_at_issue and end.query() and work._poll()):
             with self._lock:
                 self._pending.add(work)
             watchdog.get().watch(work)

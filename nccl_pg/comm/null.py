@@ -29,8 +29,8 @@ import numpy as np
 
 from ..errors import DistBackendError
 from ..reduce_op import ReduceOp
-from .base import Backend, CommConfig, CommState, Communicator, Event, Stream
-from .host.backend import HOST, HostNanScan
+from .base import CommConfig, CommState, Communicator, Event, Stream
+from .host.backend import CpuArrays, HostNanScan
 
 
 class NullEvent(Event):
@@ -57,6 +57,8 @@ class NullEvent(Event):
 
 class NullStream(Stream):
     """A stream whose work is done when enqueued: always idle."""
+
+    capturing = False  # never in a CUDA graph (a plain attribute: read on every operation)
 
     def record(self, event: Event | None = None) -> NullEvent:
         ev = NullEvent() if event is None else event
@@ -186,7 +188,7 @@ class NullCommunicator(Communicator):
         self._depth -= 1
 
 
-class NullBackend(Backend):
+class NullBackend(CpuArrays):
     """numpy arrays, taken and checked as the host backend does; copies and
     NaN scans run at once, in the caller's thread (the streams are always
     idle)."""
@@ -196,15 +198,6 @@ class NullBackend(Backend):
     def create(self, store: Any, nranks: int, rank: int, config: CommConfig, device: Any = None) -> NullCommunicator:
         return NullCommunicator(rank, nranks, config)
 
-    def flat(self, array: Any, what: str) -> np.ndarray:
-        return HOST.flat(array, what)
-
-    def dtype(self, array: Any) -> np.dtype:
-        return HOST.dtype(array)
-
-    def writable(self, array: Any) -> bool:
-        return HOST.writable(array)
-
     def empty(self, count: int, dtype: Any, device: Any = None) -> np.ndarray:
         # Zeros: the communicator never writes the group layer's temporaries, which list-shaped collectives
         # then copy into their outputs; those get defined contents.
@@ -212,22 +205,6 @@ class NullBackend(Backend):
 
     def copy(self, dst: np.ndarray, src: np.ndarray, stream: Stream) -> None:
         np.copyto(dst, src)
-
-    def from_host(self, data: Any, device: Any = None) -> np.ndarray:
-        return HOST.from_host(data, device)
-
-    def to_host(self, array: Any) -> np.ndarray:
-        return HOST.to_host(array)
-
-    def wait_for_caller(self, stream: Stream, device: Any = None) -> None:
-        return None  # the caller is the CPU
-
-    @property
-    def blocking_wait(self) -> bool:
-        return True
-
-    def make_caller_wait(self, event: Event, device: Any = None) -> None:
-        raise AssertionError("the null backend blocks in wait()")
 
     def find_nan(self, arrays: Sequence[Any], stream: Stream | None, trap: Callable[[int], str] | None,
                  device: Any = None) -> HostNanScan:

@@ -61,11 +61,9 @@ class HostNanScan:
         return None  # nothing to give back: the result lives in this object
 
 
-class HostBackend(Backend):
-    name = "host"
-
-    def create(self, store: Store, nranks: int, rank: int, config: CommConfig, device: Any = None) -> HostCommunicator:
-        return HostCommunicator.create(store, nranks, rank, config)
+class CpuArrays(Backend):
+    """How a backend whose caller is the CPU takes numpy arrays (the host
+    backend; the null one of comm/null.py)."""
 
     def flat(self, array: Any, what: str) -> np.ndarray:
         a = _as_numpy(array, what)
@@ -78,16 +76,6 @@ class HostBackend(Backend):
 
     def writable(self, array: Any) -> bool:
         return bool(array.flags.writeable)
-
-    def empty(self, count: int, dtype: Any, device: Any = None) -> np.ndarray:
-        return np.empty(count, dtype=dtype)
-
-    def copy(self, dst: np.ndarray, src: np.ndarray, stream: Stream) -> None:
-        assert isinstance(stream, HostStream)
-        if dst.nbytes <= INLINE_BYTES:
-            stream.run_or_enqueue(lambda: np.copyto(dst, src))
-        else:
-            stream.enqueue(lambda: np.copyto(dst, src))
 
     def from_host(self, data: Any, device: Any = None) -> np.ndarray:
         return np.ascontiguousarray(data)
@@ -103,7 +91,24 @@ class HostBackend(Backend):
         return True
 
     def make_caller_wait(self, event: Event, device: Any = None) -> None:
-        raise AssertionError("the host backend blocks in wait()")
+        raise AssertionError(f"the {self.name} backend blocks in wait()")
+
+
+class HostBackend(CpuArrays):
+    name = "host"
+
+    def create(self, store: Store, nranks: int, rank: int, config: CommConfig, device: Any = None) -> HostCommunicator:
+        return HostCommunicator.create(store, nranks, rank, config)
+
+    def empty(self, count: int, dtype: Any, device: Any = None) -> np.ndarray:
+        return np.empty(count, dtype=dtype)
+
+    def copy(self, dst: np.ndarray, src: np.ndarray, stream: Stream) -> None:
+        assert isinstance(stream, HostStream)
+        if dst.nbytes <= INLINE_BYTES:
+            stream.run_or_enqueue(lambda: np.copyto(dst, src))
+        else:
+            stream.enqueue(lambda: np.copyto(dst, src))
 
     def find_nan(self, arrays: Sequence[Any], stream: Stream | None, trap: Callable[[int], str] | None,
                  device: Any = None) -> HostNanScan:

@@ -88,6 +88,8 @@ class HostStream(Stream):
     queued or running work rides on it (fired when it finishes) rather than
     taking a turn of its own in the queue."""
 
+    capturing = False  # never in a CUDA graph (a plain attribute: read on every operation)
+
     def __init__(self, name: str, on_error: Callable[[BaseException], None] | None = None) -> None:
         self.name = name
         self._on_error = on_error
