@@ -1,15 +1,17 @@
 """Counts what one collective does on the hot path, in a fresh process.
 
-    python3 tests/hot_path_counts.py null|host1 [ops]
+    python3 tests/hot_path_counts.py null|host1|hooks [ops]
 
 Runs ``ops`` in-place all_reduces of 1 KB through ``nccl_pg.all_reduce``
 (after a warm-up that fills the flight recorder's ring) on the null
-communicator (world 2) or the host backend (world 1), and prints one JSON
-line of totals over those ops:
+communicator (world 2), the host backend (world 1), or the null
+communicator with a completion hook registered ("hooks"), and prints one
+JSON line of totals over those ops:
 
 - ``store``: requests the group's store received;
 - ``woken``: times a thread other than the caller's woke up (its voluntary
-  context switches, from /proc; null where /proc has no per-thread status);
+  context switches, from /proc; null where /proc has no per-thread status),
+  and ``woken_by``: the same per thread name;
 - ``blocked``: times the caller's thread blocked;
 - ``locks``: lock acquisitions by the caller's thread (every lock and
   condition made after this module started counts them);
@@ -99,7 +101,7 @@ class CountingStore(HashStore):
 
 
 def _switches() -> dict[int, int] | None:
-    """Voluntary context switches per thread id (Linux /proc)."""
+    """Voluntary context switches per native thread id (Linux /proc)."""
     out = {}
     try:
         for tid in os.listdir("/proc/self/task"):
@@ -114,10 +116,12 @@ def _switches() -> dict[int, int] | None:
 
 def count(backend: str, ops: int) -> dict[str, Any]:
     store = CountingStore()
-    if backend == "null":
-        dist.init_process_group(register_null_backend(), store=store, rank=0, world_size=2)
-    else:
+    if backend == "host1":
         dist.init_process_group("host", store=store, rank=0, world_size=1)
+    else:
+        dist.init_process_group(register_null_backend(), store=store, rank=0, world_size=2)
+    if backend == "hooks":
+        dist.group.WORLD._register_on_completion_hook(lambda info: None)
     x = np.zeros(256, np.float32)
     for _ in range(WARMUP):
         dist.all_reduce(x)
@@ -127,9 +131,12 @@ def count(backend: str, ops: int) -> dict[str, Any]:
     for _ in range(ops):
         dist.all_reduce(x)
     store_n, locks_n, sw_after = CountingStore.requests - store_before, _acquired - locks_before, _switches()
-    woken = blocked = None
+    woken = blocked = woken_by = None
     if sw_before is not None and sw_after is not None:
-        woken = sum(n - sw_before.get(tid, 0) for tid, n in sw_after.items() if tid != main_tid)
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        woken_by = {names.get(tid, str(tid)): n - sw_before.get(tid, 0) for tid, n in sw_after.items()
+                    if tid != main_tid}
+        woken = sum(woken_by.values())
         blocked = sw_after[main_tid] - sw_before[main_tid]
 
     calls = 0
@@ -157,8 +164,8 @@ def count(backend: str, ops: int) -> dict[str, Any]:
     net = tracemalloc.get_traced_memory()[0] - start
     tracemalloc.stop()
     dist.destroy_process_group()
-    return {"ops": ops, "store": store_n, "woken": woken, "blocked": blocked, "locks": locks_n, "calls": calls,
-            "peak": peak, "net": net}
+    return {"ops": ops, "store": store_n, "woken": woken, "woken_by": woken_by, "blocked": blocked, "locks": locks_n,
+            "calls": calls, "peak": peak, "net": net}
 
 
 if __name__ == "__main__":

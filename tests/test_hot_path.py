@@ -67,6 +67,18 @@ def test_one_collective_does_no_more_than_counted(backend: str) -> None:
     assert c["net"] <= 16 * 1024, c
 
 
+def test_completion_hooks_wake_only_the_hook_runner() -> None:
+    """With a completion hook registered every finished Work queues a call
+    for the hook runner; that must not wake the poller too (it did: one
+    condition served both, and notify_all woke it on every call)."""
+    c = _counts("hooks")
+    assert c["store"] == 0, c
+    if c["woken_by"] is None:
+        pytest.skip("no per-thread context switch counts here (Linux /proc)")
+    assert c["woken_by"]["nccl_pg-poller"] <= 2, c
+    assert c["woken_by"]["nccl_pg-hooks"] <= OPS, c
+
+
 # --- the null communicator -------------------------------------------------------------------------
 
 
