@@ -540,12 +540,12 @@ class ProcessGroup:
         if live is None or self._closed is not None:
             live = self._ready(join=False)  # creates the communicator, or raises: the group is closed
         comm, stream = live
-        if not lane:
-            comm.join_p2p(stream)
         if lane:
             stream = comm.p2p_stream(stream, None if peer == _ANY_SOURCE else peer, op_type is OpType.SEND, buf)
-        elif isinstance(fingerprint, Fingerprint) and self._coalescing is None and not stream.capturing:
-            self._check_fingerprint(comm, stream, fingerprint)
+        else:
+            comm.join_p2p(stream)
+            if isinstance(fingerprint, Fingerprint) and self._coalescing is None and not stream.capturing:
+                self._check_fingerprint(comm, stream, fingerprint)
         self._backend.wait_for_caller(stream, self._device)
         if stream.capturing:  # into a CUDA graph: it runs at each replay, unnumbered, unrecorded, unwatched,
             # and unchecked for NaNs (a check's result could only be read at a replay)
