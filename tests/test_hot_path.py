@@ -23,6 +23,7 @@ import pytest
 import nccl_pg as dist
 from nccl_pg import backends
 from nccl_pg.comm.base import CommConfig, CommState
+from nccl_pg.comm.host.stream import HostStream
 from nccl_pg.comm.null import NULL, NullCommunicator, NullEvent, NullStream
 from nccl_pg.errors import DistBackendError
 from nccl_pg.store import HashStore
@@ -176,3 +177,66 @@ def test_null_communicator_contract() -> None:
         comm.finalize()
     with pytest.raises(ValueError, match="out of range"):
         NullCommunicator(3, 3, CommConfig())
+
+
+# --- host streams: the idle path --------------------------------------------------------------------
+
+
+@pytest.fixture
+def stream() -> Any:
+    s = HostStream("hot-path-test")
+    yield s
+    s.close()
+
+
+def test_idle_stream_runs_inline_and_its_events_complete_at_once(stream: HostStream) -> None:
+    ran_on: list[int] = []
+    stream.run_or_enqueue(lambda: ran_on.append(threading.get_ident()))
+    assert ran_on == [threading.get_ident()]  # the caller's thread: no round trip
+    assert stream.record().query() and stream.query()
+
+
+def test_work_queued_during_an_inline_task_waits_for_it(stream: HostStream) -> None:
+    order: list[str] = []
+    b_ran = threading.Event()
+
+    def b() -> None:
+        order.append("B")
+        b_ran.set()
+
+    def a() -> None:
+        t = threading.Thread(target=stream.run_or_enqueue, args=(b,))  # the stream is busy: B is queued
+        t.start()
+        t.join(10)
+        assert not b_ran.wait(0.2)  # the stream's thread must not start B while A runs
+        order.append("A")
+
+    stream.run_or_enqueue(a)
+    assert b_ran.wait(10) and order == ["A", "B"]
+    assert stream.synchronize(10)
+
+
+def test_events_recorded_behind_work_fire_when_it_finishes(stream: HostStream) -> None:
+    gate, started = threading.Event(), threading.Event()
+
+    def task() -> None:
+        started.set()
+        assert gate.wait(10)
+
+    stream.enqueue(task)
+    assert started.wait(10)
+    running_behind = stream.record()  # the task runs, nothing queued: fires when it finishes
+    stream.enqueue(lambda: None)
+    queued_behind = stream.record()  # rides on the queued task
+    assert not running_behind.query() and not queued_behind.query()
+    assert not running_behind.synchronize(0.01)  # a bounded wait on a pending event times out
+    waiters = [threading.Thread(target=lambda: results.append(running_behind.synchronize(10))) for _ in range(3)]
+    results: list[bool] = []
+    for w in waiters:
+        w.start()
+    gate.set()
+    for w in waiters:
+        w.join(10)
+    assert results == [True, True, True]  # every waiter is let through
+    assert queued_behind.synchronize(10) and running_behind.elapsed_ms(queued_behind) >= 0
+    assert stream.query()
