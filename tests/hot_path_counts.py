@@ -121,7 +121,9 @@ def count(backend: str, ops: int) -> dict[str, Any]:
     else:
         dist.init_process_group(register_null_backend(), store=store, rank=0, world_size=2)
     if backend == "hooks":
-        dist.group.WORLD._register_on_completion_hook(lambda info: None)
+        pg = dist.group.WORLD
+        assert pg is not None
+        pg._register_on_completion_hook(lambda info: None)
     x = np.zeros(256, np.float32)
     for _ in range(WARMUP):
         dist.all_reduce(x)
