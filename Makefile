@@ -37,7 +37,7 @@ bench: install
 	$(PIP) install -q torch==2.13.0
 	$(PYTHON) tools/bench_store.py
 	$(PYTHON) tools/bench_host.py
-	$(PYTHON) tools/bench_pg_overhead.py
+	$(PYTHON) tools/bench_hot_path.py
 	$(PYTHON) tools/bench_watchdog.py
 	$(PYTHON) tools/bench_scale.py
 	$(PYTHON) tools/bench_recorder.py

@@ -60,8 +60,23 @@ def default_backend_name() -> str:
     return "host"
 
 
+# Backends added at run time (``register_backend``), by lower-case name.
+_registered: dict[str, Backend] = {}
+
+
+def register_backend(name: str, backend: Backend) -> None:
+    """Make ``backend`` available as ``name`` to ``init_process_group`` in
+    this process (e.g. the null backend, nccl_pg.testing.register_null_backend)."""
+    key = name.lower()
+    if key in ("host", "nccl"):
+        raise ValueError(f"backend name {name!r} is taken by a built-in backend")
+    _registered[key] = backend
+
+
 def get_backend(name: str) -> Backend:
     name = name.lower()
+    if name in _registered:
+        return _registered[name]
     if name == "host":
         from .comm.host.backend import HOST
 
@@ -72,4 +87,5 @@ def get_backend(name: str) -> Backend:
         from .comm.nccl.backend import NCCL
 
         return NCCL
-    raise ValueError(f"unknown backend {name!r}; expected 'nccl' or 'host'")
+    extra = "".join(f", {n!r}" for n in sorted(_registered))
+    raise ValueError(f"unknown backend {name!r}; expected 'nccl' or 'host'{extra}")

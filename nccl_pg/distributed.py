@@ -50,12 +50,16 @@ class _World:
     local_sync_counts: dict[tuple[int, ...], int] = field(default_factory=dict)
 
 
+class _ThreadWorld(threading.local):
+    world: _World | None = None  # a class default: reading it never raises (getattr's miss costs ~0.4 µs per op)
+
+
 _global_world = _World()
-_tls = threading.local()
+_tls = _ThreadWorld()
 
 
 def _world() -> _World:
-    return getattr(_tls, "world", None) or _global_world
+    return _tls.world or _global_world
 
 
 def _set_thread_world(world: _World | None) -> None:
@@ -349,6 +353,10 @@ def get_global_rank(group: ProcessGroup, group_rank: int) -> int:
 
 def _resolve(group: Group, op_name: str) -> ProcessGroup | None:
     """The group to run on, or None (with a warning) on a non-member."""
+    if group is None:
+        pg = _world().default_pg
+        if pg is not None:
+            return pg
     if group is NON_GROUP_MEMBER:
         me = _world().default_pg.rank() if _world().default_pg is not None else -1
         warnings.warn(f"Running {op_name} on global rank {me} which does not belong to the given group.",

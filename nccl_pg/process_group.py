@@ -138,6 +138,9 @@ class ProcessGroup:
         env.watchdog_timing()  # contradictory watchdog settings fail here, before the watchdog starts
         self._owner = forks.Owner()  # a forked child's copy of this group must not abort it
         self._backend = get_backend(backend) if isinstance(backend, str) else backend
+        # Where the CPU runs the operations (host, null), one may be complete when issued (nothing queued before
+        # it); a GPU's never is, and asking its event would cost a runtime call per operation.
+        self._may_complete_at_issue = self._backend.blocking_wait
         self._store = store
         self._rank, self._size = rank, size
         self.options = options or Options()
@@ -153,6 +156,7 @@ class ProcessGroup:
         self._creating: Communicator | None = None  # an init in progress, for abort() to reach
         self._abort_requested = False  # set by abort() without the lock, for an init in progress to see
         self._stream: Stream | None = None
+        self._live: tuple[Communicator, Stream] | None = None  # both, once set up: _ready's path without the lock
         self._split_from: ProcessGroup | None = None  # lazy: split this parent's communicator at first use
         self._seq = 0
         self._seq_p2p = 0
@@ -246,14 +250,17 @@ class ProcessGroup:
         """The communicator and the group's stream; with ``join``, work
         enqueued next waits for the point-to-point operations the backend
         ran apart from the stream (``Communicator.p2p_stream``)."""
-        with self._lock:
-            self._check_open()
-            if self._comm is None:
-                self._set_comm(self._create_comm())
-            assert self._comm is not None and self._stream is not None
-            if join:
-                self._comm.join_p2p(self._stream)
-            return self._comm, self._stream
+        live = self._live
+        if live is None or self._closed is not None:  # first use, or closed (raises): under the lock
+            with self._lock:
+                self._check_open()
+                if self._comm is None:
+                    self._set_comm(self._create_comm())
+                assert self._comm is not None and self._stream is not None
+                live = self._comm, self._stream
+        if join:
+            live[0].join_p2p(live[1])
+        return live
 
     def _create_comm(self) -> Communicator:
         parent = self._split_from
@@ -279,9 +286,10 @@ class ProcessGroup:
 
     def _set_comm(self, comm: Communicator) -> None:
         self._comm = comm
-        self._stream = comm.new_stream(self.options.is_high_priority_stream)
+        self._stream = stream = comm.new_stream(self.options.is_high_priority_stream)
         if self._device is not None and not self._nonblocking:
             comm.wait_ready(self._timeout)
+        self._live = comm, stream
 
     def _eager_init(self) -> None:
         """Create the communicator now (``device_id`` given)."""
@@ -397,10 +405,13 @@ class ProcessGroup:
         # and the group stays usable (no error handling, no abort).
         ran = error is None or isinstance(error, NanError)
         with self._lock:
-            self._pending.discard(work)
-            self._timing_out.discard(work)
-            if ran and not work._p2p:
-                self._completed_seq = max(self._completed_seq, work.seq)
+            if self._pending:
+                self._pending.discard(work)
+            if self._timing_out:
+                self._timing_out.discard(work)
+            seq = work.seq
+            if ran and not work._p2p and seq > self._completed_seq:
+                self._completed_seq = seq
         if self._hooks:
             hooks = list(self._hooks)
             watchdog.get().call_soon(self, lambda: [h(work._info()) for h in hooks])
@@ -413,7 +424,7 @@ class ProcessGroup:
         """``work`` passed its deadline: the diagnosis thread finds out who is
         missing (asking every rank, within a small budget), then fails it."""
         with self._lock:
-            if work in self._timing_out or work._done.is_set():
+            if work in self._timing_out or work._finished:
                 return
             self._timing_out.add(work)
         text = work._timed_out_text()
@@ -525,11 +536,16 @@ class ProcessGroup:
         in debug mode (callers pass ``self._detail and Fingerprint(...)``)."""
         p2p = peer is not None
         lane = p2p and self._coalescing is None
-        comm, stream = self._ready(join=not lane)
+        live = self._live  # _ready() inline: every operation comes here
+        if live is None or self._closed is not None:
+            live = self._ready(join=False)  # creates the communicator, or raises: the group is closed
+        comm, stream = live
         if lane:
             stream = comm.p2p_stream(stream, None if peer == _ANY_SOURCE else peer, op_type is OpType.SEND, buf)
-        elif isinstance(fingerprint, Fingerprint) and self._coalescing is None and not stream.capturing:
-            self._check_fingerprint(comm, stream, fingerprint)
+        else:
+            comm.join_p2p(stream)
+            if isinstance(fingerprint, Fingerprint) and self._coalescing is None and not stream.capturing:
+                self._check_fingerprint(comm, stream, fingerprint)
         self._backend.wait_for_caller(stream, self._device)
         if stream.capturing:  # into a CUDA graph: it runs at each replay, unnumbered, unrecorded, unwatched,
             # and unchecked for NaNs (a check's result could only be read at a replay)
@@ -565,8 +581,9 @@ class ProcessGroup:
         enqueue(comm, stream)
         if after is not None:
             after(stream)
-        return self._watch(op_type, self._seq_p2p if p2p else self._seq, outputs, start, stream, [entry],
-                           self._peers_of(peer), [nan] if nan is not None else None)
+        return self._watch(op_type, self._seq_p2p if p2p else self._seq, outputs, start, stream,
+                           () if entry is None else (entry,), None if peer is None else self._peers_of(peer),
+                           None if nan is None else [nan])
 
     def _peers_of(self, peer: int | None) -> tuple[int, ...] | None:
         if peer is None:
@@ -602,17 +619,19 @@ class ProcessGroup:
                                      outputs if inputs is None else inputs, outputs, p2p)
 
     def _watch(self, op_type: OpType, seq: int, outputs: list[Any], start: Any, stream: Stream,
-               entries: list[Entry | None], peers: tuple[int, ...] | None = None,
+               entries: Sequence[Entry], peers: tuple[int, ...] | None = None,
                nan: list[Pending] | None = None) -> Work:
         """``peers``: None for a collective, else the p2p operation's peers;
-        ``nan``: async NaN checks the Work reports."""
+        ``nan``: async NaN checks the Work reports. A Work complete already
+        (a CPU backend whose stream had nothing queued before it) finishes
+        here; only the others are handed to the watchdog."""
         # With timing, the end event times too (CUDA measures only between two timing events).
         end = stream.record() if start is None or self._comm is None else stream.record(self._comm.new_event(timing=True))
-        work = Work(self, op_type, seq, outputs, end, start, self._timeout,
-                    [e for e in entries if e is not None], peers, nan)
-        with self._lock:
-            self._pending.add(work)
-        watchdog.get().watch(work)
+        work = Work(self, op_type, seq, outputs, end, start, self._timeout, entries, peers, nan)
+        if not (self._may_complete_at_issue and end.query() and work._poll()):
+            with self._lock:
+                self._pending.add(work)
+            watchdog.get().watch(work)
         if self._detail:
             log.info("pg %d rank %d: issued %s seq %d", self.uid, self._rank, op_type.name, seq)
         return work
@@ -656,7 +675,7 @@ class ProcessGroup:
         whole = self._recorder.record_coalesced(self, parts, self._seq, self._seq_p2p, self._op_id, p2p)
         nan, self._coalesced_nan = self._coalesced_nan, []
         return self._watch(op_type, self._seq_p2p if p2p else self._seq, self._coalesced_outputs,
-                           self._coalesce_start, stream, [*parts, whole],
+                           self._coalesce_start, stream, parts if whole is None else [*parts, whole],
                            tuple(sorted({k for k in kinds if k is not None})) if p2p else None, nan or None)
 
     # --- argument helpers -------------------------------------------------------------------

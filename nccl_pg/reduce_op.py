@@ -16,6 +16,8 @@ class ReduceOp(enum.Enum):
     def __repr__(self) -> str:
         return f"ReduceOp.{self.name}"
 
+    __hash__ = object.__hash__  # members are singletons; Enum's hash runs Python code at every dict lookup
+
 
 class PremulSum:
     """PREMUL_SUM with its factor: every input is multiplied by ``factor``
@@ -36,6 +38,8 @@ def make_premul_sum(factor: float) -> PremulSum:
 
 def resolve(op: ReduceOp | PremulSum) -> tuple[ReduceOp, float | None]:
     """The operator and its scale factor; raises for anything else."""
+    if type(op) is ReduceOp and op is not ReduceOp.PREMUL_SUM:  # the common case first (every operation)
+        return op, None
     if isinstance(op, PremulSum):
         return ReduceOp.PREMUL_SUM, op.factor
     if op is ReduceOp.PREMUL_SUM:

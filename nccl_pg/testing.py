@@ -53,6 +53,7 @@ __all__ = [
     "ProcessRanks",
     "RanksFailed",
     "run_ranks",
+    "register_null_backend",
     "run_threads",
     "spawn_threads_and_init_comms",
 ]
@@ -100,6 +101,19 @@ def _traceback(exc: BaseException) -> str:
     """The traceback without the harness's frame that called the rank's code."""
     tb = exc.__traceback__
     return "".join(traceback.format_exception(type(exc), exc, tb.tb_next if tb is not None else None))
+
+
+def register_null_backend() -> str:
+    """Make backend "null" available in this process and return its name:
+    a communicator that sends nothing and completes every operation at once
+    (nccl_pg/comm/null.py), for measuring and counting what the layers above
+    the Communicator contract cost per operation. Not a collective: outputs
+    are left as they are."""
+    from . import backends
+    from .comm.null import NULL
+
+    backends.register_backend(NULL.name, NULL)
+    return NULL.name
 
 
 # --- ranks as threads -------------------------------------------------------------------------

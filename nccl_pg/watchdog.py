@@ -41,7 +41,12 @@ log = logging.getLogger(__name__)
 
 class Watchdog:
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        # One lock, a condition per kind of sleeper, so that each wake-up reaches only whom it concerns: a
+        # completion hook queued (once per finished Work when hooks exist) wakes the hook runner, not the poller.
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)  # the poller sleeps here between polls
+        self._hooks_due = threading.Condition(lock)  # the hook runner waits here for calls
+        self._progress = threading.Condition(lock)  # drain() waits here: a poll or a call is done
         self._pending: list[Work] = []
         self._groups: weakref.WeakSet[ProcessGroup] = weakref.WeakSet()
         self._calls: collections.deque[tuple[object, Callable[[], None]]] = collections.deque()
@@ -87,7 +92,7 @@ class Watchdog:
         """Run ``fn`` on the hook runner; ``owner`` is what ``drain`` waits for."""
         with self._cond:
             self._calls.append((owner, fn))
-            self._cond.notify_all()
+            self._hooks_due.notify()
 
     def drain(self, owner: object, works: Callable[[], list[Work]], timeout: float) -> bool:
         """Wait until ``works()`` have all finished and ``owner``'s queued calls
@@ -101,7 +106,7 @@ class Watchdog:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
-                self._cond.wait(min(left, self._interval))
+                self._progress.wait(min(left, self._interval))
 
     def _busy(self, owner: object) -> bool:
         return owner in self._running or any(o is owner for o, _ in self._calls)
@@ -136,9 +141,9 @@ class Watchdog:
             # that has one: a group its user dropped (``del pg``) must be freed now.
             groups = works = w = pg = None  # type: ignore[assignment]
             with self._cond:
-                self._pending = [w for w in self._pending if not w._done.is_set()]
+                self._pending = [w for w in self._pending if not w._finished]
                 self._heartbeat = time.monotonic()
-                self._cond.notify_all()
+                self._progress.notify_all()
                 self._cond.wait(self._interval)
 
     # --- hook runner ---------------------------------------------------------------------
@@ -147,7 +152,7 @@ class Watchdog:
         while True:
             with self._cond:
                 while not self._calls:
-                    self._cond.wait()
+                    self._hooks_due.wait()
                 owner, fn = self._calls.popleft()
                 self._running.add(owner)
             try:
@@ -157,7 +162,7 @@ class Watchdog:
             finally:
                 with self._cond:
                     self._running.discard(owner)
-                    self._cond.notify_all()
+                    self._progress.notify_all()
             owner = fn = None  # type: ignore[assignment]  # (references to a group: see _poll_loop)
 
     # --- dumps --------------------------------------------------------------------------
@@ -259,6 +264,9 @@ _lock = threading.Lock()
 
 def get() -> Watchdog:
     global _watchdog
+    dog = _watchdog
+    if dog is not None:  # once started, read without the lock (every issued operation asks)
+        return dog
     with _lock:
         if _watchdog is None:
             _watchdog = Watchdog()

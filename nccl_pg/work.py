@@ -15,7 +15,7 @@ import enum
 import numbers
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 # Longest slice wait() blocks on an event before re-checking errors and deadlines.
 _WAIT_SLICE = 0.05
+_monotonic, _time, _allocate_lock = time.monotonic, time.time, threading.Lock
+_finished_cond = threading.Condition(threading.Lock())  # Work._wait_finished's
 
 
 def _wait_seconds(timeout: object) -> float:
@@ -68,6 +70,8 @@ class OpType(enum.Enum):
 
     def __repr__(self) -> str:
         return f"OpType.{self.name}"
+
+    __hash__ = object.__hash__  # members are singletons; Enum's hash runs Python code at every dict lookup
 
 
 @dataclass(frozen=True)
@@ -130,8 +134,12 @@ class Future:
 class Work:
     """One issued operation (or one coalesced group of them)."""
 
+    __slots__ = ("_group", "op_type", "_seq", "_outputs", "_end", "_start", "_timeout", "_issued_mono",
+                 "_issued_wall", "_lock", "_finished", "_waiters", "_error", "_finished_wall", "_future", "_entries", "_started",
+                 "_p2p", "_peers", "_duration_ms", "_nan", "_nan_found", "_captured", "_source", "__weakref__")
+
     def __init__(self, group: ProcessGroup, op_type: OpType, seq: int, outputs: list[Any], end: Event,
-                 start: Event | None, timeout: float, entries: list[Entry] | None = None,
+                 start: Event | None, timeout: float, entries: Sequence[Entry] | None = None,
                  peers: tuple[int, ...] | None = None, nan: list[Pending] | None = None) -> None:
         self._group = group
         self.op_type = op_type
@@ -140,14 +148,15 @@ class Work:
         self._end = end
         self._start = start
         self._timeout = timeout
-        self._issued_mono = time.monotonic()
-        self._issued_wall = time.time()
-        self._lock = threading.Lock()
-        self._done = threading.Event()
+        self._issued_mono = _monotonic()
+        self._issued_wall = _time()
+        self._lock = _allocate_lock()
+        self._finished = False  # successfully or not; set once, under _lock
+        self._waiters = 0  # threads in _wait_finished
         self._error: BaseException | None = None
         self._finished_wall: float | None = None
         self._future: Future | None = None
-        self._entries = entries or []  # flight-recorder entries this Work settles
+        self._entries = entries or ()  # flight-recorder entries this Work settles
         self._started = start is None
         # A point-to-point operation (also a coalesced group of only sends/recvs) is numbered by the p2p
         # count; ``peers`` are the group ranks it exchanges with.
@@ -168,11 +177,11 @@ class Work:
         joins the group's stream back into the capture."""
         work = cls(group, op_type, 0, outputs, end, None, 0.0, None, peers)
         work._captured = True
-        work._done.set()
+        work._finished = True
         return work
 
     def __repr__(self) -> str:
-        state = "pending" if not self._done.is_set() else ("failed" if self._error else "completed")
+        state = "pending" if not self._finished else ("failed" if self._error else "completed")
         return f"Work({self.op_type.name}, seq={self._seq}, group={self._group.group_name!r}, {state})"
 
     # --- completion ----------------------------------------------------------------
@@ -180,7 +189,7 @@ class Work:
     def _poll(self) -> bool:
         """Observe the operation without blocking; True once it has finished
         (successfully or not)."""
-        if self._done.is_set():
+        if self._finished:
             return True
         if not self._started and self._start is not None and self._start.query():
             self._mark_started()
@@ -191,16 +200,30 @@ class Work:
             self._finish(self._describe(error))
         elif time.monotonic() - self._issued_mono > self._timeout:
             self._group._timed_out(self)  # finishes it once it knows which ranks are missing
-        return self._done.is_set()
+        return self._finished
 
     def _nan_error(self) -> NanError | None:
         """The async NaN checks' finding (read once: racing pollers agree)."""
+        if self._nan is None:  # none, or read already (``_nan`` is cleared only once ``_nan_found`` is set)
+            return self._nan_found
         with self._lock:
             if self._nan is not None:
-                pending, self._nan = self._nan, None
-                found = [p.error(self.op_type, self._seq) for p in pending]
+                found = [p.error(self.op_type, self._seq) for p in self._nan]
                 self._nan_found = next((e for e in found if e is not None), None)
+                self._nan = None
             return self._nan_found
+
+    def _wait_finished(self, timeout: float | None = None) -> bool:
+        """Block until whoever polls (the watchdog, a waiter) finished this
+        Work, without polling it; False after ``timeout`` seconds. Rare
+        (tests, diagnostics): the waiters of every Work share one condition,
+        so that a Work costs no Event of its own."""
+        with _finished_cond:
+            self._waiters += 1
+            try:
+                return _finished_cond.wait_for(lambda: self._finished, timeout)
+            finally:
+                self._waiters -= 1
 
     def _describe(self, error: BaseException) -> DistBackendError:
         return DistBackendError(f"{self._where()} failed: {error}")
@@ -240,11 +263,11 @@ class Work:
 
     def _finish(self, error: BaseException | None) -> None:
         if (error is not None and not isinstance(error, NanError) and self._group._error_handling in (1, 3)
-                and not self._done.is_set()):
+                and not self._finished):
             # Modes that end the process do so before any waiter sees the failure (and runs on regardless).
             self._group._handle_error(error)
         with self._lock:
-            if self._done.is_set():
+            if self._finished:
                 return
             self._error = error
             self._finished_wall = time.time()
@@ -255,8 +278,11 @@ class Work:
             if error is None and not self._started and self._start is not None:
                 self._mark_started()
             self._retire(error)
-            self._done.set()
+            self._finished = True
             future = self._future
+        if self._waiters:  # read after the write: a waiter counted later sees the flag (see _wait_finished)
+            with _finished_cond:
+                _finished_cond.notify_all()
         if future is not None:
             self._settle(future)
         self._group._work_finished(self, error)
@@ -295,6 +321,8 @@ class Work:
         reason, instead of queueing behind the failed one."""
         seconds = None if timeout is None else _wait_seconds(timeout)
         limit = None if seconds is None else time.monotonic() + seconds
+        if self._finished and self._error is None and not self._captured:
+            return True  # its end event completed: nothing is left for the CPU or a device stream to wait for
         backend = self._group._backend
         if self._captured:
             backend.make_caller_wait(self._end, self._group._device)
@@ -323,7 +351,7 @@ class Work:
         with self._lock:
             if self._future is None:
                 self._future = Future()
-                if self._done.is_set():
+                if self._finished:
                     self._settle(self._future)
             return self._future
 

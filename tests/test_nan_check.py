@@ -337,7 +337,7 @@ def _async(rank: int, world: int) -> tuple[str | None, str | None, list[float]]:
     if rank == 1:
         x[4] = np.nan
     work = dist.all_reduce(x, async_op=True)
-    assert work._done.wait(10)  # finished by the watchdog: nobody polled or waited
+    assert work._wait_finished(10)  # finished by the watchdog: nobody polled or waited
     error = work.exception()
     caught = None
     try:
@@ -637,7 +637,7 @@ def test_gpu_context_usable_after_a_nan(mode: str) -> None:
         x[5, 9] = cp.nan
         with pytest.raises(NanError, match=r"element 329, index \(5, 9\)"):
             work = pg.allreduce(x)  # raise mode raises here
-            assert work._done.wait(30)  # async: the watchdog fails the Work once it completed
+            assert work._wait_finished(30)  # async: the watchdog fails the Work once it completed
             work.wait()
         y = cp.full(1000, 2.0, cp.float32)
         pg.allreduce(y).wait()

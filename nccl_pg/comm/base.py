@@ -252,11 +252,20 @@ _ML_NUMBERS = frozenset({"bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m
                          "float8_e5m2fnuz", "float8_e4m3b11fnuz", "float8_e3m4", "float8_e8m0fnu"})
 
 
+# The dtypes and reductions that passed the checks below: every operation checks its arrays, and the rules
+# depend only on these keys (``dtype.name`` alone costs microseconds), so each is judged once per process.
+_COMMUNICABLE: set[np.dtype] = set()
+_REDUCIBLE: set[tuple[np.dtype, ReduceOp, bool]] = set()
+
+
 def check_dtype(dtype: np.dtype, what: str) -> None:
     """Refuse element types no backend can communicate (objects hold
     pointers; strings, dates, void and structured records have no reduction
     and no wire format), at the call rather than inside the stream."""
+    if dtype in _COMMUNICABLE:
+        return
     if (dtype.kind in "biufc" and dtype.fields is None) or dtype.name in _ML_NUMBERS:
+        _COMMUNICABLE.add(dtype)
         return
     raise TypeError(f"{what}: arrays of dtype {dtype} cannot be communicated; use a numeric dtype "
                     "(bool, integers, floats, complex, bfloat16, float8)")
@@ -267,6 +276,9 @@ def check_reduction(dtype: np.dtype, op: ReduceOp, scale: float | None, what: st
     reductions, complex only sums, no mean of booleans)."""
     if not isinstance(op, ReduceOp):
         raise TypeError(f"{what}: op must be a ReduceOp, got {op!r}")
+    key = (dtype, op, scale is not None)
+    if key in _REDUCIBLE:
+        return
     if dtype.name in _ML_NUMBERS and dtype.name != "bfloat16":
         raise TypeError(f"{what}: Float8 dtypes are not supported for NCCL reductions")
     if dtype.kind == "c" and op not in (ReduceOp.SUM, ReduceOp.AVG):
@@ -275,6 +287,7 @@ def check_reduction(dtype: np.dtype, op: ReduceOp, scale: float | None, what: st
         raise TypeError(f"{what}: Cannot use {op!r} with boolean inputs")
     if (op is ReduceOp.PREMUL_SUM) != (scale is not None):
         raise ValueError(f"{what}: PREMUL_SUM needs a scale factor, and only PREMUL_SUM takes one")
+    _REDUCIBLE.add(key)
 
 
 class Backend(ABC):

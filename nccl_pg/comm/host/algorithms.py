@@ -38,8 +38,14 @@ class Tag(NamedTuple):
     meta: Meta
 
 
+_code_of: dict[np.dtype, int] = {}  # dtype -> its code, by the dtype itself (``dtype.name`` costs microseconds)
+
+
 def tag(kind: str, dtype: np.dtype, op: ReduceOp | None = None, root: int = NO_ROOT) -> Tag:
-    return Tag(KIND[kind], (_DTYPE_CODE.get(dtype.name, ANY), ANY if op is None else _OP_CODE[op], root))
+    code = _code_of.get(dtype)
+    if code is None:
+        code = _code_of[dtype] = _DTYPE_CODE.get(dtype.name, ANY)
+    return Tag(KIND[kind], (code, ANY if op is None else _OP_CODE[op], root))
 
 
 def _x(mesh: Mesh, t: Tag, sends: list[Send], recvs: list[Recv]) -> None:
@@ -73,15 +79,16 @@ def chunks(start: int, stop: int, itemsize: int) -> list[tuple[int, int]]:
 # --- reduction ----------------------------------------------------------------------
 
 
+_BOOL_UFUNC = {ReduceOp.SUM: np.logical_or, ReduceOp.PRODUCT: np.logical_and, ReduceOp.MIN: np.logical_and,
+               ReduceOp.MAX: np.logical_or}
+_UFUNC = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PREMUL_SUM: np.add, ReduceOp.PRODUCT: np.multiply,
+          ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}
+
+
 def combiner(op: ReduceOp, dtype: np.dtype) -> Callable[[np.ndarray, np.ndarray], None]:
     """acc <- acc (op) x, in place. SUM/AVG/PREMUL_SUM all add here; AVG
     divides and PREMUL_SUM scales around the reduction."""
-    if dtype == np.bool_:
-        fn = {ReduceOp.SUM: np.logical_or, ReduceOp.PRODUCT: np.logical_and, ReduceOp.MIN: np.logical_and,
-              ReduceOp.MAX: np.logical_or}[op]
-    else:
-        fn = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PREMUL_SUM: np.add, ReduceOp.PRODUCT: np.multiply,
-              ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}[op]
+    fn = (_BOOL_UFUNC if dtype == np.bool_ else _UFUNC)[op]
 
     def combine(acc: np.ndarray, x: np.ndarray) -> None:
         fn(acc, x, out=acc)
@@ -122,12 +129,22 @@ def _reduce_in_rank_order(parts: Sequence[np.ndarray], out: np.ndarray, combine:
 # --- collectives ----------------------------------------------------------------------
 
 
+def _alone(mine: np.ndarray, recv: np.ndarray, op: ReduceOp) -> None:
+    """A reduction over one rank: its own contribution (nothing to exchange)."""
+    if mine is not recv:
+        np.copyto(recv, mine)
+    finish(recv, op, 1)
+
+
 def all_reduce(mesh: Mesh, send: np.ndarray, recv: np.ndarray, op: ReduceOp, scale: float | None) -> None:
     n, me = mesh.nranks, mesh.rank
-    t = tag("all_reduce", send.dtype, op)
     mine = prescale(send, op, scale)
+    if n == 1:
+        _alone(mine, recv, op)
+        return
+    t = tag("all_reduce", send.dtype, op)
     combine = combiner(op, send.dtype)
-    if n == 1 or send.nbytes <= SMALL_BYTES * max(1, n // 2):
+    if send.nbytes <= SMALL_BYTES * max(1, n // 2):
         parts = _all_gather_small(mesh, t, mine)
         _reduce_in_rank_order(parts, recv, combine)
     else:
@@ -235,10 +252,14 @@ def reduce(mesh: Mesh, send: np.ndarray, recv: np.ndarray | None, op: ReduceOp, 
            scale: float | None) -> None:
     """``recv`` is only written on the root."""
     n, me = mesh.nranks, mesh.rank
-    t = tag("reduce", send.dtype, op, root)
     mine = prescale(send, op, scale)
+    if n == 1:
+        assert recv is not None
+        _alone(mine, recv, op)
+        return
+    t = tag("reduce", send.dtype, op, root)
     combine = combiner(op, send.dtype)
-    if n == 1 or send.nbytes <= SMALL_BYTES:
+    if send.nbytes <= SMALL_BYTES:
         if me != root:
             _x(mesh, t, [(root, u8(mine))], [])
             return
@@ -285,10 +306,13 @@ def all_gather(mesh: Mesh, send: np.ndarray, recv: np.ndarray) -> None:
 def reduce_scatter(mesh: Mesh, send: np.ndarray, recv: np.ndarray, op: ReduceOp, scale: float | None) -> None:
     """``send`` holds n blocks of recv.size; rank r gets the reduction of block r."""
     n, me = mesh.nranks, mesh.rank
+    mine = prescale(send, op, scale).reshape(n, recv.size)
+    if n == 1:
+        _alone(mine[0], recv, op)
+        return
     t = tag("reduce_scatter", send.dtype, op)
     combine = combiner(op, send.dtype)
-    mine = prescale(send, op, scale).reshape(n, recv.size)
-    if n == 1 or recv.nbytes <= SMALL_BYTES:
+    if recv.nbytes <= SMALL_BYTES:
         theirs = np.empty((n, recv.size), dtype=recv.dtype)
         peers = [p for p in range(n) if p != me]
         _x(mesh, t, [(p, u8(mine[p])) for p in peers], [(p, u8(theirs[p]), None) for p in peers])

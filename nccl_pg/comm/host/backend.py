@@ -15,7 +15,7 @@ from ...nan_check import first_nan_of
 from ...store import Store
 from ..base import Backend, CommConfig, Event, Stream
 from .communicator import HostCommunicator
-from .stream import HostStream
+from .stream import INLINE_BYTES, HostStream
 
 
 def _as_numpy(array: Any, what: str) -> np.ndarray:
@@ -61,30 +61,21 @@ class HostNanScan:
         return None  # nothing to give back: the result lives in this object
 
 
-class HostBackend(Backend):
-    name = "host"
-
-    def create(self, store: Store, nranks: int, rank: int, config: CommConfig, device: Any = None) -> HostCommunicator:
-        return HostCommunicator.create(store, nranks, rank, config)
+class CpuArrays(Backend):
+    """How a backend whose caller is the CPU takes numpy arrays (the host
+    backend; the null one of comm/null.py)."""
 
     def flat(self, array: Any, what: str) -> np.ndarray:
         a = _as_numpy(array, what)
         if not a.flags.c_contiguous:
             raise ValueError(f"{what}: tensors must be contiguous (got an array with strides {a.strides})")
-        return a.reshape(-1)
+        return a if a.ndim == 1 else a.reshape(-1)
 
     def dtype(self, array: Any) -> np.dtype:
         return array.dtype
 
     def writable(self, array: Any) -> bool:
         return bool(array.flags.writeable)
-
-    def empty(self, count: int, dtype: Any, device: Any = None) -> np.ndarray:
-        return np.empty(count, dtype=dtype)
-
-    def copy(self, dst: np.ndarray, src: np.ndarray, stream: Stream) -> None:
-        assert isinstance(stream, HostStream)
-        stream.enqueue(lambda: np.copyto(dst, src))
 
     def from_host(self, data: Any, device: Any = None) -> np.ndarray:
         return np.ascontiguousarray(data)
@@ -100,7 +91,24 @@ class HostBackend(Backend):
         return True
 
     def make_caller_wait(self, event: Event, device: Any = None) -> None:
-        raise AssertionError("the host backend blocks in wait()")
+        raise AssertionError(f"the {self.name} backend blocks in wait()")
+
+
+class HostBackend(CpuArrays):
+    name = "host"
+
+    def create(self, store: Store, nranks: int, rank: int, config: CommConfig, device: Any = None) -> HostCommunicator:
+        return HostCommunicator.create(store, nranks, rank, config)
+
+    def empty(self, count: int, dtype: Any, device: Any = None) -> np.ndarray:
+        return np.empty(count, dtype=dtype)
+
+    def copy(self, dst: np.ndarray, src: np.ndarray, stream: Stream) -> None:
+        assert isinstance(stream, HostStream)
+        if dst.nbytes <= INLINE_BYTES:
+            stream.run_or_enqueue(lambda: np.copyto(dst, src))
+        else:
+            stream.enqueue(lambda: np.copyto(dst, src))
 
     def find_nan(self, arrays: Sequence[Any], stream: Stream | None, trap: Callable[[int], str] | None,
                  device: Any = None) -> HostNanScan:
@@ -109,7 +117,10 @@ class HostBackend(Backend):
             scan.run()  # the caller is the CPU: its arrays are ready now
         else:
             assert isinstance(stream, HostStream)
-            stream.enqueue(scan.run)
+            if sum(a.nbytes for a in arrays) <= INLINE_BYTES:
+                stream.run_or_enqueue(scan.run)
+            else:
+                stream.enqueue(scan.run)
         return scan
 
 

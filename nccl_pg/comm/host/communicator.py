@@ -19,7 +19,7 @@ from ...reduce_op import ReduceOp
 from ...store import PrefixStore, Store, TCPStore
 from ..base import CommConfig, CommState, Communicator, Stream, check_dtype, check_exclude, check_reduction
 from . import algorithms as alg
-from .stream import HostEvent, HostStream
+from .stream import INLINE_BYTES, HostEvent, HostStream
 from .transport import Mesh, MeshBuilder, MeshTimeoutError, Recv, Send, listen
 
 # Stream threads wait this much past the init deadline before giving up on init themselves.
@@ -62,7 +62,7 @@ def _flat(a: Any, what: str) -> np.ndarray:
     if not a.flags.c_contiguous:
         raise ValueError(f"{what}: array must be contiguous")
     check_dtype(a.dtype, what)
-    return a.reshape(-1)
+    return a if a.ndim == 1 else a.reshape(-1)
 
 
 def _out(a: Any, what: str) -> np.ndarray:
@@ -359,20 +359,27 @@ class HostCommunicator(Communicator):
             raise TypeError(f"the host backend needs a HostStream, got {type(stream).__name__}")
         return stream
 
-    def _enqueue(self, stream: Stream, kind: str, fn: Callable[[Mesh], None]) -> None:
+    def _enqueue(self, stream: Stream, kind: str, fn: Callable[[Mesh], None], nbytes: int | None = None) -> None:
+        """``nbytes``: the largest buffer of a collective. With one rank there is nothing to communicate: a
+        collective of up to INLINE_BYTES runs at once in the caller's thread when the stream is idle, rather
+        than waking the stream's thread and waiting for it (larger ones stay on the stream, which the caller
+        may overlap with its own work)."""
         self._usable()
         hs = self._stream(stream)
         if self._group_depth:
             self._group.append((hs, kind, fn))
             return
         self._used_streams.add(hs)
-        hs.enqueue(lambda: self._run(fn))
+        if nbytes is not None and nbytes <= INLINE_BYTES and self.nranks == 1 and self._ready.is_set():
+            hs.run_or_enqueue(lambda: self._run(fn))
+        else:
+            hs.enqueue(lambda: self._run(fn))
 
     def _run(self, fn: Callable[[Mesh], None]) -> None:
         """On the stream's thread: wait for init (nonblocking mode), then run.
         Init ends by its own deadline with the better error (it names the
         missing ranks); this wait is only a backstop, so it allows a grace."""
-        if not self._ready.wait(self.config.timeout + _INIT_GRACE):
+        if not self._ready.is_set() and not self._ready.wait(self.config.timeout + _INIT_GRACE):
             self._fail(DistBackendError(f"timeout: {self.name}: rank {self.rank} was still initializing after "
                                         f"{self.config.timeout:.1f} s when an operation was due"))
         mesh = self._mesh
@@ -408,14 +415,14 @@ class HostCommunicator(Communicator):
         s, r = _flat(send, "all_reduce send"), _out(recv, "all_reduce recv")
         self._same(s, r, "all_reduce", s.size, s.size)
         check_reduction(s.dtype, op, scale, "all_reduce")
-        self._enqueue(stream, "all_reduce", lambda m: alg.all_reduce(m, s, r, op, scale))
+        self._enqueue(stream, "all_reduce", lambda m: alg.all_reduce(m, s, r, op, scale), r.nbytes)
 
     def broadcast(self, send: Any, recv: Any, root: int, stream: Stream) -> None:
         root = self._root(root)
         r = _out(recv, "broadcast recv") if self.rank != root else _flat(recv, "broadcast recv")
         s = _flat(send, "broadcast send") if self.rank == root else r
         self._same(s, r, "broadcast", r.size, r.size)
-        self._enqueue(stream, "broadcast", lambda m: alg.broadcast(m, s, r, root))
+        self._enqueue(stream, "broadcast", lambda m: alg.broadcast(m, s, r, root), r.nbytes)
 
     def reduce(self, send: Any, recv: Any, op: ReduceOp, root: int, stream: Stream,
                scale: float | None = None) -> None:
@@ -425,18 +432,18 @@ class HostCommunicator(Communicator):
         if r is not None:
             self._same(s, r, "reduce", s.size, s.size)
         check_reduction(s.dtype, op, scale, "reduce")
-        self._enqueue(stream, "reduce", lambda m: alg.reduce(m, s, r, op, root, scale))
+        self._enqueue(stream, "reduce", lambda m: alg.reduce(m, s, r, op, root, scale), s.nbytes)
 
     def all_gather(self, send: Any, recv: Any, stream: Stream) -> None:
         s, r = _flat(send, "all_gather send"), _out(recv, "all_gather recv")
         self._same(s, r, "all_gather", s.size, s.size * self.nranks)
-        self._enqueue(stream, "all_gather", lambda m: alg.all_gather(m, s, r))
+        self._enqueue(stream, "all_gather", lambda m: alg.all_gather(m, s, r), r.nbytes)
 
     def reduce_scatter(self, send: Any, recv: Any, op: ReduceOp, stream: Stream, scale: float | None = None) -> None:
         s, r = _flat(send, "reduce_scatter send"), _out(recv, "reduce_scatter recv")
         self._same(s, r, "reduce_scatter", r.size * self.nranks, r.size)
         check_reduction(s.dtype, op, scale, "reduce_scatter")
-        self._enqueue(stream, "reduce_scatter", lambda m: alg.reduce_scatter(m, s, r, op, scale))
+        self._enqueue(stream, "reduce_scatter", lambda m: alg.reduce_scatter(m, s, r, op, scale), s.nbytes)
 
     def all_to_all(self, send: Any, recv: Any, stream: Stream, send_counts: Sequence[int] | None = None,
                    recv_counts: Sequence[int] | None = None) -> None:
@@ -453,7 +460,7 @@ class HostCommunicator(Communicator):
         if len(sc) != n or len(rc) != n or min(sc + rc) < 0:
             raise ValueError(f"all_to_all: counts must be {n} non-negative numbers each")
         self._same(s, r, "all_to_all", sum(sc), sum(rc))
-        self._enqueue(stream, "all_to_all", lambda m: alg.all_to_all(m, s, r, sc, rc))
+        self._enqueue(stream, "all_to_all", lambda m: alg.all_to_all(m, s, r, sc, rc), max(s.nbytes, r.nbytes))
 
     def gather(self, send: Any, recv: Any, root: int, stream: Stream) -> None:
         root = self._root(root)
@@ -461,7 +468,7 @@ class HostCommunicator(Communicator):
         r = _out(recv, "gather recv") if self.rank == root else None
         if r is not None:
             self._same(s, r, "gather", s.size, s.size * self.nranks)
-        self._enqueue(stream, "gather", lambda m: alg.gather(m, s, r, root))
+        self._enqueue(stream, "gather", lambda m: alg.gather(m, s, r, root), s.nbytes * self.nranks)
 
     def scatter(self, send: Any, recv: Any, root: int, stream: Stream) -> None:
         root = self._root(root)
@@ -469,7 +476,7 @@ class HostCommunicator(Communicator):
         s = _flat(send, "scatter send") if self.rank == root else None
         if s is not None:
             self._same(s, r, "scatter", r.size * self.nranks, r.size)
-        self._enqueue(stream, "scatter", lambda m: alg.scatter(m, s, r, root))
+        self._enqueue(stream, "scatter", lambda m: alg.scatter(m, s, r, root), r.nbytes * self.nranks)
 
     def send(self, buf: Any, peer: int, stream: Stream) -> None:
         self._p2p(stream, [(self._peer(peer), alg.u8(_flat(buf, "send buf")))], [])

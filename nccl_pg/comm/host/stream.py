@@ -6,15 +6,23 @@ without blocking, waited on with a deadline, and timed. A stream can wait for
 another stream's event. After an abort the stream keeps draining: aborted
 operations fail at once and markers complete, as CUDA work does after
 ncclCommAbort, so nothing waits on a dead stream.
+
+An idle stream (nothing queued, nothing running) costs no thread round trip
+where none is needed: an event recorded on it is complete at once, and
+``run_or_enqueue`` runs a task in the calling thread (the communicator uses it
+when there is nothing to communicate). A pending event holds a lock, not a
+``threading.Event`` (a Condition and two locks, microseconds to make and set).
 """
 
 from __future__ import annotations
 
+import _thread
 import collections
 import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from ..base import Event, Stream
 
@@ -22,29 +30,50 @@ log = logging.getLogger(__name__)
 
 # How often a stream blocked on another stream's event checks for abort.
 _ABORT_POLL = 0.02
+# Local work up to this size (a copy, a one-rank collective) may run inline on an idle stream
+# (``run_or_enqueue``): the thread round trip would cost more than the work. Larger work stays on the
+# stream's thread, where the caller can overlap it with its own (numpy releases the GIL in copies).
+INLINE_BYTES = 64 * 1024
+
+Task = Callable[[], None]
+_now_ns, _allocate_lock = time.perf_counter_ns, threading.Lock
 
 
 class HostEvent(Event):
-    __slots__ = ("_done", "time_ns")
+    """Complete when ``_gate`` is None; while pending, ``_gate`` is a lock held
+    until the stream reaches the event: waiters block acquiring it (and pass
+    it on), the stream releases it. A lock costs far less than an Event."""
+
+    __slots__ = ("_gate", "time_ns")
 
     def __init__(self) -> None:
-        self._done = threading.Event()
-        self._done.set()  # never recorded: complete, as cudaEventQuery says
+        self._gate: _thread.LockType | None = None  # never recorded: complete, as cudaEventQuery says
         self.time_ns: int | None = None
 
+    def query(self) -> bool:
+        return self._gate is None
+
+    def synchronize(self, timeout: float | None = None) -> bool:
+        gate = self._gate
+        if gate is None:
+            return True
+        if not gate.acquire(True, -1 if timeout is None else max(timeout, 0.0)):
+            return False
+        gate.release()  # the next waiter's turn
+        return True
+
     def _arm(self) -> None:
-        self._done.clear()
+        if self._gate is None:  # recorded again while pending: it completes at the first of its markers, as before
+            gate = _allocate_lock()
+            gate.acquire()
+            self._gate = gate
         self.time_ns = None
 
     def _fire(self) -> None:
-        self.time_ns = time.perf_counter_ns()
-        self._done.set()
-
-    def query(self) -> bool:
-        return self._done.is_set()
-
-    def synchronize(self, timeout: float | None = None) -> bool:
-        return self._done.wait(timeout)
+        gate = self._gate
+        self.time_ns, self._gate = _now_ns(), None
+        if gate is not None:
+            gate.release()
 
     def elapsed_ms(self, end: Event) -> float:
         if not isinstance(end, HostEvent):
@@ -54,18 +83,21 @@ class HostEvent(Event):
         return (end.time_ns - self.time_ns) / 1e6
 
 
-Task = Callable[[], None]
-
-
 class HostStream(Stream):
-    """An in-order queue with a worker thread."""
+    """An in-order queue with a worker thread. An event recorded behind
+    queued or running work rides on it (fired when it finishes) rather than
+    taking a turn of its own in the queue."""
+
+    capturing = False  # never in a CUDA graph (a plain attribute: read on every operation)
 
     def __init__(self, name: str, on_error: Callable[[BaseException], None] | None = None) -> None:
         self.name = name
         self._on_error = on_error
-        self._queue: collections.deque[tuple[str, object]] = collections.deque()
-        self._cond = threading.Condition()
-        self._busy = False
+        # [kind ("task" or "wait"), the task or the event waited for, the events recorded behind it or None]
+        self._queue: collections.deque[list[Any]] = collections.deque()
+        self._cond = threading.Condition(threading.Lock())  # the worker waits here for work
+        self._busy = False  # an item is running (on the worker, or a task inline in a caller)
+        self._then: list[HostEvent] | None = None  # events recorded behind the running item
         self._closing = False
         self.aborted = False
         self._thread = threading.Thread(target=self._run, name=f"nccl_pg-{name}", daemon=True)
@@ -77,29 +109,62 @@ class HostStream(Stream):
     # --- enqueue ---------------------------------------------------------------
 
     def _put(self, kind: str, item: object) -> None:
-        with self._cond:
-            if self._closing:
-                raise RuntimeError(f"{self!r} is closed")
-            self._queue.append((kind, item))
-            self._cond.notify()
+        """Call holding the lock."""
+        if self._closing:
+            raise RuntimeError(f"{self!r} is closed")
+        self._queue.append([kind, item, None])
+        self._cond.notify()
 
     def enqueue(self, task: Task) -> None:
-        self._put("task", task)
+        with self._cond:
+            self._put("task", task)
+
+    def run_or_enqueue(self, task: Task) -> None:
+        """Run ``task`` now in the calling thread when the stream is idle (it
+        would run next anyway, and the caller's thread is free), else enqueue
+        it. The stream is busy while it runs: work enqueued meanwhile waits."""
+        with self._cond:
+            if self._queue or self._busy:
+                self._put("task", task)
+                return
+            if self._closing:
+                raise RuntimeError(f"{self!r} is closed")
+            self._busy = True
+        try:
+            self._run_task(task)
+        finally:
+            self._done()
 
     def record(self, event: Event | None = None) -> HostEvent:
         ev = HostEvent() if event is None else event
         if not isinstance(ev, HostEvent):
             raise TypeError(f"a HostStream records HostEvents, got {type(ev).__name__}")
-        with self._cond:  # arm under the lock so a racing query never sees a stale "complete"
-            ev._arm()
-            self._put("record", ev)
+        with self._cond:  # armed under the lock so a racing query never sees a stale "complete"
+            if self._closing:
+                raise RuntimeError(f"{self!r} is closed")
+            if self._queue:
+                ev._arm()
+                last = self._queue[-1]
+                if last[2] is None:
+                    last[2] = [ev]
+                else:
+                    last[2].append(ev)
+            elif self._busy:
+                ev._arm()
+                if self._then is None:
+                    self._then = [ev]
+                else:
+                    self._then.append(ev)
+            else:
+                ev._fire()  # everything before it has run: complete now
         return ev
 
     def wait_event(self, event: Event) -> None:
         if not isinstance(event, HostEvent):
             raise TypeError(f"a HostStream waits on HostEvents, got {type(event).__name__}")
         if not event.query():
-            self._put("wait", event)
+            with self._cond:
+                self._put("wait", event)
 
     def query(self) -> bool:
         with self._cond:
@@ -113,23 +178,32 @@ class HostStream(Stream):
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._closing:
+                while self._busy or not self._queue:  # busy: a caller runs a task inline
+                    if self._closing and not self._queue:
+                        return
                     self._cond.wait()
-                if not self._queue:
-                    return
-                kind, item = self._queue.popleft()
+                kind, item, self._then = self._queue.popleft()
                 self._busy = True
             try:
                 if kind == "task":
-                    self._run_task(item)  # type: ignore[arg-type]
-                elif kind == "record":
-                    item._fire()  # type: ignore[attr-defined]
+                    self._run_task(item)
                 else:
-                    while not item.synchronize(_ABORT_POLL) and not self.aborted:  # type: ignore[attr-defined]
+                    while not item.synchronize(_ABORT_POLL) and not self.aborted:
                         pass
             finally:
-                with self._cond:
-                    self._busy = False
+                self._done()
+            kind = item = None  # hold no task (and what it references) while idle
+
+    def _done(self) -> None:
+        """The running item finished: fire the events recorded behind it."""
+        with self._cond:
+            self._busy = False
+            then, self._then = self._then, None
+            if then is not None:
+                for ev in then:
+                    ev._fire()
+            if self._queue:
+                self._cond.notify()
 
     def _run_task(self, task: Task) -> None:
         try:
