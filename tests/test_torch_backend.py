@@ -257,6 +257,18 @@ def test_store_adapter_keeps_our_deadlines():
         store.wait(["missing"], timedelta(seconds=0.1))
 
 
+def test_store_adapter_timeouts_of_torchs_file_store_are_store_timeouts(tmp_path):
+    """torch's FileStore reports a wait timeout as a plain RuntimeError: the
+    adapter makes it our DistStoreError saying "timeout", as for torch's other
+    stores, so that a host init over it names who never joined (torch's
+    test_barrier_timeout_full_group looks for "Timed out")."""
+    store = TorchStore(tdist.FileStore(str(tmp_path / "fs"), 1), timeout=0.2)
+    with pytest.raises(errors.DistStoreError, match="Timed out"):
+        store.wait(["missing"])
+    with pytest.raises(errors.DistStoreError, match="timeout"):
+        store.get("missing")
+
+
 def test_registration():
     """Registered by importing nccl_pg.torch, again (idempotent) by hand and
     by the ``torch.backends`` entry point torch runs at import."""

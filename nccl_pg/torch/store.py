@@ -77,9 +77,17 @@ class TorchStore(Store):
 
     def wait(self, keys: Sequence[str], timeout: Timeout | None = None) -> None:
         ks = check_keys(keys)
-        limit = timedelta(seconds=self._deadline(timeout))
+        seconds = self._deadline(timeout)
         waiter = self._waiter()
-        _ours(lambda: waiter.wait(ks, limit), f"wait({ks!r})")
+        try:
+            _ours(lambda: waiter.wait(ks, timedelta(seconds=seconds)), f"wait({ks!r})")
+        except RuntimeError as exc:
+            # torch's FileStore says "Wait timeout" with a plain RuntimeError (its HashStore and TCPStore with a
+            # DistStoreError): a timeout all the same, which callers (init, diagnosis) must recognise as one.
+            if isinstance(exc, DistStoreError) or "timeout" not in str(exc).lower():
+                raise
+            raise DistStoreError(f"timeout: wait({ks!r}) on {self!r}: Timed out after {seconds:g} s "
+                                 f"({exc})") from exc
 
     def check(self, keys: Sequence[str]) -> bool:
         ks = check_keys(keys)
