@@ -138,10 +138,11 @@ def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
 # --- a simulated rank: our wire protocol over asyncio ----------------------------------------------
 
 class Rank:
-    """One simulated rank's connection to our server."""
+    """One simulated rank's connection to our server (the tagged protocol of nccl_pg/store/protocol.py)."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.r, self.w = reader, writer
+        self.tag = 0
 
     @classmethod
     async def connect(cls, port: int) -> Rank:
@@ -152,7 +153,8 @@ class Rank:
         writer.write(P.MAGIC + os.urandom(P.NONCE_SIZE))
         await rank._frame()  # the server's hello (no secret here)
         writer.write(P.frame(b""))
-        if (await rank._frame())[0] != P.Status.OK:
+        tag, status, _ = await rank._answer()
+        if tag != P.CONNECTION_TAG or status != P.Status.OK:
             raise RuntimeError("handshake refused")
         return rank
 
@@ -162,46 +164,68 @@ class Rank:
         (n,) = P.U32.unpack(await self.r.readexactly(4))
         return await self.r.readexactly(n)
 
-    async def call(self, body: bytes) -> bytes:
+    async def _answer(self) -> tuple[int, int, bytes]:
+        """The next answer: (tag, status, fields)."""
+        body = await self._frame()
+        return int.from_bytes(body[:4], "little"), body[4], body[5:]
+
+    def send(self, op: int, fields: bytes) -> int:
+        """Send a request; its answer (if any) is read later with ``reply``. Returns the request's tag."""
         from nccl_pg.store import protocol as P
 
-        self.w.write(P.frame(body))
-        reply = await self._frame()
-        if reply[0] != P.Status.OK:
-            raise RuntimeError(f"store refused: {reply[:80]!r}")
-        return reply[1:]
+        self.tag += 1
+        self.w.write(P.request(P.Op(op), self.tag, fields))
+        return self.tag
 
-    def send(self, body: bytes) -> None:
-        """A request whose answer is read later (a parked wait)."""
+    async def reply(self, tag: int) -> bytes:
+        """The answer to request ``tag`` (this simulator never has two answered requests in flight)."""
         from nccl_pg.store import protocol as P
 
-        self.w.write(P.frame(body))
+        got, status, fields = await self._answer()
+        if got != tag or status != P.Status.OK:
+            raise RuntimeError(f"store answered tag {got} (asked {tag}) with status {status}: {fields[:80]!r}")
+        return fields
+
+    async def call(self, op: int, fields: bytes) -> bytes:
+        return await self.reply(self.send(op, fields))
 
     async def add(self, key: str, n: int) -> int:
         from nccl_pg.store import protocol as P
 
-        return P.I64.unpack(await self.call(bytes([P.Op.ADD]) + P.pack_bytes(key.encode()) + P.I64.pack(n)))[0]
+        return P.I64.unpack(await self.call(P.Op.ADD, P.pack_bytes(key.encode()) + P.I64.pack(n)))[0]
 
-    async def set(self, key: str, value: bytes) -> None:
+    def set(self, key: str, value: bytes) -> None:
+        """A SET is never answered when it succeeds (a failure closes the connection)."""
         from nccl_pg.store import protocol as P
 
-        await self.call(bytes([P.Op.SET]) + P.pack_bytes(key.encode()) + P.pack_bytes(value))
+        self.send(P.Op.SET, P.pack_bytes(key.encode()) + P.pack_bytes(value))
 
     @staticmethod
-    def wait_body(keys: list[str], timeout: float) -> bytes:
+    def wait_fields(keys: list[str], timeout: float) -> bytes:
         from nccl_pg.store import protocol as P
 
-        return bytes([P.Op.WAIT]) + P.pack_list([k.encode() for k in keys]) + P.F64.pack(timeout)
+        return P.pack_list([k.encode() for k in keys]) + P.F64.pack(timeout)
+
+    async def wait(self, keys: list[str], timeout: float) -> None:
+        from nccl_pg.store import protocol as P
+
+        await self.call(P.Op.WAIT, self.wait_fields(keys, timeout))
+
+    def park(self, keys: list[str], timeout: float) -> int:
+        """A wait whose answer is read later (the signal listener's parked wait)."""
+        from nccl_pg.store import protocol as P
+
+        return self.send(P.Op.WAIT, self.wait_fields(keys, timeout))
 
     async def get(self, key: str) -> bytes:
         from nccl_pg.store import protocol as P
 
-        return P.Reader(await self.call(bytes([P.Op.GET]) + P.pack_bytes(key.encode()) + P.F64.pack(60.0))).bytes()
+        return P.Reader(await self.call(P.Op.GET, P.pack_bytes(key.encode()) + P.F64.pack(60.0))).bytes()
 
     async def multi_set(self, keys: list[str], values: list[bytes]) -> None:
         from nccl_pg.store import protocol as P
 
-        await self.call(bytes([P.Op.MULTI_SET]) + P.pack_list([k.encode() for k in keys]) + P.pack_list(values))
+        await self.call(P.Op.MULTI_SET, P.pack_list([k.encode() for k in keys]) + P.pack_list(values))
 
     def close(self) -> None:
         self.w.close()
@@ -219,8 +243,8 @@ async def _rendezvous_ours(port: int, n: int, tag: str) -> float:
     async def one() -> Rank:
         rank = await Rank.connect(port)
         if await rank.add(f"{tag}/count", 1) == n:
-            await rank.set(f"{tag}/go", b"1")
-        await rank.call(Rank.wait_body([f"{tag}/go"], 120.0))
+            rank.set(f"{tag}/go", b"1")
+        await rank.wait([f"{tag}/go"], 120.0)
         return rank
 
     ranks = await asyncio.gather(*(one() for _ in range(n)))
@@ -307,7 +331,7 @@ async def _steady(server: Server, port: int, n: int, window: float) -> dict[str,
     rss0 = server.rss_mb()
     ranks = await _connect_all(port, n)
     for r in ranks:
-        r.send(Rank.wait_body([diagnosis.signal_key(10**9)], diagnosis.PARK))
+        r.park([diagnosis.signal_key(10**9)], diagnosis.PARK)
     await asyncio.sleep(0.5)  # the waits reach the server (counted before the window)
     before, cpu0 = server.stats(), server.cpu_s()
     await asyncio.sleep(window)
@@ -337,18 +361,17 @@ async def _diagnosis_round(server: Server, port: int, n: int, timeout: float, si
     alive = [r for r in range(1, n) if r not in dead]
     ranks = dict(zip(alive, await _connect_all(port, len(alive)), strict=True))
     signal = diagnosis.signal_key(1)
-    for r in ranks.values():
-        r.send(Rank.wait_body([signal], 120.0))
+    parked = {r: rank.park([signal], 120.0) for r, rank in ranks.items()}
 
     async def answer(r: int, rank: Rank) -> None:
         """What the library's listener does (diagnosis.Channel), over the wire."""
-        await rank._frame()  # the parked wait returns: the signal is set
+        await rank.reply(parked[r])  # the parked wait returns: the signal is set
         await rank.get(signal)
         issued = seq - 1 if r in behind else seq
         a = progress.Answer(issued, seq - 1, 0, os.getpid(), "simulated", time.time())
         await rank.multi_set([diagnosis.answer_key(1, ident, r)], [a.encode()])
         if await rank.add(diagnosis.count_key(1, ident), 1) == n:
-            await rank.set(diagnosis.all_key(1, ident), b"1")
+            rank.set(diagnosis.all_key(1, ident), b"1")
 
     answering = [asyncio.create_task(answer(r, rank)) for r, rank in ranks.items() if r not in frozen]
     done = threading.Event()
