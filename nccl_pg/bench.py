@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
 import platform
 import socket
@@ -49,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from . import launcher
+from .timeouts import option_seconds
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "send_recv")
 INPLACE, OUTOFPLACE = "in-place", "out-of-place"
@@ -127,16 +127,6 @@ def _dtype(raw: str) -> str:
     return name
 
 
-def _seconds(raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {raw!r}") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {raw!r}")
-    return value
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--op", choices=OPS, default="all_reduce", help="the operation (default: all_reduce)")
     p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("8"), metavar="SIZE",
@@ -167,7 +157,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="host-overhead mode: time each async_op=True call on its own (µs to issue an op)")
     p.add_argument("--graph", action="store_true",
                    help="capture the iterations into a CUDA graph and time its replays (--backend nccl)")
-    p.add_argument("--timeout", type=_seconds, default=300.0, metavar="S",
+    p.add_argument("--timeout", type=option_seconds, default=300.0, metavar="S",
                    help="process-group timeout: a hung op fails after S seconds (default: 300)")
     p.add_argument("--json", metavar="PATH", help="write every row and the machine as JSON")
     p.add_argument("--plot", metavar="PNG", help="plot time and bus bandwidth against size (needs matplotlib)")

@@ -15,14 +15,14 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import timedelta
 from typing import Any
 
 from . import backends, env
-from .process_group import DEFAULT_TIMEOUT, SHRINK_ABORT, SHRINK_DEFAULT, Options, ProcessGroup, seconds
+from .process_group import DEFAULT_TIMEOUT, SHRINK_ABORT, SHRINK_DEFAULT, Options, ProcessGroup
 from .reduce_op import ReduceOp
 from .rendezvous import rendezvous
 from .store import PrefixStore, Store
+from .timeouts import Timeout, to_seconds
 from .work import OpType, Work
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ def _get_default_group() -> ProcessGroup:
 
 
 def init_process_group(backend: str | None = None, init_method: str | None = None,
-                       timeout: timedelta | float | None = None, world_size: int = -1, rank: int = -1,
+                       timeout: Timeout | None = None, world_size: int = -1, rank: int = -1,
                        store: Store | None = None, group_name: str = "", pg_options: Options | None = None,
                        device_id: Any = None, group_desc: str | None = None) -> None:
     """Create the default group. Its communicator is created at the first
@@ -117,7 +117,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     if pg_options is not None and pg_options.timeout != DEFAULT_TIMEOUT.total_seconds():
         warnings.warn("pg_options._timeout was specified, but timeout kwarg has a default value that will "
                       "always override it.", UserWarning, stacklevel=2)
-    limit = seconds(timeout) if timeout is not None else DEFAULT_TIMEOUT.total_seconds()
+    limit = to_seconds(timeout) if timeout is not None else DEFAULT_TIMEOUT.total_seconds()
     if store is None:
         rdzv = rendezvous(init_method or "env://", rank=rank, world_size=world_size, timeout=limit)
         store, rank, world_size = rdzv.store, rdzv.rank, rdzv.world_size
@@ -228,7 +228,7 @@ def shrink_group(ranks_to_exclude: list[int], group: Group = None, shrink_flags:
     return new
 
 
-def new_group(ranks: Sequence[int] | None = None, timeout: timedelta | float | None = None,
+def new_group(ranks: Sequence[int] | None = None, timeout: Timeout | None = None,
               backend: str | None = None, pg_options: Options | None = None,
               use_local_synchronization: bool = False,
               group_desc: str | None = None) -> ProcessGroup | _NonGroupMember | None:
@@ -263,7 +263,7 @@ def new_group(ranks: Sequence[int] | None = None, timeout: timedelta | float | N
         # must not shift it, or ranks would rendezvous under different names (as torch: they take no number).
         name = str(uid - sum(w.local_sync_counts.values()))
     options = replace(pg_options or parent.options,
-                      timeout=seconds(timeout) if timeout is not None else parent.timeout.total_seconds())
+                      timeout=to_seconds(timeout) if timeout is not None else parent.timeout.total_seconds())
     # A nonblocking parent splits at the subgroup's first use, as torch does (eager or not).
     split_now = w.eager and not use_local_synchronization and not parent._nonblocking
     child = parent._split_for(0 if me in members else None, me, options) if split_now else None
@@ -281,7 +281,7 @@ def new_group(ranks: Sequence[int] | None = None, timeout: timedelta | float | N
     return pg
 
 
-def _set_pg_timeout(timeout: timedelta | float, group: Group = None) -> None:
+def _set_pg_timeout(timeout: Timeout, group: Group = None) -> None:
     pg = _get_default_group() if group is None else group
     if isinstance(pg, ProcessGroup):
         pg._set_default_timeout(timeout)
@@ -572,7 +572,7 @@ def barrier(group: Group = None, async_op: bool = False, device_ids: Sequence[in
     return None if pg is None else _finish(pg.barrier(), async_op)
 
 
-def monitored_barrier(group: Group = None, timeout: timedelta | float | None = None,
+def monitored_barrier(group: Group = None, timeout: Timeout | None = None,
                       wait_all_ranks: bool = False) -> None:
     """A barrier that names the ranks that did not arrive, as torch's: rank 0
     waits ``timeout`` (default: the group's timeout) and raises naming the

@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from .timeouts import parse_seconds
+
 T = TypeVar("T")
 
 
@@ -58,16 +60,6 @@ def parse_int(lo: int | None = None, hi: int | None = None) -> Callable[[str], i
         return value
 
     return parse
-
-
-def parse_seconds(raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError("expected a number of seconds") from None
-    if not value > 0 or value == float("inf"):
-        raise ValueError("must be a finite number of seconds > 0")
-    return value
 
 
 def parse_seconds_at_least(lo: float) -> Callable[[str], float]:

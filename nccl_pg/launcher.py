@@ -24,12 +24,16 @@ from typing import BinaryIO
 from . import env
 from .errors import DistError
 from .store import TCPStoreServer
+from .timeouts import option_seconds
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 EXIT_STATUS_HELP = ("exit status: 0 when every rank exits 0; otherwise that of the first rank to fail (128+N for "
                     "a rank killed by signal N), 128+N when nccl-pg run itself receives signal N, or 124 when "
                     "--max-time expires")
 EXIT_MAX_TIME = 124  # as timeout(1)
+# Seconds between SIGTERM and SIGKILL for ranks asked to stop (torchrun's default wait is 30 s; a rank here
+# only needs to flush output and run its handlers).
+GRACE_PERIOD = 5.0
 READ_SIZE = 65536
 MAX_LINE = 1 << 20  # a longer line without a newline is written out in pieces
 
@@ -40,7 +44,7 @@ class LaunchConfig:
     command: list[str]  # one rank's argv
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0: an ephemeral port chosen by the store server
-    grace_period: float = 5.0
+    grace_period: float = GRACE_PERIOD
     max_time: float | None = None
     prefix: bool = True
 
@@ -54,9 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="address the rendezvous store binds to and ranks connect to (default: 127.0.0.1)")
     parser.add_argument("--master-port", type=port_arg, default=0, metavar="PORT",
                         help="port of the rendezvous store (default: a free port)")
-    parser.add_argument("--grace-period", type=_seconds, default=5.0, metavar="S",
+    parser.add_argument("--grace-period", type=option_seconds, default=GRACE_PERIOD, metavar="S",
                         help="seconds between SIGTERM and SIGKILL when stopping ranks (default: 5)")
-    parser.add_argument("--max-time", type=_seconds, default=None, metavar="S",
+    parser.add_argument("--max-time", type=option_seconds, default=None, metavar="S",
                         help="stop the whole job after S seconds and exit 124")
     parser.add_argument("--no-prefix", dest="prefix", action="store_false",
                         help="let ranks write straight to the terminal instead of prefixing lines with [rankN]:")
@@ -97,13 +101,6 @@ def int_arg(raw: str) -> int:
         return int(raw, 10)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {raw!r}") from None
-
-
-def _seconds(raw: str) -> float:
-    try:
-        return env.parse_seconds(raw)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"{exc}, got {raw!r}") from None
 
 
 # --- the job -----------------------------------------------------------------

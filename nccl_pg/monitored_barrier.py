@@ -20,23 +20,13 @@ and deletes the previous barrier's keys (every rank has passed it by then).
 
 from __future__ import annotations
 
-import math
 import time
-from datetime import timedelta
 
 from .errors import DistBackendError
 from .store import Store
 
 _KEYS = ("arrived", "count", "all", "verdict")
 _OK = b"ok"
-
-
-def barrier_timeout(timeout: timedelta | float) -> float:
-    """Seconds from a timedelta or a number: finite and >= 0 (0: no waiting)."""
-    value = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-    if not (value >= 0 and math.isfinite(value)):
-        raise ValueError(f"monitored_barrier: timeout must be a finite duration >= 0, got {timeout!r}")
-    return value
 
 
 def _ms(seconds: float) -> int:

@@ -26,21 +26,35 @@ import numpy as np
 
 from . import diagnosis, env, flight_recorder, forks, nan_check, progress, watchdog
 from .backends import get_backend
-from .comm.base import Backend, CommConfig, CommState, Communicator, Stream, check_dtype, check_exclude
+from .comm.base import (
+    WAIT_READY_GRACE,
+    Backend,
+    CommConfig,
+    CommState,
+    Communicator,
+    Stream,
+    check_dtype,
+    check_exclude,
+)
 from .errors import DistBackendError, NanError
 from .fingerprint import Fingerprint, mismatch
 from .flight_recorder import Entry
-from .monitored_barrier import barrier_timeout, monitored_barrier
+from .monitored_barrier import monitored_barrier
 from .nan_check import NanCheck, Pending
 from .reduce_op import PremulSum, ReduceOp, resolve
 from .store import PrefixStore, Store
+from .timeouts import Timeout, to_seconds
 from .work import OpType, Work, WorkInfo
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT = timedelta(minutes=10)
+DEFAULT_TIMEOUT = timedelta(minutes=10)  # torch's default for NCCL groups
 # Error-handling modes 1 and 3: how long another failing thread waits for the process to end (it does at once).
 _ENDING_GRACE = 10.0
+# A failure within this long of another dump is most likely its consequence: it dumps no second time.
+_DUMP_QUIET = 30.0
+# After abort() at shutdown the pending Works fail at once; this bounds the watchdog's running of their hooks.
+_ABORTED_DRAIN = 1.0
 # shrink flags (torch's values): stop the parent's in-flight operations first, or not
 SHRINK_DEFAULT = 0x00
 SHRINK_ABORT = 0x01
@@ -60,26 +74,6 @@ _PROFILING_NAME = {
 }
 Enqueue = Callable[[Communicator, Stream], None]
 Checked = Sequence[tuple[str, Any]]  # (argument name, array) pairs a NaN check scans
-
-
-# The longest deadline every blocking primitive can take (threading waits overflow beyond it, ~292 years).
-MAX_TIMEOUT = threading.TIMEOUT_MAX
-
-
-def seconds(timeout: timedelta | float | int) -> float:
-    """A group timeout in seconds: finite and > 0. Every operation of a group
-    has a deadline (the watchdog enforces it), so there is no "no limit"
-    value; inf, nan and what no deadline can hold are refused here, at the
-    call, rather than overflowing at the first collective."""
-    if isinstance(timeout, timedelta):
-        value = timeout.total_seconds()
-    elif isinstance(timeout, (int, float, np.integer, np.floating)) and not isinstance(timeout, bool):
-        value = float(timeout)
-    else:
-        raise TypeError(f"timeout must be a number of seconds or a timedelta, got {type(timeout).__name__}")
-    if not 0 < value <= MAX_TIMEOUT:  # also False for nan
-        raise ValueError(f"timeout must be a finite number of seconds > 0 and <= {MAX_TIMEOUT:.0f}, got {timeout!r}")
-    return value
 
 
 @dataclass
@@ -109,15 +103,15 @@ class Options:
     nan_check: str | None = None
 
     def __post_init__(self) -> None:
-        self.timeout = seconds(self.timeout)
+        self.timeout = to_seconds(self.timeout)
 
     @property
     def _timeout(self) -> timedelta:
         return timedelta(seconds=self.timeout)
 
     @_timeout.setter
-    def _timeout(self, value: timedelta | float) -> None:
-        self.timeout = seconds(value)
+    def _timeout(self, value: Timeout) -> None:
+        self.timeout = to_seconds(value)
 
 
 def _real(dtype: np.dtype) -> np.dtype:
@@ -205,9 +199,9 @@ class ProcessGroup:
         """Sequence number of the last collective issued (0: none yet)."""
         return self._seq
 
-    def _set_default_timeout(self, timeout: timedelta | float) -> None:
+    def _set_default_timeout(self, timeout: Timeout) -> None:
         """Timeout of operations issued from now on (``options._timeout`` follows, as in torch)."""
-        self._timeout = self.options.timeout = seconds(timeout)
+        self._timeout = self.options.timeout = to_seconds(timeout)
 
     @property
     def timeout(self) -> timedelta:
@@ -278,7 +272,7 @@ class ProcessGroup:
             comm.abort()
         if cfg.blocking:
             try:
-                comm.wait_ready(cfg.timeout + 5.0)
+                comm.wait_ready(cfg.timeout + WAIT_READY_GRACE)
             except BaseException:
                 comm.destroy()
                 raise
@@ -514,7 +508,7 @@ class ProcessGroup:
         consequence of the first, whose dumps show where everyone was."""
         from . import dump
 
-        if not dump.written_within(30.0):
+        if not dump.written_within(_DUMP_QUIET):
             dog = watchdog.get()
             dog.write_dump(str(error), self._global_rank_of(self._rank))
             dog.diagnosis.request_dumps(self.diag, f"failure on group {self.uid}: {error}")
@@ -992,12 +986,12 @@ class ProcessGroup:
             raise ValueError(f"{what}: rank {peer} is this rank; send/recv need another rank")
         return peer
 
-    def monitored_barrier(self, timeout: timedelta | float | None = None, wait_all_ranks: bool = False) -> None:
+    def monitored_barrier(self, timeout: Timeout | None = None, wait_all_ranks: bool = False) -> None:
         """A barrier over the group's store that names the ranks that did
         not arrive within ``timeout`` (default: the group's), as torch's;
         see nccl_pg/monitored_barrier.py. Ranks other than 0 wait for rank
         0's verdict up to the longer of ``timeout`` and the group timeout."""
-        limit = self._timeout if timeout is None else barrier_timeout(timeout)
+        limit = self._timeout if timeout is None else to_seconds(timeout, "monitored_barrier timeout", zero=True)
         with self._lock:
             self._check_open()
             self._monitored_barriers += 1
@@ -1026,20 +1020,20 @@ class ProcessGroup:
         if comm is not None:
             comm.abort()
 
-    def shutdown(self, timeout: float | None = None) -> None:
+    def shutdown(self, timeout: Timeout | None = None) -> None:
         """Flush pending operations (bounded by ``timeout``, default the group
-        timeout) and their hooks, then free the communicator; on timeout,
-        abort instead of waiting longer."""
+        timeout; 0: do not wait) and their hooks, then free the communicator;
+        on timeout, abort instead of waiting longer."""
+        limit = self._timeout if timeout is None else to_seconds(timeout, "shutdown timeout", zero=True)
         with self._lock:
             if self._closed == "destroyed":
                 return
             comm = self._comm
-        limit = self._timeout if timeout is None else timeout
         if comm is not None and self._closed is None and not self._wait_for_pending_works(limit):
             warnings.warn(f"{self!r}: pending operations did not finish within {limit:.1f} s at shutdown; "
                           "aborting them", RuntimeWarning, stacklevel=2)
             comm.abort()
-            watchdog.get().drain(self, lambda: list(self._pending), 1.0)
+            watchdog.get().drain(self, lambda: list(self._pending), _ABORTED_DRAIN)
         with self._lock:
             self._closed = "destroyed"
         if comm is not None:

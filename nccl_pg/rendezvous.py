@@ -17,7 +17,7 @@ from urllib.parse import parse_qs, unquote, urlparse
 
 from . import env
 from .store import FileStore, Store, TCPStore
-from .store.base import Timeout, as_seconds
+from .timeouts import Timeout, to_seconds
 
 
 @dataclass
@@ -114,7 +114,7 @@ def rendezvous(
     other ranks (default: NCCL_PG_STORE_TIMEOUT, 300 s).
     """
     environ = os.environ if environ is None else environ
-    seconds = env.STORE_TIMEOUT.get(environ) if timeout is None else as_seconds(timeout)
+    seconds = env.STORE_TIMEOUT.get(environ) if timeout is None else to_seconds(timeout)
     for name, value in (("rank", rank), ("world_size", world_size)):
         if not isinstance(value, int) or isinstance(value, bool):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")

@@ -38,6 +38,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# The monitor looks at the heartbeat this many times per heartbeat timeout (so a stall is reported within
+# 1.25 timeouts), and at least once a second so that a short timeout is not overshot by much.
+_HEARTBEAT_CHECKS = 4
+_HEARTBEAT_CHECK_MAX = 1.0
+
 
 class Watchdog:
     def __init__(self) -> None:
@@ -241,7 +246,7 @@ class Watchdog:
 
     def _monitor_loop(self) -> None:
         while True:
-            time.sleep(min(self._heartbeat_timeout / 4, 1.0))
+            time.sleep(min(self._heartbeat_timeout / _HEARTBEAT_CHECKS, _HEARTBEAT_CHECK_MAX))
             stalled = time.monotonic() - self._heartbeat
             if stalled > self._heartbeat_timeout:
                 groups = self.groups()

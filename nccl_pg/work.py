@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import enum
-import numbers
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -21,6 +20,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from .errors import DistBackendError, NanError
+from .timeouts import Timeout, to_seconds
 
 if TYPE_CHECKING:
     from .comm.base import Event
@@ -32,20 +32,6 @@ if TYPE_CHECKING:
 _WAIT_SLICE = 0.05
 _monotonic, _time, _allocate_lock = time.monotonic, time.time, threading.Lock
 _finished_cond = threading.Condition(threading.Lock())  # Work._wait_finished's
-
-
-def _wait_seconds(timeout: object) -> float:
-    """``Work.wait``'s limit: a number of seconds >= 0 (or a timedelta); nan
-    is refused rather than read as "no limit"."""
-    if isinstance(timeout, timedelta):
-        value = timeout.total_seconds()
-    elif isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
-        value = float(timeout)
-    else:
-        raise TypeError(f"wait(timeout): expected a number of seconds or a timedelta, got {type(timeout).__name__}")
-    if not value >= 0:  # also True for nan
-        raise ValueError(f"wait(timeout): expected a number of seconds >= 0, got {timeout!r}")
-    return value
 
 
 class OpType(enum.Enum):
@@ -309,7 +295,7 @@ class Work:
         self._poll()
         return self._error
 
-    def wait(self, timeout: float | timedelta | None = None) -> bool:
+    def wait(self, timeout: Timeout | None = None) -> bool:
         """Block until the operation completes and its outputs can be read;
         raise DistBackendError if it failed, timed out (group timeout), or is
         still running after ``timeout`` (seconds >= 0 or a timedelta; given,
@@ -319,7 +305,7 @@ class Work:
         (``NCCL_PG_BLOCKING_WAIT``) a wait that raises aborts the group
         first, as torch's does: later operations fail at once, with the
         reason, instead of queueing behind the failed one."""
-        seconds = None if timeout is None else _wait_seconds(timeout)
+        seconds = None if timeout is None else to_seconds(timeout, "wait(timeout)", zero=True, forever=True)
         limit = None if seconds is None else time.monotonic() + seconds
         if self._finished and self._error is None and not self._captured:
             return True  # its end event completed: nothing is left for the CPU or a device stream to wait for

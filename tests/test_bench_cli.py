@@ -160,7 +160,7 @@ def test_bench_one_rank_inplace_only(tmp_path: Path) -> None:
     (["-o", "avg", "-d", "int32"], "-o avg needs a floating-point type"),
     (["--op", "all_gather", "-o", "max"], "-o/--redop applies to all_reduce, reduce_scatter and reduce"),
     (["--nproc", "2", "--root", "2", "--op", "broadcast"], "--root 2 is not a rank of --nproc 2"),
-    (["--timeout", "0"], "must be > 0 seconds"),
+    (["--timeout", "0"], "must be a finite duration > 0 s"),
     (["--graph"], "--graph captures CUDA graphs: it needs --backend nccl"),
 ])
 def test_bench_refuses_bad_arguments(argv: list[str], message: str, capsys: pytest.CaptureFixture[str],

@@ -26,7 +26,8 @@ from nccl_pg.comm.host import HostCommunicator
 from nccl_pg.errors import DistBackendError
 from nccl_pg.reduce_op import ReduceOp
 from nccl_pg.store import HashStore, PrefixStore, Store
-from nccl_pg.store.base import Timeout, Value
+from nccl_pg.store.base import Value
+from nccl_pg.timeouts import Timeout
 
 pytestmark = pytest.mark.timeout(60)
 

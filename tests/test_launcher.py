@@ -374,8 +374,8 @@ def test_store_that_cannot_bind_is_reported(tmp_path: Path, start) -> None:
     (["--nproc", "two", "job.py"], "expected an integer"),
     (["missing.py"], "script not found: missing.py"),
     (["--master-port", "70000", "job.py"], "must be a TCP port"),
-    (["--grace-period", "-1", "job.py"], "must be a finite number of seconds > 0"),
-    (["--max-time", "0", "job.py"], "must be a finite number of seconds > 0"),
+    (["--grace-period", "-1", "job.py"], "must be a finite duration > 0 s"),
+    (["--max-time", "0", "job.py"], "must be a finite duration > 0 s"),
     ([], "the following arguments are required: TARGET"),
 ])
 def test_bad_arguments_are_refused(tmp_path: Path, start, args: list[str], message: str) -> None:

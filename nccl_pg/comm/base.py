@@ -10,7 +10,6 @@ and return at once; completion is observed through Events, failures through
 from __future__ import annotations
 
 import enum
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,6 +18,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..reduce_op import ReduceOp
+from ..timeouts import to_seconds
+
+# How long past a communicator's own init deadline a caller of wait_ready() waits: the communicator fails
+# first, with a message naming the ranks that never joined, and that message must win the race.
+WAIT_READY_GRACE = 5.0
 
 if TYPE_CHECKING:
     from ..nan_check import NanScan
@@ -51,9 +55,7 @@ class CommConfig:
     split_share: bool | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) \
-                or not 0 < self.timeout <= threading.TIMEOUT_MAX:
-            raise ValueError(f"CommConfig.timeout must be a finite number of seconds > 0, got {self.timeout!r}")
+        object.__setattr__(self, "timeout", to_seconds(self.timeout, "CommConfig.timeout"))  # frozen: the one way
 
 
 class Event(ABC):

@@ -8,12 +8,11 @@ import os
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from datetime import timedelta
 
 from ..errors import DistStoreError
+from ..timeouts import Timeout, to_seconds
 
 Value = bytes | bytearray | memoryview | str
-Timeout = float | int | timedelta
 
 # Keys the stores keep for themselves; list_keys() shows neither kind.
 # num_keys() leaves out those under HIDDEN_PREFIX and counts those under
@@ -21,19 +20,6 @@ Timeout = float | int | timedelta
 # FileStore's reference counts).
 HIDDEN_PREFIX = "\x00nccl_pg/"
 COUNTED_PREFIX = "\x01nccl_pg/"
-
-
-def as_seconds(timeout: Timeout, what: str = "timeout") -> float:
-    """A positive, finite number of seconds from a float or a timedelta."""
-    if isinstance(timeout, timedelta):
-        seconds = timeout.total_seconds()
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        seconds = float(timeout)
-    else:
-        raise TypeError(f"{what} must be a number of seconds or a timedelta, got {type(timeout).__name__}")
-    if not seconds > 0 or seconds == float("inf"):
-        raise ValueError(f"{what} must be a finite duration > 0, got {timeout!r}")
-    return seconds
 
 
 def check_key(key: object) -> str:
@@ -114,17 +100,17 @@ class Store:
     _timeout: float = 300.0  # for subclasses that do not call __init__
 
     def __init__(self, timeout: Timeout = 300.0) -> None:
-        self._timeout = as_seconds(timeout)
+        self._timeout = to_seconds(timeout)
 
     @property
     def timeout(self) -> float:
         return self._timeout
 
     def set_timeout(self, timeout: Timeout) -> None:
-        self._timeout = as_seconds(timeout)
+        self._timeout = to_seconds(timeout)
 
     def _deadline(self, timeout: Timeout | None) -> float:
-        return self.timeout if timeout is None else as_seconds(timeout)
+        return self.timeout if timeout is None else to_seconds(timeout)
 
     def _not_implemented(self, op: str, why: str = "") -> NotImplementedError:
         return NotImplementedError(f"Not implemented: {type(self).__name__}.{op}(){why}")
@@ -208,10 +194,10 @@ class Store:
 
     def barrier(self, key: str, world_size: int, timeout: Timeout | None = None) -> None:
         """Block until ``world_size`` callers have called it with ``key`` (once per key)."""
-        key, world_size = check_key(key), check_world_size(world_size)
+        key, world_size, seconds = check_key(key), check_world_size(world_size), self._deadline(timeout)
         if self.add(key, 1) == world_size:
             self.set(f"{key}/released", b"1")
-        self.wait([f"{key}/released"], timeout)
+        self.wait([f"{key}/released"], seconds)
 
     def close(self) -> None:
         """Release connections or files; the store is unusable afterwards."""

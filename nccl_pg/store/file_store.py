@@ -31,12 +31,12 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 from ..errors import DistStoreError, QueueEmptyError
+from ..timeouts import Timeout
 from .base import (
     COUNTED_PREFIX,
     Backoff,
     KeyValueState,
     Store,
-    Timeout,
     Value,
     check_amount,
     check_key,

@@ -7,10 +7,10 @@ import time
 from collections.abc import Sequence
 
 from ..errors import QueueEmptyError
+from ..timeouts import Timeout
 from .base import (
     KeyValueState,
     Store,
-    Timeout,
     Value,
     check_amount,
     check_key,

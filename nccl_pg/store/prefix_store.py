@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .base import Store, Timeout, Value, check_key, check_keys
+from ..timeouts import Timeout
+from .base import Store, Value, check_key, check_keys
 
 
 class PrefixStore(Store):

@@ -42,6 +42,7 @@ from typing import Any
 
 from .. import env
 from ..errors import DistNetworkError, DistStoreError
+from ..timeouts import to_seconds
 from . import protocol as P
 from .base import KeyValueState
 
@@ -51,7 +52,15 @@ _RECV_SIZE = 256 * 1024
 OUT_LIMIT = 4 << 20  # bytes of unread answers before a connection's input is paused
 MAX_WAITERS = 4096  # blocked requests per connection
 _SWEEP_PERIOD = 1.0  # seconds between checks of handshake and idle deadlines
-_FD_LOG_PERIOD = 60.0
+_FD_LOG_PERIOD = 60.0  # seconds between warnings while out of descriptors: one a minute, not one per refusal
+# Seconds a new connection has to prove the secret: a real client does it in one round trip, so 30 s only
+# outlasts a loaded machine and keeps silent port scanners from holding descriptors.
+HANDSHAKE_TIMEOUT = 30.0
+_STOP_TIMEOUT = 5.0  # seconds stop() waits for the server thread to close everything: it only closes sockets
+# Pause before accepting again when out of descriptors: short enough to serve a freed one soon, doubled per
+# refusal up to a cap so that a lasting shortage costs one wake-up a second.
+_ACCEPT_BACKOFF_FIRST = 0.05
+_ACCEPT_BACKOFF_MAX = 1.0
 _FD_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _IN = select.POLLIN
 _OUT = select.POLLOUT
@@ -170,7 +179,7 @@ class TCPStoreServer:
         port: int = 0,
         secret: str | bytes | None = None,
         max_value_size: int | None = None,
-        handshake_timeout: float = 30.0,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
         backlog: int = 4096,
         idle_timeout: float | None = None,
         listen_fd: int | None = None,
@@ -183,11 +192,10 @@ class TCPStoreServer:
         self.max_value_size = env.STORE_MAX_VALUE_SIZE.get() if max_value_size is None else max_value_size
         if not isinstance(self.max_value_size, int) or self.max_value_size < 1:
             raise ValueError(f"max_value_size must be a positive int, got {self.max_value_size!r}")
-        self.idle_timeout = env.STORE_IDLE_TIMEOUT.get() if idle_timeout is None else float(idle_timeout)
-        if not self.idle_timeout >= 0 or math.isinf(self.idle_timeout):
-            raise ValueError(f"idle_timeout must be a finite number of seconds >= 0, got {idle_timeout!r}")
+        self.idle_timeout = env.STORE_IDLE_TIMEOUT.get() if idle_timeout is None else \
+            to_seconds(idle_timeout, "idle_timeout", zero=True)
         self._max_frame = self.max_value_size + P.FRAME_OVERHEAD
-        self._handshake_timeout = handshake_timeout
+        self._handshake_timeout = to_seconds(handshake_timeout, "handshake_timeout")
         self.fd_limit = raise_fd_limit()
         self._listener = _listen(host, port, backlog, listen_fd)
         self.host = host
@@ -215,7 +223,7 @@ class TCPStoreServer:
             P.Op.QUEUE_POP: self._queue_pop, P.Op.QUEUE_LEN: self._queue_len, P.Op.LIST_KEYS: self._list_keys,
         }
         self._accept_paused_until = 0.0
-        self._accept_backoff = 0.05
+        self._accept_backoff = _ACCEPT_BACKOFF_FIRST
         self._fd_refusals = 0
         self._fd_logged_at = -math.inf
         self._wake_r, self._wake_w = socket.socketpair()
@@ -256,7 +264,7 @@ class TCPStoreServer:
         self._thread.start()
         return self
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = _STOP_TIMEOUT) -> None:
         """Close every connection and the listening socket; bounded by ``timeout``."""
         self._stopping = True
         try:
@@ -344,7 +352,7 @@ class TCPStoreServer:
                     return
                 log.debug("%r: accept failed: %s", self, exc)  # e.g. the peer gave up already
                 continue
-            self._accept_backoff = 0.05
+            self._accept_backoff = _ACCEPT_BACKOFF_FIRST
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -357,7 +365,7 @@ class TCPStoreServer:
         at once would spin. Pending clients wait in the backlog meanwhile."""
         self._poller.unregister(self._listener.fileno())
         self._accept_paused_until = self._now + self._accept_backoff
-        self._accept_backoff = min(self._accept_backoff * 2, 1.0)
+        self._accept_backoff = min(self._accept_backoff * 2, _ACCEPT_BACKOFF_MAX)
         self._fd_refusals += 1
         if self._now - self._fd_logged_at >= _FD_LOG_PERIOD:
             soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -30,15 +30,14 @@ from collections.abc import Sequence
 
 from .. import env
 from ..errors import DistError, DistNetworkError, DistStoreError, QueueEmptyError
+from ..timeouts import Timeout, to_seconds
 from . import protocol as P
 from .base import (
     COUNTED_PREFIX,
     HIDDEN_PREFIX,
     Backoff,
     Store,
-    Timeout,
     Value,
-    as_seconds,
     check_amount,
     check_key,
     check_keys,
@@ -53,8 +52,13 @@ log = logging.getLogger(__name__)
 
 _WORKERS_KEY = COUNTED_PREFIX + "workers"  # counted by num_keys(), as torch's worker counter
 _WORKERS_READY_KEY = HIDDEN_PREFIX + "workers_ready"
-# How long past a wait's own deadline the client waits for the server's answer.
+# How long past a wait's own deadline the client waits for the server's answer: the server ends the wait at
+# its deadline and answers at once, so this only covers the round trip and a busy server's queue.
 _ANSWER_GRACE = 5.0
+# Backoff between attempts to connect or handshake: a server starting this instant is found within
+# milliseconds, and a missing one costs at most one attempt a second until the deadline.
+_CONNECT_RETRY_FIRST = 0.01
+_CONNECT_RETRY_MAX = 1.0
 # Below glibc's mmap threshold, so a small answer costs no mmap/munmap.
 _RECV_SIZE = 64 * 1024
 _SET_HEAD_PACK = struct.Struct("<IBII").pack  # frame length, op, tag, key length
@@ -121,7 +125,7 @@ class _Connection:
         self.sets_sent = 0
         self.sets_confirmed = 0  # sets sent before a request the server has answered
         self.rcvtimeo = math.inf
-        backoff = Backoff(deadline, first=0.01, cap=1.0)
+        backoff = Backoff(deadline, first=_CONNECT_RETRY_FIRST, cap=_CONNECT_RETRY_MAX)
         while True:
             self.sock = self._connect(deadline)
             try:
@@ -153,7 +157,7 @@ class _Connection:
 
     def _connect(self, deadline: float) -> socket.socket:
         client = self.client
-        backoff = Backoff(deadline, first=0.01, cap=1.0)
+        backoff = Backoff(deadline, first=_CONNECT_RETRY_FIRST, cap=_CONNECT_RETRY_MAX)
         while True:
             try:
                 sock = socket.create_connection((client.host, client.port),
@@ -525,7 +529,7 @@ class TCPStore(Store):
         if secret is None:
             secret = env.STORE_SECRET.get()
         secret_bytes = secret.encode() if isinstance(secret, str) else secret
-        self.connect_timeout = self.timeout if connect_timeout is None else as_seconds(connect_timeout, "connect_timeout")
+        self.connect_timeout = self.timeout if connect_timeout is None else to_seconds(connect_timeout, "connect_timeout")
         self._server: TCPStoreServer | None = None
         self._tenant: tuple[str, int] | None = None
         self._owner_forks = fork_count()

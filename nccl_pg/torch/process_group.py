@@ -19,10 +19,11 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from ..monitored_barrier import barrier_timeout, monitored_barrier
+from ..monitored_barrier import monitored_barrier
 from ..process_group import Options, ProcessGroup, ProcessGroupHost, ProcessGroupNCCL
 from ..reduce_op import ReduceOp
 from ..store import PrefixStore
+from ..timeouts import Timeout, to_seconds
 from ..work import WorkInfo
 from .sparse import all_reduce_sparse
 from .store import TorchStore
@@ -58,7 +59,7 @@ class ProcessGroupTorch(tdist.ProcessGroup):
     def __init__(self, store: Any, rank: int, size: int, timeout: timedelta, group_name: str = "0",
                  global_ranks: Sequence[int] = (), options: Options | None = None) -> None:
         super().__init__(rank, size)
-        seconds = timeout.total_seconds()
+        seconds = to_seconds(timeout)
         self._npg_store = TorchStore(store, seconds)
         self._npg_options = Options(timeout=seconds, is_high_priority_stream=bool(
             options and options.is_high_priority_stream), config=options.config if options else Options().config)
@@ -263,13 +264,13 @@ class ProcessGroupTorch(tdist.ProcessGroup):
             pg = self._group("cpu")
         return self._run("barrier", [], [], lambda _: pg.barrier())
 
-    def monitored_barrier(self, timeout: timedelta | float | None = None, wait_all_ranks: bool = False) -> None:
+    def monitored_barrier(self, timeout: Timeout | None = None, wait_all_ranks: bool = False) -> None:
         """torch's monitored_barrier (Gloo's semantics and messages) over
         this group's store: independent of the CPU/CUDA communicators, so it
         works while they are stuck (nccl_pg/monitored_barrier.py). Default
         timeout: the group's."""
         group_timeout = self._npg_options.timeout
-        limit = group_timeout if timeout is None else barrier_timeout(timeout)
+        limit = group_timeout if timeout is None else to_seconds(timeout, "monitored_barrier timeout", zero=True)
         with self._npg_lock:
             self._npg_monitored_barriers += 1
             generation = self._npg_monitored_barriers

@@ -18,7 +18,8 @@ from typing import Any, TypeVar
 import torch.distributed as tdist
 
 from ..errors import DistNetworkError, DistStoreError, QueueEmptyError
-from ..store.base import Store, Timeout, Value, check_key, check_keys, to_bytes
+from ..store.base import Store, Value, check_key, check_keys, to_bytes
+from ..timeouts import Timeout
 
 T = TypeVar("T")
 

@@ -12,13 +12,13 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as tdist
 
 from .. import errors
+from ..timeouts import to_seconds
 from ..work import Work
 
 _THREADS = 16  # futures being waited for at once per group; more queue up
@@ -52,10 +52,12 @@ class Slot:
 
 
 def _seconds(timeout: Any) -> float | None:
+    """torch's Work.wait limit as ours: a timedelta, or a number of seconds
+    (pybind11 reads a float as seconds); 0, torch's kNoTimeout, is no limit."""
     if timeout is None:
         return None
-    s = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout) / 1000.0
-    return s if s > 0 else None  # torch's kNoTimeout is 0 ms
+    s = to_seconds(timeout, "wait(timeout)", zero=True, forever=True)
+    return s if s > 0 else None
 
 
 class TorchWork(tdist.Work):

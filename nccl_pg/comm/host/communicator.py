@@ -24,6 +24,9 @@ from .transport import Mesh, MeshBuilder, MeshTimeoutError, Recv, Send, listen
 
 # Stream threads wait this much past the init deadline before giving up on init themselves.
 _INIT_GRACE = 2.0
+# destroy() marks its streams aborted first, so their threads end at their next check (every _ABORT_POLL);
+# this bounds the wait for one stuck in a task.
+_ABORTED_STREAM_CLOSE = 1.0
 # A rank's address in the store: token (rank 0's; zeros from the others), port, then the host.
 _ADDR_RECORD = struct.Struct("<16sH")
 _ALL_JOINED = b"all joined"
@@ -336,7 +339,7 @@ class HostCommunicator(Communicator):
             mesh.close()
         for s in self._streams:
             s.aborted = True
-            s.close(timeout=1.0)
+            s.close(timeout=_ABORTED_STREAM_CLOSE)
 
     # --- streams --------------------------------------------------------------------
 

@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 
 # How often a stream blocked on another stream's event checks for abort.
 _ABORT_POLL = 0.02
+# close()'s default bound on finishing what is queued: host operations on a closing stream are local or
+# already failed, so seconds are plenty.
+_CLOSE_TIMEOUT = 5.0
 # Local work up to this size (a copy, a one-rank collective) may run inline on an idle stream
 # (``run_or_enqueue``): the thread round trip would cost more than the work. Larger work stays on the
 # stream's thread, where the caller can overlap it with its own (numpy releases the GIL in copies).
@@ -214,7 +217,7 @@ class HostStream(Stream):
             else:
                 log.error("%r: operation failed: %s", self, exc)
 
-    def close(self, timeout: float = 5.0) -> None:
+    def close(self, timeout: float = _CLOSE_TIMEOUT) -> None:
         """Finish what is queued (bounded by ``timeout``), then stop the thread."""
         with self._cond:
             self._closing = True

@@ -42,7 +42,7 @@ import numpy as np
 from ... import env
 from ...errors import DistBackendError
 from ...reduce_op import ReduceOp
-from ..base import CommConfig, CommState, Communicator, Stream, check_exclude
+from ..base import WAIT_READY_GRACE, CommConfig, CommState, Communicator, Stream, check_exclude
 from . import _lib
 from ._lib import IN_PROGRESS, NOCOLOR, SUCCESS, bindings
 from .array import DeviceArray, as_device_array
@@ -52,6 +52,9 @@ _UID_KEY = "nccl_unique_id"
 _UID_BYTES = 128
 _POLL = 0.002  # seconds between ncclCommGetAsyncError polls while an async job is in progress
 _ABORT_WAIT = 2.0  # seconds abort() waits for a call in progress before stopping it through the shared flag
+# destroy() flushes for at most this long (less if the timeout is shorter) before it aborts: a group timeout
+# of hours must not hold a teardown that long, and a healthy flush takes milliseconds.
+_DESTROY_FLUSH_MAX = 60.0
 
 
 def nccl_config(cfg: CommConfig, blocking: bool = False, split_share: bool | None = None) -> Any:
@@ -185,7 +188,7 @@ class NcclCommunicator(Communicator):
 
     def _wait_rank(self) -> None:
         """A split child knows its rank only once NCCL finished the split."""
-        self._ready.wait(self.config.timeout + 5.0)
+        self._ready.wait(self.config.timeout + WAIT_READY_GRACE)
         if not self._rank_known:
             raise self._error or DistBackendError(f"{self.name}: rank unknown: the split did not finish")
 
@@ -464,7 +467,7 @@ class NcclCommunicator(Communicator):
                 return
         if not self._freed and self._ctl is not None and self._state is CommState.READY:
             try:
-                self.finalize(min(self.config.timeout, 60.0))
+                self.finalize(min(self.config.timeout, _DESTROY_FLUSH_MAX))
             except BaseException:
                 pass
         if not self._flushed:  # never initialized, errored, revoked, or finalize failed: ncclCommDestroy could hang
@@ -561,7 +564,7 @@ class NcclCommunicator(Communicator):
         """The operations communicator of a READY communicator (waits for a nonblocking init, bounded)."""
         if self._state is not CommState.READY:
             if self._state is CommState.INITIALIZING:
-                self.wait_ready(self.config.timeout + 5.0)
+                self.wait_ready(self.config.timeout + WAIT_READY_GRACE)
             if self._state is not CommState.READY:
                 raise self._error or DistBackendError(f"{self.name}: {self._state.value}")
         return self._ops
@@ -893,7 +896,7 @@ class NcclCommunicator(Communicator):
         self._need(_lib.V_SHRINK, "ncclCommShrink")
         excluded = check_exclude(exclude, self._nranks, self._rank)
         if self._state is CommState.INITIALIZING:
-            self.wait_ready(self.config.timeout + 5.0)
+            self.wait_ready(self.config.timeout + WAIT_READY_GRACE)
         cfg = config or self.config
         deadline = time.monotonic() + cfg.timeout
         self._wait_ctl_idle(deadline, "shrink")
@@ -913,7 +916,7 @@ class NcclCommunicator(Communicator):
         deadline it is aborted. Later operations are refused here."""
         self._need(_lib.V_REVOKE, "ncclCommRevoke")
         if self._state is CommState.INITIALIZING:
-            self.wait_ready(self.config.timeout + 5.0)
+            self.wait_ready(self.config.timeout + WAIT_READY_GRACE)
         deadline = time.monotonic() + self.config.timeout
         self._wait_ctl_idle(deadline, "revoke")
         self._set_error(DistBackendError(f"{self.name}: communicator revoked on rank {self._rank}"),
