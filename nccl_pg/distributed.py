@@ -358,7 +358,8 @@ def _resolve(group: Group, op_name: str) -> ProcessGroup | None:
         if pg is not None:
             return pg
     if group is NON_GROUP_MEMBER:
-        me = _world().default_pg.rank() if _world().default_pg is not None else -1
+        default = _world().default_pg
+        me = default.rank() if default is not None else -1
         warnings.warn(f"Running {op_name} on global rank {me} which does not belong to the given group.",
                       UserWarning, stacklevel=3)
         return None

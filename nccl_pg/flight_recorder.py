@@ -111,6 +111,25 @@ class Entry:
     __slots__ = ("record_id", "pg_id", "process_group", "thread", "collective_seq_id", "p2p_seq_id", "op_id",
                  "profiling_name", "time_created_ns", "duration_ms", "state", "time_discovered_started_ns",
                  "time_discovered_completed_ns", "retired", "timeout_s", "is_p2p", "frames", "ins", "outs")
+    record_id: int
+    pg_id: int
+    process_group: tuple[str, str]  # (name, desc)
+    thread: threading.Thread
+    collective_seq_id: int
+    p2p_seq_id: int
+    op_id: int
+    profiling_name: str
+    time_created_ns: int
+    duration_ms: float | None
+    state: str  # "scheduled", "started", "completed"
+    time_discovered_started_ns: int | None
+    time_discovered_completed_ns: int | None
+    retired: bool
+    timeout_s: float
+    is_p2p: bool
+    frames: list[dict[str, Any]] | None
+    ins: list[tuple[Any, Any]]  # (shape, dtype) of each input
+    outs: list[tuple[Any, Any]]
 
     @property
     def input_sizes(self) -> list[list[int]]:

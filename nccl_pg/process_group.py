@@ -10,6 +10,7 @@ Ranks here are group ranks; distributed.py maps global ranks onto them.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import sys
@@ -20,7 +21,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -414,8 +415,13 @@ class ProcessGroup:
                 self._completed_seq = seq
         if self._hooks:
             hooks = list(self._hooks)
-            watchdog.get().call_soon(self, lambda: [h(work._info()) for h in hooks])
-        if not ran:
+
+            def run_hooks() -> None:
+                for h in hooks:
+                    h(work._info())
+
+            watchdog.get().call_soon(self, run_hooks)
+        if error is not None and not ran:
             self._handle_error(error)
 
     # --- failures -----------------------------------------------------------------------
@@ -748,7 +754,7 @@ class ProcessGroup:
         rop, scale = resolve(op)
         self._reducible(t, rop, scale, "all_reduce")
         return self._issue(OpType.ALLREDUCE, [tensor], lambda c, s: c.all_reduce(t, t, rop, s, scale),
-                           check=self._nan and [("tensor", _one(tensor))],
+                           check=[("tensor", _one(tensor))] if self._nan is not None else None,
                            fingerprint=self._detail and Fingerprint(OpType.ALLREDUCE, self._backend.dtype(t), t.size, rop))
 
     def allreduce_coalesced(self, tensors: Sequence[Any], op: Op = ReduceOp.SUM) -> Work:
@@ -761,8 +767,8 @@ class ProcessGroup:
         try:
             self._check_up_front(OpType.ALLREDUCE_COALESCED, [(f"tensors[{i}]", t) for i, t in enumerate(tensors)])
             for i, (f, t) in enumerate(zip(flats, tensors, strict=True)):
-                self._issue(OpType.ALLREDUCE, [], lambda c, s, f=f: c.all_reduce(f, f, rop, s, scale),
-                            check=self._nan and [(f"tensors[{i}]", t)])
+                self._issue(OpType.ALLREDUCE, [], functools.partial(_all_reduce_in_place, f, rop, scale),
+                            check=[(f"tensors[{i}]", t)] if self._nan is not None else None)
             self._coalesced_outputs = list(tensors)
         except BaseException:
             self._abandon_coalescing()
@@ -795,7 +801,7 @@ class ProcessGroup:
         t = self._moved(self._flat(_one(tensor), "broadcast tensor", output=self._rank != root))
         # Only the root's array is sent; the others' are overwritten (torch checks the root's too).
         return self._issue(OpType.BROADCAST, [tensor], lambda c, s: c.broadcast(t, t, root, s),
-                           check=self._nan and self._rank == root and [("tensor", _one(tensor))],
+                           check=[("tensor", _one(tensor))] if self._nan is not None and self._rank == root else None,
                            fingerprint=self._detail and Fingerprint(OpType.BROADCAST, self._backend.dtype(t), t.size, root=root))
 
     def reduce(self, tensor: Any, root: int = 0, op: Op = ReduceOp.SUM) -> Work | None:
@@ -804,7 +810,7 @@ class ProcessGroup:
         rop, scale = resolve(op)
         self._reducible(t, rop, scale, "reduce")
         return self._issue(OpType.REDUCE, [tensor], lambda c, s: c.reduce(t, t, rop, root, s, scale),
-                           check=self._nan and [("tensor", _one(tensor))],
+                           check=[("tensor", _one(tensor))] if self._nan is not None else None,
                            fingerprint=self._detail and Fingerprint(OpType.REDUCE, self._backend.dtype(t), t.size, rop, root))
 
     def allgather(self, output_list: Sequence[Any], tensor: Any) -> Work | None:
@@ -813,7 +819,7 @@ class ProcessGroup:
         inp = self._moved(inp)
         tmp, copy_out = self._gathered(outs, inp)
         return self._issue(OpType.ALLGATHER, list(output_list), lambda c, s: c.all_gather(inp, tmp, s),
-                           after=copy_out, inputs=[_one(tensor)], check=self._nan and [("tensor", _one(tensor))],
+                           after=copy_out, inputs=[_one(tensor)], check=[("tensor", _one(tensor))] if self._nan is not None else None,
                            fingerprint=self._detail and Fingerprint(OpType.ALLGATHER, self._backend.dtype(inp), inp.size))
 
     def _allgather_base(self, output: Any, tensor: Any) -> Work | None:
@@ -824,7 +830,7 @@ class ProcessGroup:
                              f"{self._size} x {inp.size}")
         inp, out = self._moved(inp), self._moved(out)
         return self._issue(OpType._ALLGATHER_BASE, [output], lambda c, s: c.all_gather(inp, out, s),
-                           inputs=[tensor], check=self._nan and [("input_tensor", tensor)],
+                           inputs=[tensor], check=[("input_tensor", tensor)] if self._nan is not None else None,
                            fingerprint=self._detail and Fingerprint(OpType._ALLGATHER_BASE, self._backend.dtype(inp), inp.size))
 
     def reduce_scatter(self, output: Any, input_list: Sequence[Any], op: Op = ReduceOp.SUM) -> Work | None:
@@ -837,7 +843,7 @@ class ProcessGroup:
         ins_given = list(_one_list(input_list))
         return self._issue(OpType.REDUCE_SCATTER, [output],
                            lambda c, s: c.reduce_scatter(tmp, out, rop, s, scale), inputs=ins_given,
-                           check=self._nan and [(f"input_list[{i}]", a) for i, a in enumerate(ins_given)],
+                           check=[(f"input_list[{i}]", a) for i, a in enumerate(ins_given)] if self._nan is not None else None,
                            fingerprint=self._detail and Fingerprint(OpType.REDUCE_SCATTER, self._backend.dtype(out), out.size, rop))
 
     def _reduce_scatter_base(self, output: Any, tensor: Any, op: Op = ReduceOp.SUM) -> Work | None:
@@ -851,7 +857,7 @@ class ProcessGroup:
         self._reducible(out, rop, scale, "reduce_scatter_tensor")
         return self._issue(OpType._REDUCE_SCATTER_BASE, [output],
                            lambda c, s: c.reduce_scatter(inp, out, rop, s, scale), inputs=[tensor],
-                           check=self._nan and [("input", tensor)],
+                           check=[("input", tensor)] if self._nan is not None else None,
                            fingerprint=self._detail and Fingerprint(OpType._REDUCE_SCATTER_BASE, self._backend.dtype(out), out.size,
                                                                     rop))
 
@@ -867,7 +873,7 @@ class ProcessGroup:
         sc, rc = [c * k for c in sc], [c * k for c in rc]
         # Split sizes may differ by rank: only the operation and dtype must agree.
         return self._issue(OpType.ALLTOALL_BASE, [output], lambda c, s: c.all_to_all(inp, out, s, sc, rc),
-                           inputs=[tensor], check=self._nan and [("input", tensor)],
+                           inputs=[tensor], check=[("input", tensor)] if self._nan is not None else None,
                            fingerprint=self._detail and Fingerprint(OpType.ALLTOALL_BASE, self._backend.dtype(inp)))
 
     def _counts(self, array: Any, flat: Any, splits: Sequence[int] | None, what: str) -> list[int]:
@@ -906,7 +912,7 @@ class ProcessGroup:
         return self._issue(OpType.ALLTOALL, list(output_list),
                            lambda c, s: c.all_to_all(tmp_in, tmp_out, s, sc, rc), after=copy_out,
                            inputs=list(input_list),
-                           check=self._nan and [(f"input_list[{i}]", a) for i, a in enumerate(input_list)],
+                           check=[(f"input_list[{i}]", a) for i, a in enumerate(input_list)] if self._nan is not None else None,
                            fingerprint=self._detail and Fingerprint(OpType.ALLTOALL, self._backend.dtype(tmp_in)))
 
     def gather(self, tensor: Any, gather_list: Sequence[Any] | None, root: int = 0) -> Work | None:
@@ -921,13 +927,13 @@ class ProcessGroup:
             inp = self._moved(inp)
             tmp, copy_out = self._gathered(outs, inp)
             return self._issue(OpType.GATHER, list(gather_list), lambda c, s: c.gather(inp, tmp, root, s),
-                               after=copy_out, inputs=[tensor], check=self._nan and [("tensor", tensor)],
+                               after=copy_out, inputs=[tensor], check=[("tensor", tensor)] if self._nan is not None else None,
                                fingerprint=self._detail and Fingerprint(OpType.GATHER, self._backend.dtype(inp), inp.size, root=root))
         if gather_list:
             raise ValueError("gather: gather_list must be given on the destination rank only")
         inp = self._moved(inp)
         return self._issue(OpType.GATHER, [], lambda c, s: c.gather(inp, None, root, s), inputs=[tensor],
-                           check=self._nan and [("tensor", tensor)],
+                           check=[("tensor", tensor)] if self._nan is not None else None,
                            fingerprint=self._detail and Fingerprint(OpType.GATHER, self._backend.dtype(inp), inp.size, root=root))
 
     def scatter(self, tensor: Any, scatter_list: Sequence[Any] | None, root: int = 0) -> Work | None:
@@ -944,7 +950,7 @@ class ProcessGroup:
             tmp = self._packed(ins, out, stream)
             return self._issue(OpType.SCATTER, [tensor], lambda c, s: c.scatter(tmp, out, root, s),
                                inputs=list(scatter_list),
-                               check=self._nan and [(f"scatter_list[{i}]", a) for i, a in enumerate(scatter_list)],
+                               check=[(f"scatter_list[{i}]", a) for i, a in enumerate(scatter_list)] if self._nan is not None else None,
                                fingerprint=self._detail and Fingerprint(OpType.SCATTER, self._backend.dtype(out), out.size, root=root))
         if scatter_list:
             raise ValueError("scatter: scatter_list must be given on the source rank only")
@@ -956,7 +962,7 @@ class ProcessGroup:
         t = self._moved(self._flat(_one(tensor), "send tensor"))
         dst = self._peer(dst, "send dst")
         return self._issue(OpType.SEND, [tensor], lambda c, s: c.send(t, dst, s),
-                           name=f"nccl:send {self._rank}->{dst}", peer=dst, check=self._nan and [("tensor", _one(tensor))],
+                           name=f"nccl:send {self._rank}->{dst}", peer=dst, check=[("tensor", _one(tensor))] if self._nan is not None else None,
                            buf=t)
 
     def recv(self, tensor: Any, src: int, tag: int = 0) -> Work | None:
@@ -1077,6 +1083,10 @@ def _close_leftovers() -> None:
 atexit.register(_close_leftovers)
 
 
+def _all_reduce_in_place(array: Any, op: ReduceOp, scale: float | None, comm: Communicator, stream: Stream) -> None:
+    comm.all_reduce(array, array, op, stream, scale)
+
+
 def _one(x: Any) -> Any:
     """torch's ProcessGroup methods take a list with one tensor per device;
     a process here drives one device."""
@@ -1104,7 +1114,7 @@ class ProcessGroupHost(ProcessGroup):
 class ProcessGroupNCCL(ProcessGroup):
     """The NCCL backend's group; raises ValueError where no GPU exists."""
 
-    Options = Options
-
     def __init__(self, store: Store, rank: int, size: int, options: Options | None = None, **kwargs: Any) -> None:
         super().__init__(store, rank, size, options, backend="nccl", **kwargs)
+
+    Options: ClassVar[type[Options]] = Options  # torch's ProcessGroupNCCL.Options

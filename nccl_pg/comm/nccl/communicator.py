@@ -562,7 +562,7 @@ class NcclCommunicator(Communicator):
         if self._state is not CommState.READY:
             if self._state is CommState.INITIALIZING:
                 self.wait_ready(self.config.timeout + 5.0)
-            if self._state is not CommState.READY:
+            if self.state is not CommState.READY:  # the property: wait_ready changed it
                 raise self._error or DistBackendError(f"{self.name}: {self._state.value}")
         return self._ops
 
