@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 
 import nccl_pg as dist
-from nccl_pg import backends, env, kernels, nan_check
+from nccl_pg import backends, env, kernels
+from nccl_pg.comm import nan_scan
+from nccl_pg.comm.nan_scan import RULES, first_nan, first_nan_of, lane_dtype
 from nccl_pg.errors import NanError
-from nccl_pg.nan_check import RULES, first_nan, first_nan_of, lane_dtype
 from nccl_pg.process_group import Options
 from nccl_pg.testing import run_threads
 
@@ -216,7 +217,7 @@ def test_swar_word_test_matches_lanes() -> None:
 
 
 @pytest.mark.parametrize("name", DTYPES)
-@pytest.mark.parametrize("size", [1, 7, nan_check._CHUNK // 2 + 3, nan_check._CHUNK + 5])  # across numpy chunks
+@pytest.mark.parametrize("size", [1, 7, nan_scan._CHUNK // 2 + 3, nan_scan._CHUNK + 5])  # across numpy chunks
 def test_first_nan_index(name: str, size: int) -> None:
     dt = dtype(name)
     a = np.ones(size, dt)

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from ... import kernels
-from ...nan_check import RULES, Rule, lane_dtype
 from ..base import Stream
+from ..nan_scan import RULES, Rule, lane_dtype
 from . import _lib
 from ._lib import check_cuda, cudart
 from .array import DeviceArray
