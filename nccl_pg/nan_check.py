@@ -20,7 +20,6 @@ primitive of the backends: ``nccl_pg/comm/nan_scan.py``.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -32,8 +31,8 @@ from .comm.nan_scan import NanScan, lane_dtype, locate
 from .errors import DistBackendError, NanError
 
 if TYPE_CHECKING:
-    from .comm.base import Stream
-    from .process_group import ProcessGroup
+    from .comm.base import Backend, Stream
+    from .group_view import GroupView
     from .work import OpType
 
 
@@ -80,19 +79,21 @@ def resolve_mode(option: str | None) -> str:
 
 
 class NanCheck:
-    """One group's NaN check (absent when the mode is off)."""
+    """One group's NaN check (absent when the mode is off): the group's view
+    (for the words of a finding), its backend and device. It holds nothing
+    that refers back to the group, so that a dropped group can go at once."""
 
-    def __init__(self, pg: ProcessGroup, mode: str) -> None:
+    def __init__(self, group: GroupView, backend: Backend, device: Any, mode: str) -> None:
         if mode not in env.NAN_CHECK_MODES[1:]:
             raise ValueError(f"NaN check mode must be one of {env.NAN_CHECK_MODES[1:]}, got {mode!r}")
-        # A proxy: the group holds this object, and a reference back would keep a dropped group alive until the
-        # cyclic garbage collector runs (its __del__ frees the communicator).
-        self._pg, self.mode = weakref.proxy(pg), mode
+        self._group, self._backend, self._device, self.mode = group, backend, device, mode
 
-    def check(self, op_type: OpType, items: Sequence[tuple[str, Any]], stream: Stream) -> Pending | None:
-        """Check ``items`` ((label, array) pairs) as the mode says: raise now,
-        return the Work's Pending (async), or arm the trap."""
-        pg, backend = self._pg, self._pg._backend
+    def check(self, op_type: OpType, items: Sequence[tuple[str, Any]], stream: Stream,
+              timeout: float) -> Pending | None:
+        """Check ``items`` ((label, array) pairs) as the mode says: raise now
+        (a scan not done within ``timeout`` seconds raises too), return the
+        Work's Pending (async), or arm the trap."""
+        backend, device = self._backend, self._device
         targets = []
         for label, array in items:
             flat = backend.flat(array, label)
@@ -103,25 +104,25 @@ class NanCheck:
             return None
         flats = [t.flat for t in targets]
         if self.mode == "raise":
-            scan = backend.find_nan(flats, None, None, pg._device)
-            finished = scan.wait(pg._timeout)
+            scan = backend.find_nan(flats, None, None, device)
+            finished = scan.wait(timeout)
             lane = scan.first() if finished else None
             scan.release(finished)
             if not finished:
                 raise DistBackendError(f"timeout: the NaN check of {op_type.name}'s inputs on {self._where()} did not "
-                               f"finish within {pg._timeout:.1f} s")
+                               f"finish within {timeout:.1f} s")
             if lane is not None:
                 raise self.error(op_type, targets, lane, "the operation was not issued (NCCL_PG_NAN_CHECK=raise)")
             return None
         if self.mode == "trap":
-            backend.find_nan(flats, stream, lambda lane: self._trap_text(op_type, targets, lane), pg._device)
+            backend.find_nan(flats, stream, lambda lane: self._trap_text(op_type, targets, lane), device)
             return None
-        return Pending(self, op_type, backend.find_nan(flats, stream, None, pg._device), targets)
+        return Pending(self, op_type, backend.find_nan(flats, stream, None, device), targets)
 
     def _where(self) -> str:
-        pg = self._pg
-        return (f"process group {pg.uid} ({pg.group_desc!r}), rank {pg._global_rank_of(pg.rank())} "
-                f"(group rank {pg.rank()} of {pg.size()})")
+        g = self._group
+        return (f"process group {g.uid} ({g.desc!r}), rank {g.global_rank(g.rank)} "
+                f"(group rank {g.rank} of {g.size})")
 
     def error(self, op_type: OpType, targets: list[_Target], lane: int, outcome: str, issued: str = "") -> NanError:
         """``issued``: where the operation went, e.g. " (seq 3)"."""
@@ -132,10 +133,10 @@ class NanCheck:
         if len(t.shape) > 1:
             where = f", index {tuple(int(x) for x in np.unravel_index(element, t.shape))} of shape {t.shape}"
         part = "" if t.per == 1 else f" ({'real' if at % 2 == 0 else 'imaginary'} part)"
-        pg = self._pg
+        g = self._group
         text = (f"NaN in the input of {op_type.name}{issued} on {self._where()}: {t.label} element {element}{part}"
-                f"{where} ({t.flat.size} x {np.dtype(pg._backend.dtype(t.flat)).name}); {outcome}")
-        return NanError(text, rank=pg._global_rank_of(pg.rank()), group=pg.uid, group_desc=pg.group_desc,
+                f"{where} ({t.flat.size} x {np.dtype(self._backend.dtype(t.flat)).name}); {outcome}")
+        return NanError(text, rank=g.global_rank(g.rank), group=g.uid, group_desc=g.desc,
                         op=op_type.name, input=t.label, index=element)
 
     def _trap_text(self, op_type: OpType, targets: list[_Target], lane: int) -> str:

@@ -25,12 +25,13 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from . import diagnosis, env, flight_recorder, forks, nan_check, progress, watchdog
+from . import diagnosis, env, flight_recorder, forks, group_view, nan_check, watchdog
 from .backends import get_backend
-from .comm.base import Backend, CommConfig, CommState, Communicator, Stream, check_dtype, check_exclude
+from .comm.base import Backend, CommConfig, CommState, Communicator, Event, Stream, check_dtype, check_exclude
 from .errors import DistBackendError, NanError
 from .fingerprint import Fingerprint, mismatch
 from .flight_recorder import Entry
+from .group_view import Activity, GroupView, InFlight
 from .monitored_barrier import barrier_timeout, monitored_barrier
 from .nan_check import NanCheck, Pending
 from .reduce_op import PremulSum, ReduceOp, resolve
@@ -148,7 +149,9 @@ class ProcessGroup:
         self._timeout = self.options.timeout
         self._device = device_id
         self.group_name, self.group_desc, self.uid = group_name, group_desc, uid
-        self._blocking_wait = env.BLOCKING_WAIT.get()
+        # Read by every Work's wait() (work.WorkGroup): plain attributes, no property calls on the hot path.
+        self.blocking_wait = env.BLOCKING_WAIT.get()
+        self.waits_block = self._backend.blocking_wait or self.blocking_wait
         self._error_handling = env.ASYNC_ERROR_HANDLING.get()
         self._detail = env.DEBUG.get() == "detail"  # log every operation issued (opt-in: hot path)
         self._global_ranks: list[int] | None = None  # group rank -> global rank, set by new_group
@@ -181,9 +184,10 @@ class ProcessGroup:
         self._close_reason: str | None = None  # the failure that aborted it (error handling, blocking wait)
         self._nonblocking = (self.options.config.blocking is False) or (
             self.options.config.blocking is None and env.USE_COMM_NONBLOCKING.get())
+        self.diag = self._diag_view()
+        group_view.register(self, self.diag)
         self._nan: NanCheck | None = None
         self.set_nan_check(self.options.nan_check)
-        self.diag = self._diag_view()
         watchdog.get().watch_group(self)
 
     def __repr__(self) -> str:
@@ -215,14 +219,15 @@ class ProcessGroup:
         return timedelta(seconds=self._timeout)
 
     def _set_blocking_wait(self, on: bool) -> None:
-        self._blocking_wait = on
+        self.blocking_wait = on
+        self.waits_block = self._backend.blocking_wait or on
 
     def set_nan_check(self, mode: str | None) -> None:
         """NaN check mode of the operations issued from now on: off, raise,
         async or trap (see docs/NAN_CHECK.md); None: ``NCCL_PG_NAN_CHECK``."""
         resolved = nan_check.resolve_mode(mode)
         self.options.nan_check = mode
-        self._nan = None if resolved == "off" else NanCheck(self, resolved)
+        self._nan = None if resolved == "off" else NanCheck(self.diag, self._backend, self._device, resolved)
 
     @property
     def nan_check(self) -> str:
@@ -384,7 +389,7 @@ class ProcessGroup:
         """How many times this group's communicator was split."""
         return 0 if self._comm is None else self._comm.split_count
 
-    def _comm_error(self) -> BaseException | None:
+    def comm_error(self) -> BaseException | None:
         comm = self._comm
         return None if comm is None else comm.async_error()
 
@@ -401,7 +406,20 @@ class ProcessGroup:
         flight recorder then shows "started" states and durations."""
         self._timing = True
 
-    def _work_finished(self, work: Work, error: BaseException | None) -> None:
+    # --- callbacks of its Works (work.WorkGroup) ------------------------------------------
+
+    def work_started(self, seq: int) -> None:
+        self._started_seq = max(self._started_seq, seq)
+
+    def work_failing(self, error: BaseException) -> None:
+        if self._error_handling in (1, 3):
+            # Modes that end the process do so before any waiter sees the failure (and runs on regardless).
+            self._handle_error(error)
+
+    def make_caller_wait(self, end: Event) -> None:
+        self._backend.make_caller_wait(end, self._device)
+
+    def work_finished(self, work: Work, error: BaseException | None) -> None:
         # A NaN found by the async check fails the Work but is no communication failure: the operation ran,
         # and the group stays usable (no error handling, no abort).
         ran = error is None or isinstance(error, NanError)
@@ -426,7 +444,7 @@ class ProcessGroup:
 
     # --- failures -----------------------------------------------------------------------
 
-    def _timed_out(self, work: Work) -> None:
+    def work_timed_out(self, work: Work) -> None:
         """``work`` passed its deadline: the diagnosis thread finds out who is
         missing (asking every rank, within a small budget), then fails it."""
         with self._lock:
@@ -443,7 +461,7 @@ class ProcessGroup:
             work._issued_mono + work._timeout, f"{work.op_type.name} seq {work.seq} on group {self.uid}", text,
             finish))
 
-    def _diag_view(self) -> progress.GroupView:
+    def _diag_view(self) -> GroupView:
         """What diagnostics read of this group; it holds no reference to the
         group, so that a dropped group can go."""
         me = weakref.ref(self)
@@ -460,10 +478,23 @@ class ProcessGroup:
             pg = me()
             return "destroyed" if pg is None else pg._closed
 
-        return progress.GroupView.of(self._store, self.group_name, self.uid, self.group_desc, self._rank,
-                                     self._size, global_rank, counts, state)
+        def activity() -> Activity:
+            pg = me()
+            if pg is None:
+                return Activity()
+            pending = tuple(InFlight(w.op_type.name, w.seq, w.issued_at) for w in list(pg._pending))
+            return Activity(pg._seq, pg._started_seq, pg._completed_seq, pg._seq_p2p, pending)
 
-    def _check_comm(self) -> None:
+        return GroupView.of(self._store, self.group_name, self.uid, self.group_desc, self._rank, self._size,
+                            global_rank, counts, state, self._backend.name, activity)
+
+    @property
+    def comm_backend(self) -> Backend:
+        """The backend its communicators come from (the watchdog prepares its
+        poller thread for each)."""
+        return self._backend
+
+    def check_comm(self) -> None:
         """Watchdog: act on a communicator broken while nothing was pending."""
         comm = self._comm
         if comm is None or self._closed is not None or self._error_handled:
@@ -501,7 +532,7 @@ class ProcessGroup:
                   f"(NCCL_PG_ASYNC_ERROR_HANDLING={mode})", file=sys.stderr, flush=True)
             os.abort()
 
-    def _abort_for_blocking_wait(self, work: Work, error: BaseException) -> None:
+    def abort_for_blocking_wait(self, work: Work, error: BaseException) -> None:
         """Blocking wait: a ``wait()`` about to raise ``error`` aborts the
         group first (torch's blocking wait aborts its communicators too), so
         later operations fail at once with the reason instead of queueing
@@ -565,7 +596,7 @@ class ProcessGroup:
                 after(stream)
             return Work.captured(self, op_type, outputs, stream.record(), self._peers_of(peer))
         # Before anything is numbered or enqueued: in raise mode a NaN leaves no trace of the operation.
-        nan = self._nan.check(op_type, check, stream) if check and self._nan is not None and not self._prechecked \
+        nan = self._nan.check(op_type, check, stream, self._timeout) if check and self._nan is not None and not self._prechecked \
             else None
         self._op_id += 1
         if self._coalescing is not None:
@@ -621,8 +652,8 @@ class ProcessGroup:
 
     def _record(self, op_type: OpType, inputs: list[Any] | None, outputs: list[Any], p2p: bool,
                 name: str | None) -> Entry | None:
-        return self._recorder.record(self, name or _PROFILING_NAME[op_type], self._seq, self._seq_p2p, self._op_id,
-                                     outputs if inputs is None else inputs, outputs, p2p)
+        return self._recorder.record(self.diag, self._timeout, name or _PROFILING_NAME[op_type], self._seq,
+                                     self._seq_p2p, self._op_id, outputs if inputs is None else inputs, outputs, p2p)
 
     def _watch(self, op_type: OpType, seq: int, outputs: list[Any], start: Any, stream: Stream,
                entries: Sequence[Entry], peers: tuple[int, ...] | None = None,
@@ -678,7 +709,8 @@ class ProcessGroup:
         parts = [e for e in self._coalesced_entries if e is not None]
         for e in parts:
             e.collective_seq_id, e.p2p_seq_id = self._seq, self._seq_p2p
-        whole = self._recorder.record_coalesced(self, parts, self._seq, self._seq_p2p, self._op_id, p2p)
+        whole = self._recorder.record_coalesced(self.diag, self._timeout, parts, self._seq, self._seq_p2p,
+                                                self._op_id, p2p)
         nan, self._coalesced_nan = self._coalesced_nan, []
         return self._watch(op_type, self._seq_p2p if p2p else self._seq, self._coalesced_outputs,
                            self._coalesce_start, stream, parts if whole is None else [*parts, whole],
@@ -793,7 +825,7 @@ class ProcessGroup:
         if self._nan is not None and self._nan.mode == "raise" and self._coalescing is not None:
             stream = self._ready()[1]
             if not stream.capturing:  # captured operations are not checked (see _issue)
-                self._nan.check(op_type, items, stream)
+                self._nan.check(op_type, items, stream, self._timeout)
             self._prechecked = True
 
     def broadcast(self, tensor: Any, root: int = 0) -> Work | None:
@@ -1071,7 +1103,7 @@ def _close_leftovers() -> None:
     own groups: a forked child leaves its parent's alone."""
     dog = watchdog.existing()
     for pg in dog.groups() if dog is not None else []:
-        if pg._closed is None and pg._comm is not None and pg._owner.here():
+        if isinstance(pg, ProcessGroup) and pg._closed is None and pg._comm is not None and pg._owner.here():
             pending = len(pg._pending)
             print(f"nccl_pg: warning: {pg!r} was not destroyed before exit ({pending} operations pending); "
                   "aborting it. Call destroy_process_group() to flush pending work first.",

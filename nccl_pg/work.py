@@ -18,15 +18,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .errors import DistBackendError, NanError
 
 if TYPE_CHECKING:
     from .comm.base import Event
     from .flight_recorder import Entry
-    from .nan_check import Pending
-    from .process_group import ProcessGroup
 
 # Longest slice wait() blocks on an event before re-checking errors and deadlines.
 _WAIT_SLICE = 0.05
@@ -131,6 +129,54 @@ class Future:
         self._f.set_exception(error)
 
 
+class NanFinding(Protocol):
+    """An async-mode NaN check of a Work's inputs (nan_check.Pending), read
+    once the operation completed."""
+
+    def error(self, work_op: OpType, seq: int) -> NanError | None:
+        """The NaN found, for the Work ``work_op`` (``seq``), or None."""
+
+    def abandon(self) -> None:
+        """The Work failed otherwise: the finding is not read."""
+
+
+class WorkGroup(Protocol):
+    """What a Work calls back into its group for (ProcessGroup is one).
+    Plain attributes where the hot path reads them (no property calls)."""
+
+    uid: int
+    group_name: str
+    group_desc: str
+    waits_block: bool  # wait() blocks the CPU: a CPU backend, or NCCL_PG_BLOCKING_WAIT
+    blocking_wait: bool  # NCCL_PG_BLOCKING_WAIT: a wait() that raises aborts the group first
+
+    def rank(self) -> int: ...
+
+    def size(self) -> int: ...
+
+    def comm_error(self) -> BaseException | None:
+        """The communicator's asynchronous error, if any (never blocks)."""
+
+    def work_timed_out(self, work: Work) -> None:
+        """``work`` passed its deadline: the group fails it once it knows who is missing."""
+
+    def work_started(self, seq: int) -> None:
+        """The collective ``seq`` started on the stream (timing on)."""
+
+    def work_failing(self, error: BaseException) -> None:
+        """A Work is about to fail with ``error`` (no NaN finding): error
+        handling that ends the process does so before any waiter sees it."""
+
+    def work_finished(self, work: Work, error: BaseException | None) -> None:
+        """``work`` finished (``error``: None on success)."""
+
+    def make_caller_wait(self, end: Event) -> None:
+        """Order the caller's stream after ``end`` (no CPU wait)."""
+
+    def abort_for_blocking_wait(self, work: Work, error: BaseException) -> None:
+        """Blocking-wait mode: ``work``'s wait is about to raise ``error``."""
+
+
 class Work:
     """One issued operation (or one coalesced group of them)."""
 
@@ -138,9 +184,9 @@ class Work:
                  "_issued_wall", "_lock", "_finished", "_waiters", "_error", "_finished_wall", "_future", "_entries", "_started",
                  "_p2p", "_peers", "_duration_ms", "_nan", "_nan_found", "_captured", "_source", "__weakref__")
 
-    def __init__(self, group: ProcessGroup, op_type: OpType, seq: int, outputs: list[Any], end: Event,
+    def __init__(self, group: WorkGroup, op_type: OpType, seq: int, outputs: list[Any], end: Event,
                  start: Event | None, timeout: float, entries: Sequence[Entry] | None = None,
-                 peers: tuple[int, ...] | None = None, nan: list[Pending] | None = None) -> None:
+                 peers: tuple[int, ...] | None = None, nan: Sequence[NanFinding] | None = None) -> None:
         self._group = group
         self.op_type = op_type
         self._seq = seq
@@ -169,7 +215,7 @@ class Work:
         self._source: Callable[[], int | None] | None = None  # a receive from any source: who sent, once done
 
     @classmethod
-    def captured(cls, group: ProcessGroup, op_type: OpType, outputs: list[Any], end: Event,
+    def captured(cls, group: WorkGroup, op_type: OpType, outputs: list[Any], end: Event,
                  peers: tuple[int, ...] | None) -> Work:
         """An operation captured into a CUDA graph: done as far as the host
         is concerned (it runs at each replay, where nothing can watch it);
@@ -193,13 +239,13 @@ class Work:
             return True
         if not self._started and self._start is not None and self._start.query():
             self._mark_started()
-        error = self._group._comm_error()
+        error = self._group.comm_error()
         if self._end.query():
             self._finish(self._describe(error) if error else self._nan_error())
         elif error is not None:
             self._finish(self._describe(error))
         elif time.monotonic() - self._issued_mono > self._timeout:
-            self._group._timed_out(self)  # finishes it once it knows which ranks are missing
+            self._group.work_timed_out(self)  # finishes it once it knows which ranks are missing
         return self._finished
 
     def _nan_error(self) -> NanError | None:
@@ -243,7 +289,7 @@ class Work:
         for e in self._entries:
             e.state, e.time_discovered_started_ns = "started", now
         if not self._p2p:
-            self._group._started_seq = max(self._group._started_seq, self._seq)
+            self._group.work_started(self._seq)
 
     def _retire(self, error: BaseException | None) -> None:
         """Settle the flight-recorder entries: retired, and completed unless
@@ -262,10 +308,8 @@ class Work:
                 e.state, e.time_discovered_completed_ns, e.duration_ms = "completed", now, self._duration_ms
 
     def _finish(self, error: BaseException | None) -> None:
-        if (error is not None and not isinstance(error, NanError) and self._group._error_handling in (1, 3)
-                and not self._finished):
-            # Modes that end the process do so before any waiter sees the failure (and runs on regardless).
-            self._group._handle_error(error)
+        if error is not None and not isinstance(error, NanError) and not self._finished:
+            self._group.work_failing(error)
         with self._lock:
             if self._finished:
                 return
@@ -285,7 +329,7 @@ class Work:
                 _finished_cond.notify_all()
         if future is not None:
             self._settle(future)
-        self._group._work_finished(self, error)
+        self._group.work_finished(self, error)
 
     def _settle(self, future: Future) -> None:
         if self._error is not None:
@@ -298,6 +342,11 @@ class Work:
     @property
     def seq(self) -> int:
         return self._seq
+
+    @property
+    def issued_at(self) -> float:
+        """When it was issued (``time.monotonic()``)."""
+        return self._issued_mono
 
     def is_completed(self) -> bool:
         return self._poll()
@@ -323,27 +372,27 @@ class Work:
         limit = None if seconds is None else time.monotonic() + seconds
         if self._finished and self._error is None and not self._captured:
             return True  # its end event completed: nothing is left for the CPU or a device stream to wait for
-        backend = self._group._backend
+        group = self._group
         if self._captured:
-            backend.make_caller_wait(self._end, self._group._device)
+            group.make_caller_wait(self._end)
             return True
-        if backend.blocking_wait or self._group._blocking_wait or limit is not None:
+        if group.waits_block or limit is not None:
             while not self._poll():
                 now = time.monotonic()
                 if limit is not None and now >= limit:
                     error = DistBackendError(f"timeout: {self._where()} not complete after wait({timeout}): Timed out "
                                              f"waiting {1000 * (seconds or 0):.0f}ms for it")
-                    if self._group._blocking_wait:
-                        self._group._abort_for_blocking_wait(self, error)
+                    if group.blocking_wait:
+                        group.abort_for_blocking_wait(self, error)
                     raise error
                 left = _WAIT_SLICE if limit is None else min(_WAIT_SLICE, limit - now)
                 self._end.synchronize(max(left, 0.0))
         else:
-            backend.make_caller_wait(self._end, self._group._device)
+            group.make_caller_wait(self._end)
             self._poll()
         if self._error is not None:
-            if self._group._blocking_wait and not isinstance(self._error, NanError):  # a data error: the group is fine
-                self._group._abort_for_blocking_wait(self, self._error)
+            if group.blocking_wait and not isinstance(self._error, NanError):  # a data error: the group is fine
+                group.abort_for_blocking_wait(self, self._error)
             raise self._error
         return True
 

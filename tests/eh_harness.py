@@ -560,11 +560,11 @@ def error_handling_mode(ctx: Ctx) -> dict | None:
 
 @scenario
 def heartbeat_stuck(ctx: Ctx) -> dict | None:
-    """The watchdog's poller gets stuck (a group's ``_check_comm`` sleeps):
+    """The watchdog's poller gets stuck (a group's ``check_comm`` sleeps):
     the monitor must dump and end the process with SIGABRT."""
     pg = ctx.pg()
     pg.allreduce(ones()).wait()
-    pg._check_comm = lambda: time.sleep(120)
+    pg.check_comm = lambda: time.sleep(120)
     ctx.set("stuck", repr(time.monotonic()))
     time.sleep(60)
     sys.exit(17)

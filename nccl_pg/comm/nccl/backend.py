@@ -11,10 +11,11 @@ import numpy as np
 
 from ..base import Backend, CommConfig, Event, Stream
 from ._lib import check_cuda, cudart
-from .array import DeviceArray, as_device_array
+from .array import DeviceArray, as_device_array, caller_stream
 from .communicator import NcclCommunicator
+from .device import adopt_thread
 from .memory import DeviceMemory
-from .stream import CudaEvent, CudaStream, adopt_thread, caller_stream
+from .stream import CudaEvent, CudaStream
 
 _H2D, _D2H, _D2D = 1, 2, 3  # cudaMemcpyKind
 _RELAXED = 2  # cudaStreamCaptureModeRelaxed

@@ -1,5 +1,5 @@
 """CUDA streams and events behind the Stream/Event contract (cuda.bindings
-runtime API), and "the caller's current stream".
+runtime API).
 
 Events are queried without blocking; ``synchronize(timeout)`` polls with a
 short backoff instead of cudaEventSynchronize, so it is bounded and returns
@@ -12,13 +12,12 @@ NCCL still reads or writes it.
 from __future__ import annotations
 
 import collections
-import threading
 import time
 from typing import Any
 
 from ..base import Event, Stream
 from ._lib import check_cuda, cudart
-from .array import caller_kind, cupy_module, torch_module
+from .device import device_guard, on_own_thread, restore_device
 from .memory import DeviceMemory, free_released
 
 _NOT_READY = 600  # cudaErrorNotReady
@@ -32,40 +31,6 @@ class _AbortFlag:
 
     def __init__(self) -> None:
         self.aborted = False
-
-
-_thread = threading.local()
-
-
-def adopt_thread(device: int | None = None) -> None:
-    """The calling thread is nccl_pg's own (a communicator's init or split
-    thread, the watchdog's poller): the backend makes the device it works on
-    current and never restores the previous one. A new thread's current device
-    is 0 until it chooses one, so restoring it, or making CUDA calls without
-    choosing, would create a context on GPU 0 in every process."""
-    _thread.ours = True
-    if device is not None:
-        _device_guard(device)
-
-
-def _device_guard(device: int) -> int | None:
-    """Make ``device`` current; returns the previous device to restore (None: unchanged)."""
-    rt = cudart()
-    if getattr(_thread, "ours", False):
-        if getattr(_thread, "device", None) != device:
-            check_cuda(rt.cudaSetDevice(device), "cudaSetDevice")
-            _thread.device = device
-        return None
-    prev = check_cuda(rt.cudaGetDevice(), "cudaGetDevice")
-    if prev == device:
-        return None
-    check_cuda(rt.cudaSetDevice(device), "cudaSetDevice")
-    return prev
-
-
-def _restore(prev: int | None) -> None:
-    if prev is not None:
-        cudart().cudaSetDevice(prev)
 
 
 # CUDA events of dead CudaEvents, per (device, timing), for the next ones: an event is re-recorded at each use,
@@ -86,11 +51,11 @@ class CudaEvent(Event):
         if self.handle is None:
             rt = cudart()
             flags = rt.cudaEventDefault if timing else rt.cudaEventDisableTiming
-            prev = _device_guard(device)
+            prev = device_guard(device)
             try:
                 self.handle = check_cuda(rt.cudaEventCreateWithFlags(flags), "cudaEventCreateWithFlags")
             finally:
-                _restore(prev)
+                restore_device(prev)
         self.device, self.timing, self._flag = device, timing, flag
         self._refs: list[Any] | None = None
         self._recorded = False
@@ -103,8 +68,8 @@ class CudaEvent(Event):
     def query(self) -> bool:
         if not self._recorded:
             return True  # never recorded: complete, as cudaEventQuery says
-        if getattr(_thread, "ours", False) and getattr(_thread, "device", None) != self.device:
-            _device_guard(self.device)  # the watchdog's poller: on this event's device, not on GPU 0
+        if on_own_thread(self.device):
+            device_guard(self.device)  # the watchdog's poller: on this event's device, not on GPU 0
         (err,) = cudart().cudaEventQuery(self.handle)
         code = int(err)
         if code == 0:
@@ -143,7 +108,7 @@ class CudaStream(Stream):
         rt = cudart()
         self.device, self._flag, self._owned = device, flag, handle is None
         if handle is None:
-            prev = _device_guard(device)
+            prev = device_guard(device)
             try:
                 prio = 0
                 if high_priority:
@@ -153,7 +118,7 @@ class CudaStream(Stream):
                 handle = check_cuda(rt.cudaStreamCreateWithPriority(rt.cudaStreamNonBlocking, prio),
                                     "cudaStreamCreateWithPriority")
             finally:
-                _restore(prev)
+                restore_device(prev)
         self.handle = handle
         self.ptr = int(handle)
         self._pending: list[Any] = []  # buffers of operations enqueued since the last record()
@@ -234,7 +199,7 @@ class CudaStream(Stream):
         self._pending.clear()
         self._inflight.clear()
         self._graph_refs.clear()
-        prev = _device_guard(self.device)
+        prev = device_guard(self.device)
         try:
             free_released(self.device)
             if self._owned and self.handle is not None:
@@ -243,20 +208,4 @@ class CudaStream(Stream):
         except Exception:
             pass
         finally:
-            _restore(prev)
-
-
-def caller_stream(device: int) -> int:
-    """The raw handle of the caller's current stream on ``device``: torch's
-    current stream when the caller's arrays are torch tensors, else CuPy's
-    current stream when CuPy is in use, else the legacy default stream (0)."""
-    kind = caller_kind()
-    if kind == "torch":
-        torch = torch_module()
-        if torch is not None:
-            return int(torch.cuda.current_stream(device).cuda_stream)
-    cupy = cupy_module()
-    if cupy is not None and kind in ("cupy", None):
-        with cupy.cuda.Device(device):
-            return int(cupy.cuda.get_current_stream().ptr)
-    return 0
+            restore_device(prev)
