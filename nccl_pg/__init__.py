@@ -50,6 +50,7 @@ from .distributed import (
     shrink_group,
 )
 from .errors import DistBackendError, DistError, DistNetworkError, DistStoreError, NanError
+from .group.options import NCCLConfig, Options
 from .objects import (
     all_gather_object,
     broadcast_object_list,
@@ -61,8 +62,6 @@ from .objects import (
 from .process_group import (
     SHRINK_ABORT,
     SHRINK_DEFAULT,
-    NCCLConfig,
-    Options,
     ProcessGroup,
     ProcessGroupHost,
     ProcessGroupNCCL,

@@ -19,7 +19,8 @@ from datetime import timedelta
 from typing import Any
 
 from . import backends, env
-from .process_group import DEFAULT_TIMEOUT, SHRINK_ABORT, SHRINK_DEFAULT, Options, ProcessGroup, seconds
+from .group.options import DEFAULT_TIMEOUT, Options, seconds
+from .process_group import SHRINK_ABORT, SHRINK_DEFAULT, ProcessGroup
 from .reduce_op import ReduceOp
 from .rendezvous import rendezvous
 from .store import PrefixStore, Store
@@ -215,7 +216,7 @@ def shrink_group(ranks_to_exclude: list[int], group: Group = None, shrink_flags:
             pg.abort()
             pg.shutdown()
         w.groups = {}
-    if shrink_flags == SHRINK_ABORT or target._closed is not None:
+    if shrink_flags == SHRINK_ABORT or target.diag.state() is not None:
         target.abort()
     target.shutdown()
     w.groups.pop(target, None)

@@ -19,8 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
+from ..group.options import Options
 from ..monitored_barrier import barrier_timeout, monitored_barrier
-from ..process_group import Options, ProcessGroup, ProcessGroupHost, ProcessGroupNCCL
+from ..process_group import ProcessGroup, ProcessGroupHost, ProcessGroupNCCL
 from ..reduce_op import ReduceOp
 from ..store import PrefixStore
 from ..work import WorkInfo
