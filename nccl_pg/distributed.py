@@ -134,7 +134,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     w.default_pg, w.groups, w.group_count, w.local_sync_counts = pg, {pg: list(range(world_size))}, 1, {}
     w.eager = device_id is not None
     if w.eager:
-        pg._eager_init()
+        pg.eager_init()
     if env.DEBUG.get() != "off":
         log.info("rank %d: initialized the default group (%s, %d ranks, timeout %.0f s)", rank, name,
                  world_size, limit)
@@ -204,13 +204,14 @@ def shrink_group(ranks_to_exclude: list[int], group: Group = None, shrink_flags:
         raise ValueError(f"Cannot shrink a process group with size {target.size()}")
     is_default = target is w.default_pg
     old_ranks = _ranks_of(target)
-    excluded = target._check_shrink(ranks_to_exclude, shrink_flags)  # before a uid is taken
+    excluded = target.check_shrink(ranks_to_exclude, shrink_flags)  # before a uid is taken
     uid = w.group_count
     w.group_count += 1
-    new = target._shrink(excluded, shrink_flags == SHRINK_ABORT, pg_options,
-                         group_name=f"{target.group_name}:shrunk",
-                         group_desc="default:shrunk" if is_default else f"{target.group_desc}:shrunk", uid=uid)
     remaining = [g for i, g in enumerate(old_ranks) if i not in excluded]
+    new = target.shrink(excluded, shrink_flags == SHRINK_ABORT, pg_options,
+                        group_name=f"{target.group_name}:shrunk",
+                        group_desc="default:shrunk" if is_default else f"{target.group_desc}:shrunk", uid=uid,
+                        global_ranks=None if is_default else remaining)
     if is_default:  # global ranks change: every other group's mapping is wrong now
         for pg in [g for g in w.groups if g is not target]:
             pg.abort()
@@ -224,7 +225,6 @@ def shrink_group(ranks_to_exclude: list[int], group: Group = None, shrink_flags:
         w.default_pg = new
         w.groups[new] = list(range(new.size()))
     else:
-        new._global_ranks = remaining
         w.groups[new] = remaining
     return new
 
@@ -266,18 +266,16 @@ def new_group(ranks: Sequence[int] | None = None, timeout: timedelta | float | N
     options = replace(pg_options or parent.options,
                       timeout=seconds(timeout) if timeout is not None else parent.timeout.total_seconds())
     # A nonblocking parent splits at the subgroup's first use, as torch does (eager or not).
-    split_now = w.eager and not use_local_synchronization and not parent._nonblocking
-    child = parent._split_for(0 if me in members else None, me, options) if split_now else None
+    split_now = w.eager and not use_local_synchronization and not parent.nonblocking
+    child = parent.split_for(0 if me in members else None, me, options) if split_now else None
     if me not in members:
         return NON_GROUP_MEMBER
     assert w.store is not None
-    pg = ProcessGroup(w.store, members.index(me), len(members), options, backend=parent._backend,
-                      device_id=parent._device, group_name=name, group_desc=group_desc or "undefined", uid=uid)
-    pg._global_ranks = members
-    if child is not None:
-        pg._set_comm(child)
-    elif len(members) == n and not use_local_synchronization:
-        pg._split_from = parent  # every parent rank is here to take part in a split at first use
+    # Without a split now, one at first use when every parent rank is here to take part in it.
+    lazy_split = child is None and len(members) == n and not use_local_synchronization
+    pg = ProcessGroup(w.store, members.index(me), len(members), options, backend=parent.comm_backend,
+                      device_id=parent.bound_device_id, group_name=name, group_desc=group_desc or "undefined",
+                      uid=uid, global_ranks=members, split_from=parent if lazy_split else None, comm=child)
     w.groups[pg] = members
     return pg
 
@@ -556,7 +554,7 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
     with _coalescing_manager(p2p_op_list[0].group, async_ops=True) as cm:
         pg = p2p_op_list[0].group or _get_default_group()
         if isinstance(pg, ProcessGroup):  # NCCL_PG_NAN_CHECK=raise: every send checked before any is issued
-            pg._check_up_front(OpType.SEND, [(f"p2p_op_list[{i}].tensor", p.tensor)
+            pg.check_up_front(OpType.SEND, [(f"p2p_op_list[{i}].tensor", p.tensor)
                                              for i, p in enumerate(p2p_op_list) if p.op is isend])
         for p in p2p_op_list:
             if p.op is isend:
@@ -613,7 +611,7 @@ def _coalescing_manager(group: Group = None, device: Any = None,
     try:
         yield cm
     except BaseException:
-        pg._abandon_coalescing()
+        pg.abandon_coalescing()
         raise
     work = pg._end_coalescing()
     if async_ops:

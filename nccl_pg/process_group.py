@@ -10,7 +10,6 @@ Ranks here are group ranks; distributed.py maps global ranks onto them.
 from __future__ import annotations
 
 import atexit
-import sys
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -40,17 +39,17 @@ class ProcessGroup(Collectives):
         backend), else through a fresh communicator of the survivors."""
         return True
 
-    def _check_shrink(self, exclude: Sequence[int], flags: int) -> list[int]:
+    def check_shrink(self, exclude: Sequence[int], flags: int) -> list[int]:
         """The sorted group ranks to exclude; raises on bad arguments."""
         if isinstance(flags, bool) or flags not in (SHRINK_DEFAULT, SHRINK_ABORT):
             raise ValueError(f"invalid shrink_flags {flags!r}: use SHRINK_DEFAULT ({SHRINK_DEFAULT}) or "
                              f"SHRINK_ABORT ({SHRINK_ABORT}, to stop operations still in flight first)")
         return check_exclude(exclude, self._size, self._rank)
 
-    def _shrink(self, excluded: list[int], abort_first: bool, options: Options | None, *, group_name: str,
-                group_desc: str, uid: int) -> ProcessGroup:
+    def shrink(self, excluded: list[int], abort_first: bool, options: Options | None, *, group_name: str,
+               group_desc: str, uid: int, global_ranks: Sequence[int] | None = None) -> ProcessGroup:
         """Collective over the ranks not in ``excluded`` (from
-        ``_check_shrink``; only the survivors call it): a new group of the
+        ``check_shrink``; only the survivors call it): a new group of the
         survivors, in their order. This group is left to the caller to destroy."""
         with self._lock:
             if self._state is GroupState.DESTROYED:
@@ -66,7 +65,7 @@ class ProcessGroup(Collectives):
         survivors = [r for r in range(self._size) if r not in excluded]
         child = ProcessGroup(self._store, survivors.index(self._rank), len(survivors), options or self.options,
                              backend=self._backend, device_id=self._device, group_name=group_name,
-                             group_desc=group_desc, uid=uid)
+                             group_desc=group_desc, uid=uid, global_ranks=global_ranks)
         if native:
             assert comm is not None
             if not abort_first and self._stream is not None and not self._stream.synchronize(child._timeout):
@@ -78,7 +77,7 @@ class ProcessGroup(Collectives):
             if abort_first:
                 self.abort()
             if self._comm is not None and self._device is not None:
-                child._eager_init()  # an eager parent gets an eager child; a lazy one, a lazy child
+                child.eager_init()  # an eager parent gets an eager child; a lazy one, a lazy child
         return child
 
     def revoke(self) -> None:
@@ -105,13 +104,8 @@ def _close_leftovers() -> None:
     own groups: a forked child leaves its parent's alone."""
     dog = watchdog.existing()
     for pg in dog.groups() if dog is not None else []:
-        if isinstance(pg, ProcessGroup) and pg._state is GroupState.OPEN and pg._comm is not None and pg._owner.here():
-            pending = len(pg._pending)
-            print(f"nccl_pg: warning: {pg!r} was not destroyed before exit ({pending} operations pending); "
-                  "aborting it. Call destroy_process_group() to flush pending work first.",
-                  file=sys.stderr, flush=True)
-            pg.abort()
-            pg._comm.destroy()
+        if isinstance(pg, ProcessGroup):
+            pg.close_left_open()
 
 
 atexit.register(_close_leftovers)

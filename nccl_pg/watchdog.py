@@ -110,7 +110,7 @@ class Watchdog:
         have run; False if ``timeout`` passed first."""
         deadline = time.monotonic() + timeout
         while True:
-            pending = [w for w in works() if not w._poll()]
+            pending = [w for w in works() if not w.is_completed()]
             with self._cond:
                 if not pending and not self._busy(owner):
                     return True
@@ -138,9 +138,11 @@ class Watchdog:
                         log.exception("watchdog: preparing the poller for the %s backend failed", backend.name)
             with self._cond:
                 works = list(self._pending)
+            done: set[int] = set()  # ids of the Works finished; one finished after its poll goes at the next
             for w in works:
                 try:
-                    w._poll()
+                    if w.is_completed():
+                        done.add(id(w))
                 except Exception:  # the watchdog must outlive any one bad Work
                     log.exception("watchdog: polling %r failed", w)
             for pg in groups:
@@ -153,7 +155,7 @@ class Watchdog:
             # that has one: a group its user dropped (``del pg``) must be freed now.
             groups = works = w = pg = backend = None  # type: ignore[assignment]
             with self._cond:
-                self._pending = [w for w in self._pending if not w._finished]
+                self._pending = [w for w in self._pending if id(w) not in done]
                 self._heartbeat = time.monotonic()
                 self._progress.notify_all()
                 self._cond.wait(self._interval)

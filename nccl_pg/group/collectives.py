@@ -130,13 +130,13 @@ class Collectives(Issuing):
             self._reducible(flats[0], rop, scale, "all_reduce_coalesced")
         self._start_coalescing()
         try:
-            self._check_up_front(OpType.ALLREDUCE_COALESCED, [(f"tensors[{i}]", t) for i, t in enumerate(tensors)])
+            self.check_up_front(OpType.ALLREDUCE_COALESCED, [(f"tensors[{i}]", t) for i, t in enumerate(tensors)])
             for i, (f, t) in enumerate(zip(flats, tensors, strict=True)):
                 self._issue(OpType.ALLREDUCE, [], functools.partial(_all_reduce_in_place, f, rop, scale),
                             check=[(f"tensors[{i}]", t)] if self._nan is not None else None)
             self._coalesced_outputs = list(tensors)
         except BaseException:
-            self._abandon_coalescing()
+            self.abandon_coalescing()
             raise
         return self._end_coalescing(OpType.ALLREDUCE_COALESCED)
 

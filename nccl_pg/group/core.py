@@ -16,7 +16,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -56,7 +56,11 @@ class GroupCore:
 
     def __init__(self, store: Store, rank: int, size: int, options: Options | None = None, *,
                  backend: str | Backend = "host", device_id: Any = None, group_name: str = "0",
-                 group_desc: str = "undefined", uid: int = 0) -> None:
+                 group_desc: str = "undefined", uid: int = 0, global_ranks: Sequence[int] | None = None,
+                 split_from: GroupCore | None = None, comm: Communicator | None = None) -> None:
+        """``global_ranks``: the global rank of each group rank (default: the
+        same); ``split_from``: a parent whose communicator this group splits
+        at its first use; ``comm``: its communicator, made already (a split)."""
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"world size must be a positive int, got {size!r}")
         if not isinstance(rank, int) or not 0 <= rank < size:
@@ -78,14 +82,14 @@ class GroupCore:
         self.waits_block = self._backend.blocking_wait or self.blocking_wait
         self._error_handling = env.ASYNC_ERROR_HANDLING.get()
         self._detail = env.DEBUG.get() == "detail"  # log every operation issued (opt-in: hot path)
-        self._global_ranks: list[int] | None = None  # group rank -> global rank, set by new_group
+        self._global_ranks = None if global_ranks is None else list(global_ranks)  # group rank -> global rank
         self._lock = threading.RLock()
         self._comm: Communicator | None = None
         self._creating: Communicator | None = None  # an init in progress, for abort() to reach
         self._abort_requested = False  # set by abort() without the lock, for an init in progress to see
         self._stream: Stream | None = None
         self._live: tuple[Communicator, Stream] | None = None  # both, once set up: _ready's path without the lock
-        self._split_from: GroupCore | None = None  # lazy: split this parent's communicator at first use
+        self._split_from = split_from  # lazy: split this parent's communicator at first use
         self._seq = 0
         self._seq_p2p = 0
         self._monitored_barriers = 0
@@ -113,6 +117,20 @@ class GroupCore:
         self._nan: NanCheck | None = None
         self.set_nan_check(self.options.nan_check)
         watchdog.get().watch_group(self)
+        if comm is not None:
+            self._set_comm(comm)
+
+    @property
+    def bound_device_id(self) -> Any:
+        """The device its communicator is bound to (``device_id``; None: the
+        host backend, or not given)."""
+        return self._device
+
+    @property
+    def nonblocking(self) -> bool:
+        """Its communicators start without blocking (``NCCLConfig.blocking``,
+        ``NCCL_PG_USE_COMM_NONBLOCKING``): a subgroup splits at first use."""
+        return self._nonblocking
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(uid={self.uid}, desc={self.group_desc!r}, rank={self._rank}, "
@@ -246,11 +264,11 @@ class GroupCore:
             comm.wait_ready(self._timeout)
         self._live = comm, stream
 
-    def _eager_init(self) -> None:
+    def eager_init(self) -> None:
         """Create the communicator now (``device_id`` given)."""
         self._ready()
 
-    def _split_for(self, color: int | None, key: int, options: Options) -> Communicator | None:
+    def split_for(self, color: int | None, key: int, options: Options) -> Communicator | None:
         """Collective over this group: split its communicator for a subgroup
         (``color=None``: this rank is not a member)."""
         comm, _ = self._ready()
@@ -438,6 +456,17 @@ class GroupCore:
         if comm is not None:
             if comm.state is CommState.INITIALIZING:
                 comm.abort()  # a nonblocking init still waiting for peers would hold destroy up
+            comm.destroy()
+
+    def close_left_open(self) -> None:
+        """At exit: abort it if it was never destroyed (bounded), with a
+        warning, unless it is a forked child's copy of its parent's group."""
+        comm = self._comm
+        if self._state is GroupState.OPEN and comm is not None and self._owner.here():
+            print(f"nccl_pg: warning: {self!r} was not destroyed before exit ({len(self._pending)} operations "
+                  "pending); aborting it. Call destroy_process_group() to flush pending work first.",
+                  file=sys.stderr, flush=True)
+            self.abort()
             comm.destroy()
 
     def __del__(self) -> None:

@@ -193,7 +193,7 @@ class Issuing(GroupCore):
                            self._coalesce_start, stream, parts if whole is None else [*parts, whole],
                            tuple(sorted({k for k in kinds if k is not None})) if p2p else None, nan or None)
 
-    def _abandon_coalescing(self) -> None:
+    def abandon_coalescing(self) -> None:
         """Close a coalescing group that failed while being built (argument
         errors are raised before anything is enqueued)."""
         if self._coalescing is not None and self._comm is not None:
@@ -203,7 +203,7 @@ class Issuing(GroupCore):
             self._coalesced_nan = []
             self._comm.group_end()
 
-    def _check_up_front(self, op_type: OpType, items: Checked) -> None:
+    def check_up_front(self, op_type: OpType, items: Checked) -> None:
         """Raise mode, in a coalescing group before its operations are
         issued: check all their inputs now, since a NaN found in a later one
         could not take back the earlier ones; the operations then skip their

@@ -259,7 +259,7 @@ class ProcessGroupTorch(tdist.ProcessGroup):
         (as ProcessGroupNCCL's barrier), else on the CPU group."""
         ids = list(getattr(opts, "device_ids", None) or [])
         if ids or set(self._npg_groups) == {"cuda"}:
-            index = ids[0] if ids else self._npg_groups["cuda"]._device
+            index = ids[0] if ids else self._npg_groups["cuda"].bound_device_id
             pg = self._group("cuda", torch.device("cuda", index) if index is not None else None)
         else:
             pg = self._group("cpu")
@@ -323,7 +323,7 @@ class ProcessGroupTorch(tdist.ProcessGroup):
             issue(pg)
         except BaseException as exc:
             self._npg_coalescing = None
-            pg._abandon_coalescing()
+            pg.abandon_coalescing()
             mapped = to_torch(exc)
             if mapped is exc:
                 raise
