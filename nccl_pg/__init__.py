@@ -7,6 +7,7 @@ GPU or a driver.
 
 from __future__ import annotations
 
+from .arrays import Array
 from .distributed import (
     GroupMember,
     P2POp,
@@ -74,6 +75,7 @@ from .work import Future, OpType, Work, WorkInfo
 __version__ = "0.1.0"
 
 __all__ = [
+    "Array",
     "DistBackendError",
     "DistError",
     "DistNetworkError",

@@ -16,9 +16,10 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal, overload
 
 from . import backends, env
+from .arrays import Array
 from .group.options import DEFAULT_TIMEOUT, Options, seconds
 from .process_group import SHRINK_ABORT, SHRINK_DEFAULT, ProcessGroup
 from .reduce_op import ReduceOp
@@ -401,18 +402,46 @@ def _finish(work: Work | None, async_op: bool) -> Work | None:
 
 # --- collectives ------------------------------------------------------------------------------
 
-def all_reduce(tensor: Any, op: Any = ReduceOp.SUM, group: Group = None, async_op: bool = False) -> Work | None:
+@overload
+def all_reduce(tensor: Array, op: Any = ReduceOp.SUM, group: Group = None, async_op: Literal[False] = False) -> None: ...
+
+
+@overload
+def all_reduce(tensor: Array, op: Any = ReduceOp.SUM, group: Group = None, async_op: bool = False) -> Work | None: ...
+
+
+def all_reduce(tensor: Array, op: Any = ReduceOp.SUM, group: Group = None, async_op: bool = False) -> Work | None:
     pg = _resolve(group, "all_reduce")
     return None if pg is None else _finish(pg.allreduce(tensor, op), async_op)
 
 
-def all_reduce_coalesced(tensors: Sequence[Any], op: Any = ReduceOp.SUM, group: Group = None,
+@overload
+def all_reduce_coalesced(tensors: Sequence[Array], op: Any = ReduceOp.SUM, group: Group = None,
+                         async_op: Literal[False] = False) -> None: ...
+
+
+@overload
+def all_reduce_coalesced(tensors: Sequence[Array], op: Any = ReduceOp.SUM, group: Group = None,
+                         async_op: bool = False) -> Work | None: ...
+
+
+def all_reduce_coalesced(tensors: Sequence[Array], op: Any = ReduceOp.SUM, group: Group = None,
                          async_op: bool = False) -> Work | None:
     pg = _resolve(group, "all_reduce_coalesced")
     return None if pg is None else _finish(pg.allreduce_coalesced(list(tensors), op), async_op)
 
 
-def broadcast(tensor: Any, src: int | None = None, group: Group = None, async_op: bool = False,
+@overload
+def broadcast(tensor: Array, src: int | None = None, group: Group = None, async_op: Literal[False] = False,
+              group_src: int | None = None) -> None: ...
+
+
+@overload
+def broadcast(tensor: Array, src: int | None = None, group: Group = None, async_op: bool = False,
+              group_src: int | None = None) -> Work | None: ...
+
+
+def broadcast(tensor: Array, src: int | None = None, group: Group = None, async_op: bool = False,
               group_src: int | None = None) -> Work | None:
     pg = _resolve(group, "broadcast")
     if pg is None:
@@ -420,7 +449,17 @@ def broadcast(tensor: Any, src: int | None = None, group: Group = None, async_op
     return _finish(pg.broadcast(tensor, _in_group(pg, src, group_src, "broadcast src")), async_op)
 
 
-def reduce(tensor: Any, dst: int | None = None, op: Any = ReduceOp.SUM, group: Group = None,
+@overload
+def reduce(tensor: Array, dst: int | None = None, op: Any = ReduceOp.SUM, group: Group = None,
+           async_op: Literal[False] = False, group_dst: int | None = None) -> None: ...
+
+
+@overload
+def reduce(tensor: Array, dst: int | None = None, op: Any = ReduceOp.SUM, group: Group = None,
+           async_op: bool = False, group_dst: int | None = None) -> Work | None: ...
+
+
+def reduce(tensor: Array, dst: int | None = None, op: Any = ReduceOp.SUM, group: Group = None,
            async_op: bool = False, group_dst: int | None = None) -> Work | None:
     pg = _resolve(group, "reduce")
     if pg is None:
@@ -428,36 +467,96 @@ def reduce(tensor: Any, dst: int | None = None, op: Any = ReduceOp.SUM, group: G
     return _finish(pg.reduce(tensor, _in_group(pg, dst, group_dst, "reduce dst"), op), async_op)
 
 
-def all_gather(tensor_list: list[Any], tensor: Any, group: Group = None, async_op: bool = False) -> Work | None:
+@overload
+def all_gather(tensor_list: Sequence[Array], tensor: Array, group: Group = None, async_op: Literal[False] = False) -> None: ...
+
+
+@overload
+def all_gather(tensor_list: Sequence[Array], tensor: Array, group: Group = None, async_op: bool = False) -> Work | None: ...
+
+
+def all_gather(tensor_list: Sequence[Array], tensor: Array, group: Group = None, async_op: bool = False) -> Work | None:
     pg = _resolve(group, "all_gather")
     return None if pg is None else _finish(pg.allgather(tensor_list, tensor), async_op)
 
 
-def all_gather_into_tensor(output_tensor: Any, input_tensor: Any, group: Group = None,
+@overload
+def all_gather_into_tensor(output_tensor: Array, input_tensor: Array, group: Group = None,
+                           async_op: Literal[False] = False) -> None: ...
+
+
+@overload
+def all_gather_into_tensor(output_tensor: Array, input_tensor: Array, group: Group = None,
+                           async_op: bool = False) -> Work | None: ...
+
+
+def all_gather_into_tensor(output_tensor: Array, input_tensor: Array, group: Group = None,
                            async_op: bool = False) -> Work | None:
     pg = _resolve(group, "all_gather_into_tensor")
     return None if pg is None else _finish(pg._allgather_base(output_tensor, input_tensor), async_op)
 
 
-def reduce_scatter(output: Any, input_list: list[Any], op: Any = ReduceOp.SUM, group: Group = None,
+@overload
+def reduce_scatter(output: Array, input_list: Sequence[Array], op: Any = ReduceOp.SUM, group: Group = None,
+                   async_op: Literal[False] = False) -> None: ...
+
+
+@overload
+def reduce_scatter(output: Array, input_list: Sequence[Array], op: Any = ReduceOp.SUM, group: Group = None,
+                   async_op: bool = False) -> Work | None: ...
+
+
+def reduce_scatter(output: Array, input_list: Sequence[Array], op: Any = ReduceOp.SUM, group: Group = None,
                    async_op: bool = False) -> Work | None:
     pg = _resolve(group, "reduce_scatter")
     return None if pg is None else _finish(pg.reduce_scatter(output, input_list, op), async_op)
 
 
-def reduce_scatter_tensor(output: Any, input: Any, op: Any = ReduceOp.SUM, group: Group = None,
+@overload
+def reduce_scatter_tensor(output: Array, input: Array, op: Any = ReduceOp.SUM, group: Group = None,
+                          async_op: Literal[False] = False) -> None: ...
+
+
+@overload
+def reduce_scatter_tensor(output: Array, input: Array, op: Any = ReduceOp.SUM, group: Group = None,
+                          async_op: bool = False) -> Work | None: ...
+
+
+def reduce_scatter_tensor(output: Array, input: Array, op: Any = ReduceOp.SUM, group: Group = None,
                           async_op: bool = False) -> Work | None:
     pg = _resolve(group, "reduce_scatter_tensor")
     return None if pg is None else _finish(pg._reduce_scatter_base(output, input, op), async_op)
 
 
-def all_to_all(output_tensor_list: list[Any], input_tensor_list: list[Any], group: Group = None,
+@overload
+def all_to_all(output_tensor_list: Sequence[Array], input_tensor_list: Sequence[Array], group: Group = None,
+               async_op: Literal[False] = False) -> None: ...
+
+
+@overload
+def all_to_all(output_tensor_list: Sequence[Array], input_tensor_list: Sequence[Array], group: Group = None,
+               async_op: bool = False) -> Work | None: ...
+
+
+def all_to_all(output_tensor_list: Sequence[Array], input_tensor_list: Sequence[Array], group: Group = None,
                async_op: bool = False) -> Work | None:
     pg = _resolve(group, "all_to_all")
     return None if pg is None else _finish(pg.alltoall(output_tensor_list, input_tensor_list), async_op)
 
 
-def all_to_all_single(output: Any, input: Any, output_split_sizes: Sequence[int] | None = None,
+@overload
+def all_to_all_single(output: Array, input: Array, output_split_sizes: Sequence[int] | None = None,
+                      input_split_sizes: Sequence[int] | None = None, group: Group = None,
+                      async_op: Literal[False] = False) -> None: ...
+
+
+@overload
+def all_to_all_single(output: Array, input: Array, output_split_sizes: Sequence[int] | None = None,
+                      input_split_sizes: Sequence[int] | None = None, group: Group = None,
+                      async_op: bool = False) -> Work | None: ...
+
+
+def all_to_all_single(output: Array, input: Array, output_split_sizes: Sequence[int] | None = None,
                       input_split_sizes: Sequence[int] | None = None, group: Group = None,
                       async_op: bool = False) -> Work | None:
     """Split sizes count rows (the first dimension), as in torch."""
@@ -467,7 +566,17 @@ def all_to_all_single(output: Any, input: Any, output_split_sizes: Sequence[int]
     return _finish(pg.alltoall_base(output, input, output_split_sizes, input_split_sizes), async_op)
 
 
-def gather(tensor: Any, gather_list: list[Any] | None = None, dst: int | None = None, group: Group = None,
+@overload
+def gather(tensor: Array, gather_list: Sequence[Array] | None = None, dst: int | None = None, group: Group = None,
+           async_op: Literal[False] = False, group_dst: int | None = None) -> None: ...
+
+
+@overload
+def gather(tensor: Array, gather_list: Sequence[Array] | None = None, dst: int | None = None, group: Group = None,
+           async_op: bool = False, group_dst: int | None = None) -> Work | None: ...
+
+
+def gather(tensor: Array, gather_list: Sequence[Array] | None = None, dst: int | None = None, group: Group = None,
            async_op: bool = False, group_dst: int | None = None) -> Work | None:
     pg = _resolve(group, "gather")
     if pg is None:
@@ -475,7 +584,17 @@ def gather(tensor: Any, gather_list: list[Any] | None = None, dst: int | None = 
     return _finish(pg.gather(tensor, gather_list, _in_group(pg, dst, group_dst, "gather dst")), async_op)
 
 
-def scatter(tensor: Any, scatter_list: list[Any] | None = None, src: int | None = None, group: Group = None,
+@overload
+def scatter(tensor: Array, scatter_list: Sequence[Array] | None = None, src: int | None = None, group: Group = None,
+            async_op: Literal[False] = False, group_src: int | None = None) -> None: ...
+
+
+@overload
+def scatter(tensor: Array, scatter_list: Sequence[Array] | None = None, src: int | None = None, group: Group = None,
+            async_op: bool = False, group_src: int | None = None) -> Work | None: ...
+
+
+def scatter(tensor: Array, scatter_list: Sequence[Array] | None = None, src: int | None = None, group: Group = None,
             async_op: bool = False, group_src: int | None = None) -> Work | None:
     pg = _resolve(group, "scatter")
     if pg is None:
@@ -562,6 +681,14 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
             else:
                 irecv(p.tensor, p.peer, p.group, p.tag, group_src=p.group_peer)
     return cm.works
+
+
+@overload
+def barrier(group: Group = None, async_op: Literal[False] = False, device_ids: Sequence[int] | None = None) -> None: ...
+
+
+@overload
+def barrier(group: Group = None, async_op: bool = False, device_ids: Sequence[int] | None = None) -> Work | None: ...
 
 
 def barrier(group: Group = None, async_op: bool = False, device_ids: Sequence[int] | None = None) -> Work | None:

@@ -8,10 +8,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 
+from ..arrays import Array
 from ..comm.base import Communicator, Stream, check_dtype
 from ..errors import DistBackendError
 from ..fingerprint import Fingerprint
@@ -22,6 +23,8 @@ from ..work import OpType, Work
 from .issuing import ANY_SOURCE, Issuing
 
 Op = ReduceOp | PremulSum
+# An array, or torch's one-element list of it (one device per process).
+ArrayArg: TypeAlias = Array | Sequence[Array]
 
 
 def _real(dtype: np.dtype) -> np.dtype:
@@ -114,7 +117,7 @@ class Collectives(Issuing):
             at += i.size
         return tmp
 
-    def allreduce(self, tensor: Any, op: Op = ReduceOp.SUM) -> Work | None:
+    def allreduce(self, tensor: ArrayArg, op: Op = ReduceOp.SUM) -> Work | None:
         t = self._flat(_one(tensor), "all_reduce tensor", output=True)
         rop, scale = resolve(op)
         self._reducible(t, rop, scale, "all_reduce")
@@ -122,7 +125,7 @@ class Collectives(Issuing):
                            check=[("tensor", _one(tensor))] if self._nan is not None else None,
                            fingerprint=self._detail and Fingerprint(OpType.ALLREDUCE, self._backend.dtype(t), t.size, rop))
 
-    def allreduce_coalesced(self, tensors: Sequence[Any], op: Op = ReduceOp.SUM) -> Work:
+    def allreduce_coalesced(self, tensors: Sequence[Array], op: Op = ReduceOp.SUM) -> Work:
         flats = [self._flat(t, f"all_reduce_coalesced tensors[{i}]", output=True) for i, t in enumerate(tensors)]
         self._same_dtype(flats, "all_reduce_coalesced")
         rop, scale = resolve(op)
@@ -140,7 +143,7 @@ class Collectives(Issuing):
             raise
         return self._end_coalescing(OpType.ALLREDUCE_COALESCED)
 
-    def broadcast(self, tensor: Any, root: int = 0) -> Work | None:
+    def broadcast(self, tensor: ArrayArg, root: int = 0) -> Work | None:
         root = self._group_rank(root, "broadcast root")
         t = self._moved(self._flat(_one(tensor), "broadcast tensor", output=self._rank != root))
         # Only the root's array is sent; the others' are overwritten (torch checks the root's too).
@@ -148,7 +151,7 @@ class Collectives(Issuing):
                            check=[("tensor", _one(tensor))] if self._nan is not None and self._rank == root else None,
                            fingerprint=self._detail and Fingerprint(OpType.BROADCAST, self._backend.dtype(t), t.size, root=root))
 
-    def reduce(self, tensor: Any, root: int = 0, op: Op = ReduceOp.SUM) -> Work | None:
+    def reduce(self, tensor: ArrayArg, root: int = 0, op: Op = ReduceOp.SUM) -> Work | None:
         root = self._group_rank(root, "reduce root")
         t = self._flat(_one(tensor), "reduce tensor", output=self._rank == root)
         rop, scale = resolve(op)
@@ -157,7 +160,7 @@ class Collectives(Issuing):
                            check=[("tensor", _one(tensor))] if self._nan is not None else None,
                            fingerprint=self._detail and Fingerprint(OpType.REDUCE, self._backend.dtype(t), t.size, rop, root))
 
-    def allgather(self, output_list: Sequence[Any], tensor: Any) -> Work | None:
+    def allgather(self, output_list: Sequence[Array], tensor: ArrayArg) -> Work | None:
         inp = self._flat(_one(tensor), "all_gather input")
         outs = self._list(_one_list(output_list), "all_gather output list", inp, output=True)
         inp = self._moved(inp)
@@ -166,7 +169,7 @@ class Collectives(Issuing):
                            after=copy_out, inputs=[_one(tensor)], check=[("tensor", _one(tensor))] if self._nan is not None else None,
                            fingerprint=self._detail and Fingerprint(OpType.ALLGATHER, self._backend.dtype(inp), inp.size))
 
-    def _allgather_base(self, output: Any, tensor: Any) -> Work | None:
+    def _allgather_base(self, output: ArrayArg, tensor: ArrayArg) -> Work | None:
         inp, out = self._flat(tensor, "all_gather_into_tensor input"), self._flat(output, "all_gather_into_tensor output", output=True)
         self._same_dtype([inp, out], "all_gather_into_tensor")
         if out.size != inp.size * self._size:
@@ -177,7 +180,7 @@ class Collectives(Issuing):
                            inputs=[tensor], check=[("input_tensor", tensor)] if self._nan is not None else None,
                            fingerprint=self._detail and Fingerprint(OpType._ALLGATHER_BASE, self._backend.dtype(inp), inp.size))
 
-    def reduce_scatter(self, output: Any, input_list: Sequence[Any], op: Op = ReduceOp.SUM) -> Work | None:
+    def reduce_scatter(self, output: ArrayArg, input_list: Sequence[Array], op: Op = ReduceOp.SUM) -> Work | None:
         out = self._flat(_one(output), "reduce_scatter output", output=True)
         ins = self._list(_one_list(input_list), "reduce_scatter input list", out)
         rop, scale = resolve(op)
@@ -190,7 +193,7 @@ class Collectives(Issuing):
                            check=[(f"input_list[{i}]", a) for i, a in enumerate(ins_given)] if self._nan is not None else None,
                            fingerprint=self._detail and Fingerprint(OpType.REDUCE_SCATTER, self._backend.dtype(out), out.size, rop))
 
-    def _reduce_scatter_base(self, output: Any, tensor: Any, op: Op = ReduceOp.SUM) -> Work | None:
+    def _reduce_scatter_base(self, output: ArrayArg, tensor: ArrayArg, op: Op = ReduceOp.SUM) -> Work | None:
         out = self._flat(output, "reduce_scatter_tensor output", output=True)
         inp = self._flat(tensor, "reduce_scatter_tensor input")
         self._same_dtype([inp, out], "reduce_scatter_tensor")
@@ -205,7 +208,7 @@ class Collectives(Issuing):
                            fingerprint=self._detail and Fingerprint(OpType._REDUCE_SCATTER_BASE, self._backend.dtype(out), out.size,
                                                                     rop))
 
-    def alltoall_base(self, output: Any, tensor: Any, output_split_sizes: Sequence[int] | None = None,
+    def alltoall_base(self, output: ArrayArg, tensor: ArrayArg, output_split_sizes: Sequence[int] | None = None,
                       input_split_sizes: Sequence[int] | None = None) -> Work | None:
         out = self._flat(output, "all_to_all_single output", output=True)
         inp = self._flat(tensor, "all_to_all_single input")
@@ -234,7 +237,7 @@ class Collectives(Issuing):
                              f"summing to the {rows} rows of the array")
         return [x * per_row for x in sizes]
 
-    def alltoall(self, output_list: Sequence[Any], input_list: Sequence[Any]) -> Work | None:
+    def alltoall(self, output_list: Sequence[Array], input_list: Sequence[Array]) -> Work | None:
         if len(output_list) != self._size or len(input_list) != self._size:
             raise ValueError(f"all_to_all: expected {self._size} input and output arrays, got "
                              f"{len(input_list)} and {len(output_list)}")
@@ -259,7 +262,7 @@ class Collectives(Issuing):
                            check=[(f"input_list[{i}]", a) for i, a in enumerate(input_list)] if self._nan is not None else None,
                            fingerprint=self._detail and Fingerprint(OpType.ALLTOALL, self._backend.dtype(tmp_in)))
 
-    def gather(self, tensor: Any, gather_list: Sequence[Any] | None, root: int = 0) -> Work | None:
+    def gather(self, tensor: ArrayArg, gather_list: Sequence[Array] | None, root: int = 0) -> Work | None:
         inp = self._flat(tensor, "gather input")
         root = self._group_rank(root, "gather dst")
         if gather_list and self._rank != root:  # dtypes first on every rank (as torch), then roles
@@ -280,7 +283,7 @@ class Collectives(Issuing):
                            check=[("tensor", tensor)] if self._nan is not None else None,
                            fingerprint=self._detail and Fingerprint(OpType.GATHER, self._backend.dtype(inp), inp.size, root=root))
 
-    def scatter(self, tensor: Any, scatter_list: Sequence[Any] | None, root: int = 0) -> Work | None:
+    def scatter(self, tensor: ArrayArg, scatter_list: Sequence[Array] | None, root: int = 0) -> Work | None:
         out = self._flat(tensor, "scatter output", output=True)
         root = self._group_rank(root, "scatter src")
         if scatter_list and self._rank != root:  # dtypes first on every rank (as torch), then roles
@@ -302,20 +305,20 @@ class Collectives(Issuing):
         return self._issue(OpType.SCATTER, [tensor], lambda c, s: c.scatter(None, out, root, s),
                            fingerprint=self._detail and Fingerprint(OpType.SCATTER, self._backend.dtype(out), out.size, root=root))
 
-    def send(self, tensor: Any, dst: int, tag: int = 0) -> Work | None:
+    def send(self, tensor: ArrayArg, dst: int, tag: int = 0) -> Work | None:
         t = self._moved(self._flat(_one(tensor), "send tensor"))
         dst = self._peer(dst, "send dst")
         return self._issue(OpType.SEND, [tensor], lambda c, s: c.send(t, dst, s),
                            name=f"nccl:send {self._rank}->{dst}", peer=dst, check=[("tensor", _one(tensor))] if self._nan is not None else None,
                            buf=t)
 
-    def recv(self, tensor: Any, src: int, tag: int = 0) -> Work | None:
+    def recv(self, tensor: ArrayArg, src: int, tag: int = 0) -> Work | None:
         t = self._moved(self._flat(_one(tensor), "recv tensor", output=True))
         src = self._peer(src, "recv src")
         return self._issue(OpType.RECV, [tensor], lambda c, s: c.recv(t, src, s),
                            name=f"nccl:recv {self._rank}<-{src}", peer=src, buf=t)
 
-    def recv_anysource(self, tensor: Any, tag: int = 0) -> Work:
+    def recv_anysource(self, tensor: ArrayArg, tag: int = 0) -> Work:
         """Receive from whichever rank sends first (the host backend, as
         Gloo); ``work.source_rank()`` names it (a group rank) once complete.
         Among receives, it takes its turn in issue order."""
