@@ -20,11 +20,13 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
+from . import diagnosis
 from .errors import DistBackendError, NanError
 
 if TYPE_CHECKING:
     from .comm.base import Event
     from .flight_recorder import Entry
+    from .group_view import GroupView
 
 # Longest slice wait() blocks on an event before re-checking errors and deadlines.
 _WAIT_SLICE = 0.05
@@ -147,6 +149,7 @@ class WorkGroup(Protocol):
     uid: int
     group_name: str
     group_desc: str
+    diag: GroupView
     waits_block: bool  # wait() blocks the CPU: a CPU backend, or NCCL_PG_BLOCKING_WAIT
     blocking_wait: bool  # NCCL_PG_BLOCKING_WAIT: a wait() that raises aborts the group first
 
@@ -157,8 +160,9 @@ class WorkGroup(Protocol):
     def comm_error(self) -> BaseException | None:
         """The communicator's asynchronous error, if any (never blocks)."""
 
-    def work_timed_out(self, work: Work) -> None:
-        """``work`` passed its deadline: the group fails it once it knows who is missing."""
+    def diagnose_timeout(self, timeout: diagnosis.Timeout) -> None:
+        """A Work passed its deadline: find out who is missing (asking every
+        rank, within a small budget), then call ``timeout``'s finish."""
 
     def work_started(self, seq: int) -> None:
         """The collective ``seq`` started on the stream (timing on)."""
@@ -167,14 +171,19 @@ class WorkGroup(Protocol):
         """A Work is about to fail with ``error`` (no NaN finding): error
         handling that ends the process does so before any waiter sees it."""
 
-    def work_finished(self, work: Work, error: BaseException | None) -> None:
-        """``work`` finished (``error``: None on success)."""
+    def work_finished(self, work: Work, error: BaseException | None, p2p: bool) -> None:
+        """``work`` finished (``error``: None on success; ``p2p``: a
+        point-to-point operation, numbered apart from the collectives)."""
 
     def make_caller_wait(self, end: Event) -> None:
         """Order the caller's stream after ``end`` (no CPU wait)."""
 
-    def abort_for_blocking_wait(self, work: Work, error: BaseException) -> None:
-        """Blocking-wait mode: ``work``'s wait is about to raise ``error``."""
+    def close_for_blocking_wait(self, error: BaseException) -> None:
+        """Blocking-wait mode: a wait is about to raise ``error``; the group
+        refuses later operations, saying why (its abort() follows)."""
+
+    def abort(self) -> None:
+        """Fail every pending and later operation at once; never blocks."""
 
 
 class Work:
@@ -182,11 +191,14 @@ class Work:
 
     __slots__ = ("_group", "op_type", "_seq", "_outputs", "_end", "_start", "_timeout", "_issued_mono",
                  "_issued_wall", "_lock", "_finished", "_waiters", "_error", "_finished_wall", "_future", "_entries", "_started",
-                 "_p2p", "_peers", "_duration_ms", "_nan", "_nan_found", "_captured", "_source", "__weakref__")
+                 "_p2p", "_peers", "_duration_ms", "_nan", "_nan_found", "_captured", "_source", "_diagnosing",
+                 "__weakref__")
 
     def __init__(self, group: WorkGroup, op_type: OpType, seq: int, outputs: list[Any], end: Event,
                  start: Event | None, timeout: float, entries: Sequence[Entry] | None = None,
-                 peers: tuple[int, ...] | None = None, nan: Sequence[NanFinding] | None = None) -> None:
+                 peers: tuple[int, ...] | None = None, nan: Sequence[NanFinding] | None = None,
+                 source: Callable[[], int | None] | None = None) -> None:
+        """``source``: for a receive from any source, who sent (once done)."""
         self._group = group
         self.op_type = op_type
         self._seq = seq
@@ -212,16 +224,17 @@ class Work:
         self._nan = nan  # async NaN checks, read once the operation completed
         self._nan_found: NanError | None = None
         self._captured = False
-        self._source: Callable[[], int | None] | None = None  # a receive from any source: who sent, once done
+        self._source = source
+        self._diagnosing = False  # past its deadline, and the group's diagnosis asked to fail it
 
     @classmethod
     def captured(cls, group: WorkGroup, op_type: OpType, outputs: list[Any], end: Event,
-                 peers: tuple[int, ...] | None) -> Work:
+                 peers: tuple[int, ...] | None, source: Callable[[], int | None] | None = None) -> Work:
         """An operation captured into a CUDA graph: done as far as the host
         is concerned (it runs at each replay, where nothing can watch it);
         ``wait()`` still orders the caller's stream after it, which also
         joins the group's stream back into the capture."""
-        work = cls(group, op_type, 0, outputs, end, None, 0.0, None, peers)
+        work = cls(group, op_type, 0, outputs, end, None, 0.0, None, peers, None, source)
         work._captured = True
         work._finished = True
         return work
@@ -232,7 +245,7 @@ class Work:
 
     # --- completion ----------------------------------------------------------------
 
-    def _poll(self) -> bool:
+    def is_completed(self) -> bool:
         """Observe the operation without blocking; True once it has finished
         (successfully or not)."""
         if self._finished:
@@ -245,7 +258,7 @@ class Work:
         elif error is not None:
             self._finish(self._describe(error))
         elif time.monotonic() - self._issued_mono > self._timeout:
-            self._group.work_timed_out(self)  # finishes it once it knows which ranks are missing
+            self._timed_out()  # finished once the diagnosis knows which ranks are missing
         return self._finished
 
     def _nan_error(self) -> NanError | None:
@@ -279,9 +292,24 @@ class Work:
         return (f"process group {g.uid} ({g.group_desc!r}), rank {g.rank()} of {g.size()}: "
                 f"{self.op_type.name} (seq {self._seq})")
 
-    def _timed_out_text(self) -> str:
+    def _timed_out(self) -> None:
+        """Past its deadline: the group's diagnosis finds out who is missing,
+        then fails it (once, whoever polls)."""
+        with self._lock:
+            if self._diagnosing or self._finished:
+                return
+            self._diagnosing = True
         elapsed = time.monotonic() - self._issued_mono
-        return f"timeout: {self._where()} ran for {elapsed:.3f} s, past its timeout of {self._timeout:.3f} s"
+        text = f"timeout: {self._where()} ran for {elapsed:.3f} s, past its timeout of {self._timeout:.3f} s"
+
+        def finish(why: str, path: str | None) -> None:
+            self._finish(DistBackendError(f"{text}; {why}" + (f"; debug dump: {path}" if path else "")))
+
+        group = self._group
+        self._group.diagnose_timeout(diagnosis.Timeout(
+            group.diag, self._seq, tuple(self._peers) if self._p2p else None, self._timeout,
+            self._issued_mono + self._timeout, f"{self.op_type.name} seq {self._seq} on group {group.uid}", text,
+            finish))
 
     def _mark_started(self) -> None:
         self._started = True
@@ -329,7 +357,7 @@ class Work:
                 _finished_cond.notify_all()
         if future is not None:
             self._settle(future)
-        self._group.work_finished(self, error)
+        self._group.work_finished(self, error, self._p2p)
 
     def _settle(self, future: Future) -> None:
         if self._error is not None:
@@ -348,14 +376,11 @@ class Work:
         """When it was issued (``time.monotonic()``)."""
         return self._issued_mono
 
-    def is_completed(self) -> bool:
-        return self._poll()
-
     def is_success(self) -> bool:
-        return self._poll() and self._error is None
+        return self.is_completed() and self._error is None
 
     def exception(self) -> BaseException | None:
-        self._poll()
+        self.is_completed()
         return self._error
 
     def wait(self, timeout: float | timedelta | None = None) -> bool:
@@ -377,24 +402,34 @@ class Work:
             group.make_caller_wait(self._end)
             return True
         if group.waits_block or limit is not None:
-            while not self._poll():
+            while not self.is_completed():
                 now = time.monotonic()
                 if limit is not None and now >= limit:
                     error = DistBackendError(f"timeout: {self._where()} not complete after wait({timeout}): Timed out "
                                              f"waiting {1000 * (seconds or 0):.0f}ms for it")
                     if group.blocking_wait:
-                        group.abort_for_blocking_wait(self, error)
+                        self._abort_group(error)
                     raise error
                 left = _WAIT_SLICE if limit is None else min(_WAIT_SLICE, limit - now)
                 self._end.synchronize(max(left, 0.0))
         else:
             group.make_caller_wait(self._end)
-            self._poll()
+            self.is_completed()
         if self._error is not None:
             if group.blocking_wait and not isinstance(self._error, NanError):  # a data error: the group is fine
-                group.abort_for_blocking_wait(self, self._error)
+                self._abort_group(self._error)
             raise self._error
         return True
+
+    def _abort_group(self, error: BaseException) -> None:
+        """Blocking wait: a ``wait()`` about to raise ``error`` aborts the
+        group first (torch's blocking wait aborts its communicators too), so
+        later operations fail at once with the reason instead of queueing
+        behind the failed one. An abort of this process's own making: the
+        error-handling mode does not act on it."""
+        self._group.close_for_blocking_wait(error)
+        self._finish(error if isinstance(error, DistBackendError) else DistBackendError(str(error)))
+        self._group.abort()
 
     def get_future(self) -> Future:
         with self._lock:
@@ -424,11 +459,12 @@ class Work:
         if self._start is None:
             raise RuntimeError("Work duration needs timing: set NCCL_PG_ENABLE_TIMING=1 or register a "
                                "completion hook before issuing the operation")
-        if not self._poll():
+        if not self.is_completed():
             raise RuntimeError(f"{self!r}: duration asked before completion")
         return self._start.elapsed_ms(self._end)
 
-    def _info(self) -> WorkInfo:
+    def info(self) -> WorkInfo:
+        """What a completion hook receives about it."""
         started = finished = active = None
         if self._duration_ms is not None:
             active = timedelta(milliseconds=self._duration_ms)

@@ -334,9 +334,8 @@ class Collectives(Issuing):
             raise ValueError("recv from any source: this group has no other rank")
         source: list[Callable[[], int | None]] = []
         work = self._issue(OpType.RECV, [tensor], lambda c, s: source.append(c.recv_any(t, s)),
-                           name=f"nccl:recvAnySource {self._rank}<-any", peer=ANY_SOURCE, buf=t)
+                           name=f"nccl:recvAnySource {self._rank}<-any", peer=ANY_SOURCE, buf=t, source=source)
         assert work is not None and source
-        work._source = source[0]
         return work
 
     def _peer(self, peer: int, what: str) -> int:

@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from .. import diagnosis, dump, env, flight_recorder, forks, group_view, nan_check, watchdog
 from ..backends import get_backend
@@ -33,6 +33,8 @@ from ..work import Work, WorkInfo
 from .options import Options, seconds
 
 log = logging.getLogger("nccl_pg.process_group")
+
+T = TypeVar("T")
 
 # Error-handling modes 1 and 3: how long another failing thread waits for the process to end (it does at once).
 _ENDING_GRACE = 10.0
@@ -49,6 +51,18 @@ class GroupState(enum.Enum):
 
 # The hot path's check as a global: an enum member read through its class costs a descriptor call.
 OPEN = GroupState.OPEN
+
+
+def _weakly(method: Callable[[], T], gone: T) -> Callable[[], T]:
+    """``method`` of a group, called through a weak reference (a view must
+    not keep its group alive); ``gone`` once the group was dropped."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> T:
+        bound = ref()
+        return gone if bound is None else bound()
+
+    return call
 
 
 class GroupCore:
@@ -101,7 +115,6 @@ class GroupCore:
         self._coalesced_peers: list[int | None] = []  # per op in a coalescing group: its p2p peer, None: a collective
         self._coalesced_nan: list[Pending] = []
         self._prechecked = False  # raise mode: the open coalescing group's inputs were all checked up front
-        self._timing_out: set[Work] = set()
         self._error_handled = False
         self._hooks: list[Callable[[WorkInfo], None]] = []
         self._timing = env.ENABLE_TIMING.get()
@@ -179,31 +192,26 @@ class GroupCore:
     def _diag_view(self) -> GroupView:
         """What diagnostics read of this group; it holds no reference to the
         group, so that a dropped group can go."""
-        me = weakref.ref(self)
+        global_rank_of = weakref.WeakMethod(self._global_rank_of)
 
         def global_rank(r: int) -> int:
-            pg = me()
-            return r if pg is None else pg._global_rank_of(r)
-
-        def counts() -> tuple[int, int, int]:
-            pg = me()
-            return (0, 0, 0) if pg is None else (pg._seq, pg._completed_seq, pg._seq_p2p)
-
-        def state() -> str | None:
-            pg = me()
-            if pg is None:
-                return GroupState.DESTROYED.value
-            return None if pg._state is GroupState.OPEN else pg._state.value
-
-        def activity() -> Activity:
-            pg = me()
-            if pg is None:
-                return Activity()
-            pending = tuple(InFlight(w.op_type.name, w.seq, w.issued_at) for w in list(pg._pending))
-            return Activity(pg._seq, pg._started_seq, pg._completed_seq, pg._seq_p2p, pending)
+            method = global_rank_of()
+            return r if method is None else method(r)
 
         return GroupView.of(self._store, self.group_name, self.uid, self.group_desc, self._rank, self._size,
-                            global_rank, counts, state, self._backend.name, activity)
+                            global_rank, _weakly(self._progress_counts, (0, 0, 0)),
+                            _weakly(self._state_name, GroupState.DESTROYED.value), self._backend.name,
+                            _weakly(self._activity, Activity()))
+
+    def _progress_counts(self) -> tuple[int, int, int]:
+        return self._seq, self._completed_seq, self._seq_p2p
+
+    def _state_name(self) -> str | None:
+        return None if self._state is GroupState.OPEN else self._state.value
+
+    def _activity(self) -> Activity:
+        pending = tuple(InFlight(w.op_type.name, w.seq, w.issued_at) for w in list(self._pending))
+        return Activity(self._seq, self._started_seq, self._completed_seq, self._seq_p2p, pending)
 
     def _comm_config(self) -> CommConfig:
         c = self.options.config
@@ -236,11 +244,12 @@ class GroupCore:
         return live
 
     def _create_comm(self) -> Communicator:
-        parent = self._split_from
-        if parent is not None and parent._comm is not None and parent._state is GroupState.OPEN:
-            child = parent._split_comm(parent._comm, 0, self._rank, self._comm_config())
-            assert child is not None
-            return child
+        if self._split_from is not None:
+            parent: GroupCore = self._split_from
+            if parent._comm is not None and parent._state is GroupState.OPEN:
+                child = parent._split_comm(parent._comm, 0, self._rank, self._comm_config())
+                assert child is not None
+                return child
         store = PrefixStore(f"{self.group_name}/comm", self._store)
         cfg = self._comm_config()
         # Always started nonblocking (then waited for in blocking mode), so that abort() reaches an init stuck on
@@ -321,45 +330,29 @@ class GroupCore:
     def make_caller_wait(self, end: Event) -> None:
         self._backend.make_caller_wait(end, self._device)
 
-    def work_finished(self, work: Work, error: BaseException | None) -> None:
+    def work_finished(self, work: Work, error: BaseException | None, p2p: bool) -> None:
         # A NaN found by the async check fails the Work but is no communication failure: the operation ran,
         # and the group stays usable (no error handling, no abort).
         ran = error is None or isinstance(error, NanError)
         with self._lock:
             if self._pending:
                 self._pending.discard(work)
-            if self._timing_out:
-                self._timing_out.discard(work)
             seq = work.seq
-            if ran and not work._p2p and seq > self._completed_seq:
+            if ran and not p2p and seq > self._completed_seq:
                 self._completed_seq = seq
         if self._hooks:
             hooks = list(self._hooks)
 
             def run_hooks() -> None:
                 for h in hooks:
-                    h(work._info())
+                    h(work.info())
 
             watchdog.get().call_soon(self, run_hooks)
         if error is not None and not ran:
             self._handle_error(error)
 
-    def work_timed_out(self, work: Work) -> None:
-        """``work`` passed its deadline: the diagnosis thread finds out who is
-        missing (asking every rank, within a small budget), then fails it."""
-        with self._lock:
-            if work in self._timing_out or work._finished:
-                return
-            self._timing_out.add(work)
-        text = work._timed_out_text()
-
-        def finish(why: str, path: str | None) -> None:
-            work._finish(DistBackendError(f"{text}; {why}" + (f"; debug dump: {path}" if path else "")))
-
-        watchdog.get().diagnosis.submit(diagnosis.Timeout(
-            self.diag, work.seq, tuple(work._peers) if work._p2p else None, work._timeout,
-            work._issued_mono + work._timeout, f"{work.op_type.name} seq {work.seq} on group {self.uid}", text,
-            finish))
+    def diagnose_timeout(self, timeout: diagnosis.Timeout) -> None:
+        watchdog.get().diagnosis.submit(timeout)
 
     def check_comm(self) -> None:
         """Watchdog: act on a communicator broken while nothing was pending."""
@@ -399,17 +392,10 @@ class GroupCore:
                   f"(NCCL_PG_ASYNC_ERROR_HANDLING={mode})", file=sys.stderr, flush=True)
             os.abort()
 
-    def abort_for_blocking_wait(self, work: Work, error: BaseException) -> None:
-        """Blocking wait: a ``wait()`` about to raise ``error`` aborts the
-        group first (torch's blocking wait aborts its communicators too), so
-        later operations fail at once with the reason instead of queueing
-        behind the failed one. An abort of this process's own making: the
-        error-handling mode does not act on it."""
+    def close_for_blocking_wait(self, error: BaseException) -> None:
         with self._lock:
             if self._state is GroupState.OPEN:
                 self._state, self._close_reason = GroupState.ABORTED, str(error)
-        work._finish(error if isinstance(error, DistBackendError) else DistBackendError(str(error)))
-        self.abort()
 
     def _dump_for_error(self, error: BaseException) -> None:
         """A failure dumps as a timeout does (this rank's dump, and a signal

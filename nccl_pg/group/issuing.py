@@ -41,7 +41,8 @@ class Issuing(GroupCore):
     def _issue(self, op_type: OpType, outputs: list[Any], enqueue: Enqueue,
                after: Callable[[Stream], None] | None = None, inputs: list[Any] | None = None,
                name: str | None = None, peer: int | None = None, check: Checked | None = None,
-               fingerprint: Fingerprint | bool | None = None, buf: Any = None) -> Work | None:
+               fingerprint: Fingerprint | bool | None = None, buf: Any = None,
+               source: list[Callable[[], int | None]] | None = None) -> Work | None:
         """Enqueue one operation; ``after`` enqueues copy-outs behind it.
         ``inputs`` (default: ``outputs``, in place) and ``name`` are for the
         flight recorder; ``peer`` (group rank, or ``ANY_SOURCE``) makes it a
@@ -49,7 +50,9 @@ class Issuing(GroupCore):
         ``check``: the arrays the NaN check scans; callers pass
         ``self._nan and [...]``, so that no list is built when it is off.
         ``fingerprint``: what every rank's collective must agree on, checked
-        in debug mode (callers pass ``self._detail and Fingerprint(...)``)."""
+        in debug mode (callers pass ``self._detail and Fingerprint(...)``).
+        ``source``: a receive from any source's enqueue appends who sent
+        (read once it completed) for its Work."""
         p2p = peer is not None
         lane = p2p and self._coalescing is None
         live = self._live  # _ready() inline: every operation comes here
@@ -73,7 +76,8 @@ class Issuing(GroupCore):
                 return None
             if after is not None:
                 after(stream)
-            return Work.captured(self, op_type, outputs, stream.record(), self._peers_of(peer))
+            return Work.captured(self, op_type, outputs, stream.record(), self._peers_of(peer),
+                                 source[0] if source else None)
         # Before anything is numbered or enqueued: in raise mode a NaN leaves no trace of the operation.
         nan = self._nan.check(op_type, check, stream, self._timeout) if check and self._nan is not None and not self._prechecked \
             else None
@@ -99,7 +103,7 @@ class Issuing(GroupCore):
             after(stream)
         return self._watch(op_type, self._seq_p2p if p2p else self._seq, outputs, start, stream,
                            () if entry is None else (entry,), None if peer is None else self._peers_of(peer),
-                           None if nan is None else [nan])
+                           None if nan is None else [nan], source[0] if source else None)
 
     def _peers_of(self, peer: int | None) -> tuple[int, ...] | None:
         if peer is None:
@@ -136,15 +140,15 @@ class Issuing(GroupCore):
 
     def _watch(self, op_type: OpType, seq: int, outputs: list[Any], start: Any, stream: Stream,
                entries: Sequence[Entry], peers: tuple[int, ...] | None = None,
-               nan: list[Pending] | None = None) -> Work:
+               nan: list[Pending] | None = None, source: Callable[[], int | None] | None = None) -> Work:
         """``peers``: None for a collective, else the p2p operation's peers;
         ``nan``: async NaN checks the Work reports. A Work complete already
         (a CPU backend whose stream had nothing queued before it) finishes
         here; only the others are handed to the watchdog."""
         # With timing, the end event times too (CUDA measures only between two timing events).
         end = stream.record() if start is None or self._comm is None else stream.record(self._comm.new_event(timing=True))
-        work = Work(self, op_type, seq, outputs, end, start, self._timeout, entries, peers, nan)
-        if not (self._may_complete_at_issue and end.query() and work._poll()):
+        work = Work(self, op_type, seq, outputs, end, start, self._timeout, entries, peers, nan, source)
+        if not (self._may_complete_at_issue and end.query() and work.is_completed()):
             with self._lock:
                 self._pending.add(work)
             watchdog.get().watch(work)
