@@ -124,7 +124,7 @@ class NcclBackend(Backend):
     def make_caller_wait(self, event: Event, device: Any = None) -> None:
         if not isinstance(event, CudaEvent):
             raise TypeError(f"the nccl backend waits on CudaEvents, got {type(event).__name__}")
-        if event._recorded:
+        if event.recorded:
             check_cuda(cudart().cudaStreamWaitEvent(caller_stream(event.device), event.handle, 0),
                        "cudaStreamWaitEvent")
 

@@ -167,7 +167,7 @@ def find_nan(arrays: Sequence[DeviceArray], stream: Stream | None, trap: Callabl
         if stream is None:
             done = CudaEvent(index)
             check_cuda(rt.cudaEventRecord(done.handle, handle), "cudaEventRecord")
-            done._recorded = True
+            done.recorded = True
         else:
             assert isinstance(stream, CudaStream)
             stream.keep(*(a.owner for a in arrays))  # until the Work's end event: the scan reads them

@@ -40,7 +40,7 @@ _spare_events: dict[tuple[int, bool], list[Any]] = {}
 
 
 class CudaEvent(Event):
-    __slots__ = ("handle", "device", "timing", "_flag", "_refs", "_recorded")
+    __slots__ = ("handle", "device", "timing", "flag", "refs", "recorded")  # the last three: set by its stream
 
     def __init__(self, device: int, timing: bool = False, flag: _AbortFlag | None = None) -> None:
         spare = _spare_events.get((device, timing))
@@ -56,9 +56,9 @@ class CudaEvent(Event):
                 self.handle = check_cuda(rt.cudaEventCreateWithFlags(flags), "cudaEventCreateWithFlags")
             finally:
                 restore_device(prev)
-        self.device, self.timing, self._flag = device, timing, flag
-        self._refs: list[Any] | None = None
-        self._recorded = False
+        self.device, self.timing, self.flag = device, timing, flag
+        self.refs: list[Any] | None = None
+        self.recorded = False
 
     def __del__(self) -> None:
         handle = getattr(self, "handle", None)
@@ -66,14 +66,14 @@ class CudaEvent(Event):
             _spare_events.setdefault((self.device, self.timing), []).append(handle)
 
     def query(self) -> bool:
-        if not self._recorded:
+        if not self.recorded:
             return True  # never recorded: complete, as cudaEventQuery says
         if on_own_thread(self.device):
             device_guard(self.device)  # the watchdog's poller: on this event's device, not on GPU 0
         (err,) = cudart().cudaEventQuery(self.handle)
         code = int(err)
         if code == 0:
-            self._refs = None  # the operations before it are done: their buffers may go
+            self.refs = None  # the operations before it are done: their buffers may go
             return True
         if code == _NOT_READY:
             return False
@@ -84,7 +84,7 @@ class CudaEvent(Event):
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = 20e-6
         while not self.query():
-            if self._flag is not None and self._flag.aborted:
+            if self.flag is not None and self.flag.aborted:
                 return True
             if deadline is not None and time.monotonic() >= deadline:
                 return False
@@ -147,13 +147,13 @@ class CudaStream(Stream):
                     self._graph_refs.append(ref)
             self._pending = []
         check_cuda(cudart().cudaEventRecord(ev.handle, self.handle), "cudaEventRecord")
-        ev._recorded = True
-        if ev._flag is None:
-            ev._flag = self._flag
+        ev.recorded = True
+        if ev.flag is None:
+            ev.flag = self._flag
         if capturing:
             return ev
         if self._pending:
-            ev._refs, self._pending = self._pending, []
+            ev.refs, self._pending = self._pending, []
             self._inflight.append(ev)
         while self._inflight and self._inflight[0].query():  # drop what completed
             self._inflight.popleft()
@@ -162,7 +162,7 @@ class CudaStream(Stream):
     def wait_event(self, event: Event) -> None:
         if not isinstance(event, CudaEvent):
             raise TypeError(f"a CudaStream waits on CudaEvents, got {type(event).__name__}")
-        if event._recorded:
+        if event.recorded:
             check_cuda(cudart().cudaStreamWaitEvent(self.handle, event.handle, 0), "cudaStreamWaitEvent")
 
     def wait_stream(self, other: int) -> None:
