@@ -7,6 +7,7 @@ GPU or a driver.
 
 from __future__ import annotations
 
+from .arrays import Array
 from .distributed import (
     GroupMember,
     P2POp,
@@ -50,6 +51,7 @@ from .distributed import (
     shrink_group,
 )
 from .errors import DistBackendError, DistError, DistNetworkError, DistStoreError, NanError
+from .group.options import NCCLConfig, Options
 from .objects import (
     all_gather_object,
     broadcast_object_list,
@@ -61,8 +63,6 @@ from .objects import (
 from .process_group import (
     SHRINK_ABORT,
     SHRINK_DEFAULT,
-    NCCLConfig,
-    Options,
     ProcessGroup,
     ProcessGroupHost,
     ProcessGroupNCCL,
@@ -75,6 +75,7 @@ from .work import Future, OpType, Work, WorkInfo
 __version__ = "0.1.0"
 
 __all__ = [
+    "Array",
     "DistBackendError",
     "DistError",
     "DistNetworkError",

@@ -314,6 +314,7 @@ class Case:
             self.recv = xp.zeros(lay.recv, dtype=dtype)
         op_ = _reduce_op(redop)
         send, recv = self.send, self.recv
+        self.issue: Callable[[], Any]  # a Work, or batch_isend_irecv's list of them
         if op == "all_reduce":
             self.issue = lambda: dist.all_reduce(recv, op_, async_op=True)
         elif op == "all_gather":

@@ -17,7 +17,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -235,7 +235,7 @@ def summary(peers: list[Peer]) -> str:
     return _table(f"all {len(peers)} ranks met:", rows)
 
 
-def _table(title: str, rows: list[tuple[str, ...]]) -> str:
+def _table(title: str, rows: Sequence[tuple[str, ...]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
     return "\n".join([title, *lines])

@@ -2,7 +2,7 @@
 is; in steady state, send the store nothing.
 
 Signals. The ranks of a job share a store (a group's PrefixStores all sit on
-one; ``progress.root_of``). Per such store, each process keeps one thread
+one; ``group_view.root_of``). Per such store, each process keeps one thread
 (``Channel``) parked in ``store.wait`` on the key of the next incident,
 ``nccl_pg/diag/<gen>/signal``: the server holds the wait and answers it when
 the key is set, so a healthy job costs one parked request per process,
@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import progress
-from .progress import Answer, GroupView
+from .group_view import GroupView
+from .progress import Answer
 from .store import FileStore, HashStore, Store
 
 log = logging.getLogger(__name__)

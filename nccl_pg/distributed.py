@@ -15,10 +15,12 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal, overload
 
 from . import backends, env
-from .process_group import DEFAULT_TIMEOUT, SHRINK_ABORT, SHRINK_DEFAULT, Options, ProcessGroup
+from .arrays import Array
+from .group.options import DEFAULT_TIMEOUT, Options
+from .process_group import SHRINK_ABORT, SHRINK_DEFAULT, ProcessGroup
 from .reduce_op import ReduceOp
 from .rendezvous import rendezvous
 from .store import PrefixStore, Store
@@ -133,7 +135,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     w.default_pg, w.groups, w.group_count, w.local_sync_counts = pg, {pg: list(range(world_size))}, 1, {}
     w.eager = device_id is not None
     if w.eager:
-        pg._eager_init()
+        pg.eager_init()
     if env.DEBUG.get() != "off":
         log.info("rank %d: initialized the default group (%s, %d ranks, timeout %.0f s)", rank, name,
                  world_size, limit)
@@ -203,19 +205,20 @@ def shrink_group(ranks_to_exclude: list[int], group: Group = None, shrink_flags:
         raise ValueError(f"Cannot shrink a process group with size {target.size()}")
     is_default = target is w.default_pg
     old_ranks = _ranks_of(target)
-    excluded = target._check_shrink(ranks_to_exclude, shrink_flags)  # before a uid is taken
+    excluded = target.check_shrink(ranks_to_exclude, shrink_flags)  # before a uid is taken
     uid = w.group_count
     w.group_count += 1
-    new = target._shrink(excluded, shrink_flags == SHRINK_ABORT, pg_options,
-                         group_name=f"{target.group_name}:shrunk",
-                         group_desc="default:shrunk" if is_default else f"{target.group_desc}:shrunk", uid=uid)
     remaining = [g for i, g in enumerate(old_ranks) if i not in excluded]
+    new = target.shrink(excluded, shrink_flags == SHRINK_ABORT, pg_options,
+                        group_name=f"{target.group_name}:shrunk",
+                        group_desc="default:shrunk" if is_default else f"{target.group_desc}:shrunk", uid=uid,
+                        global_ranks=None if is_default else remaining)
     if is_default:  # global ranks change: every other group's mapping is wrong now
         for pg in [g for g in w.groups if g is not target]:
             pg.abort()
             pg.shutdown()
         w.groups = {}
-    if shrink_flags == SHRINK_ABORT or target._closed is not None:
+    if shrink_flags == SHRINK_ABORT or target.diag.state() is not None:
         target.abort()
     target.shutdown()
     w.groups.pop(target, None)
@@ -223,7 +226,6 @@ def shrink_group(ranks_to_exclude: list[int], group: Group = None, shrink_flags:
         w.default_pg = new
         w.groups[new] = list(range(new.size()))
     else:
-        new._global_ranks = remaining
         w.groups[new] = remaining
     return new
 
@@ -265,18 +267,16 @@ def new_group(ranks: Sequence[int] | None = None, timeout: Timeout | None = None
     options = replace(pg_options or parent.options,
                       timeout=to_seconds(timeout) if timeout is not None else parent.timeout.total_seconds())
     # A nonblocking parent splits at the subgroup's first use, as torch does (eager or not).
-    split_now = w.eager and not use_local_synchronization and not parent._nonblocking
-    child = parent._split_for(0 if me in members else None, me, options) if split_now else None
+    split_now = w.eager and not use_local_synchronization and not parent.nonblocking
+    child = parent.split_for(0 if me in members else None, me, options) if split_now else None
     if me not in members:
         return NON_GROUP_MEMBER
     assert w.store is not None
-    pg = ProcessGroup(w.store, members.index(me), len(members), options, backend=parent._backend,
-                      device_id=parent._device, group_name=name, group_desc=group_desc or "undefined", uid=uid)
-    pg._global_ranks = members
-    if child is not None:
-        pg._set_comm(child)
-    elif len(members) == n and not use_local_synchronization:
-        pg._split_from = parent  # every parent rank is here to take part in a split at first use
+    # Without a split now, one at first use when every parent rank is here to take part in it.
+    lazy_split = child is None and len(members) == n and not use_local_synchronization
+    pg = ProcessGroup(w.store, members.index(me), len(members), options, backend=parent.comm_backend,
+                      device_id=parent.bound_device_id, group_name=name, group_desc=group_desc or "undefined",
+                      uid=uid, global_ranks=members, split_from=parent if lazy_split else None, comm=child)
     w.groups[pg] = members
     return pg
 
@@ -358,7 +358,8 @@ def _resolve(group: Group, op_name: str) -> ProcessGroup | None:
         if pg is not None:
             return pg
     if group is NON_GROUP_MEMBER:
-        me = _world().default_pg.rank() if _world().default_pg is not None else -1
+        default = _world().default_pg
+        me = default.rank() if default is not None else -1
         warnings.warn(f"Running {op_name} on global rank {me} which does not belong to the given group.",
                       UserWarning, stacklevel=3)
         return None
@@ -401,18 +402,46 @@ def _finish(work: Work | None, async_op: bool) -> Work | None:
 
 # --- collectives ------------------------------------------------------------------------------
 
-def all_reduce(tensor: Any, op: Any = ReduceOp.SUM, group: Group = None, async_op: bool = False) -> Work | None:
+@overload
+def all_reduce(tensor: Array, op: Any = ReduceOp.SUM, group: Group = None, async_op: Literal[False] = False) -> None: ...
+
+
+@overload
+def all_reduce(tensor: Array, op: Any = ReduceOp.SUM, group: Group = None, async_op: bool = False) -> Work | None: ...
+
+
+def all_reduce(tensor: Array, op: Any = ReduceOp.SUM, group: Group = None, async_op: bool = False) -> Work | None:
     pg = _resolve(group, "all_reduce")
     return None if pg is None else _finish(pg.allreduce(tensor, op), async_op)
 
 
-def all_reduce_coalesced(tensors: Sequence[Any], op: Any = ReduceOp.SUM, group: Group = None,
+@overload
+def all_reduce_coalesced(tensors: Sequence[Array], op: Any = ReduceOp.SUM, group: Group = None,
+                         async_op: Literal[False] = False) -> None: ...
+
+
+@overload
+def all_reduce_coalesced(tensors: Sequence[Array], op: Any = ReduceOp.SUM, group: Group = None,
+                         async_op: bool = False) -> Work | None: ...
+
+
+def all_reduce_coalesced(tensors: Sequence[Array], op: Any = ReduceOp.SUM, group: Group = None,
                          async_op: bool = False) -> Work | None:
     pg = _resolve(group, "all_reduce_coalesced")
     return None if pg is None else _finish(pg.allreduce_coalesced(list(tensors), op), async_op)
 
 
-def broadcast(tensor: Any, src: int | None = None, group: Group = None, async_op: bool = False,
+@overload
+def broadcast(tensor: Array, src: int | None = None, group: Group = None, async_op: Literal[False] = False,
+              group_src: int | None = None) -> None: ...
+
+
+@overload
+def broadcast(tensor: Array, src: int | None = None, group: Group = None, async_op: bool = False,
+              group_src: int | None = None) -> Work | None: ...
+
+
+def broadcast(tensor: Array, src: int | None = None, group: Group = None, async_op: bool = False,
               group_src: int | None = None) -> Work | None:
     pg = _resolve(group, "broadcast")
     if pg is None:
@@ -420,7 +449,17 @@ def broadcast(tensor: Any, src: int | None = None, group: Group = None, async_op
     return _finish(pg.broadcast(tensor, _in_group(pg, src, group_src, "broadcast src")), async_op)
 
 
-def reduce(tensor: Any, dst: int | None = None, op: Any = ReduceOp.SUM, group: Group = None,
+@overload
+def reduce(tensor: Array, dst: int | None = None, op: Any = ReduceOp.SUM, group: Group = None,
+           async_op: Literal[False] = False, group_dst: int | None = None) -> None: ...
+
+
+@overload
+def reduce(tensor: Array, dst: int | None = None, op: Any = ReduceOp.SUM, group: Group = None,
+           async_op: bool = False, group_dst: int | None = None) -> Work | None: ...
+
+
+def reduce(tensor: Array, dst: int | None = None, op: Any = ReduceOp.SUM, group: Group = None,
            async_op: bool = False, group_dst: int | None = None) -> Work | None:
     pg = _resolve(group, "reduce")
     if pg is None:
@@ -428,36 +467,96 @@ def reduce(tensor: Any, dst: int | None = None, op: Any = ReduceOp.SUM, group: G
     return _finish(pg.reduce(tensor, _in_group(pg, dst, group_dst, "reduce dst"), op), async_op)
 
 
-def all_gather(tensor_list: list[Any], tensor: Any, group: Group = None, async_op: bool = False) -> Work | None:
+@overload
+def all_gather(tensor_list: Sequence[Array], tensor: Array, group: Group = None, async_op: Literal[False] = False) -> None: ...
+
+
+@overload
+def all_gather(tensor_list: Sequence[Array], tensor: Array, group: Group = None, async_op: bool = False) -> Work | None: ...
+
+
+def all_gather(tensor_list: Sequence[Array], tensor: Array, group: Group = None, async_op: bool = False) -> Work | None:
     pg = _resolve(group, "all_gather")
     return None if pg is None else _finish(pg.allgather(tensor_list, tensor), async_op)
 
 
-def all_gather_into_tensor(output_tensor: Any, input_tensor: Any, group: Group = None,
+@overload
+def all_gather_into_tensor(output_tensor: Array, input_tensor: Array, group: Group = None,
+                           async_op: Literal[False] = False) -> None: ...
+
+
+@overload
+def all_gather_into_tensor(output_tensor: Array, input_tensor: Array, group: Group = None,
+                           async_op: bool = False) -> Work | None: ...
+
+
+def all_gather_into_tensor(output_tensor: Array, input_tensor: Array, group: Group = None,
                            async_op: bool = False) -> Work | None:
     pg = _resolve(group, "all_gather_into_tensor")
     return None if pg is None else _finish(pg._allgather_base(output_tensor, input_tensor), async_op)
 
 
-def reduce_scatter(output: Any, input_list: list[Any], op: Any = ReduceOp.SUM, group: Group = None,
+@overload
+def reduce_scatter(output: Array, input_list: Sequence[Array], op: Any = ReduceOp.SUM, group: Group = None,
+                   async_op: Literal[False] = False) -> None: ...
+
+
+@overload
+def reduce_scatter(output: Array, input_list: Sequence[Array], op: Any = ReduceOp.SUM, group: Group = None,
+                   async_op: bool = False) -> Work | None: ...
+
+
+def reduce_scatter(output: Array, input_list: Sequence[Array], op: Any = ReduceOp.SUM, group: Group = None,
                    async_op: bool = False) -> Work | None:
     pg = _resolve(group, "reduce_scatter")
     return None if pg is None else _finish(pg.reduce_scatter(output, input_list, op), async_op)
 
 
-def reduce_scatter_tensor(output: Any, input: Any, op: Any = ReduceOp.SUM, group: Group = None,
+@overload
+def reduce_scatter_tensor(output: Array, input: Array, op: Any = ReduceOp.SUM, group: Group = None,
+                          async_op: Literal[False] = False) -> None: ...
+
+
+@overload
+def reduce_scatter_tensor(output: Array, input: Array, op: Any = ReduceOp.SUM, group: Group = None,
+                          async_op: bool = False) -> Work | None: ...
+
+
+def reduce_scatter_tensor(output: Array, input: Array, op: Any = ReduceOp.SUM, group: Group = None,
                           async_op: bool = False) -> Work | None:
     pg = _resolve(group, "reduce_scatter_tensor")
     return None if pg is None else _finish(pg._reduce_scatter_base(output, input, op), async_op)
 
 
-def all_to_all(output_tensor_list: list[Any], input_tensor_list: list[Any], group: Group = None,
+@overload
+def all_to_all(output_tensor_list: Sequence[Array], input_tensor_list: Sequence[Array], group: Group = None,
+               async_op: Literal[False] = False) -> None: ...
+
+
+@overload
+def all_to_all(output_tensor_list: Sequence[Array], input_tensor_list: Sequence[Array], group: Group = None,
+               async_op: bool = False) -> Work | None: ...
+
+
+def all_to_all(output_tensor_list: Sequence[Array], input_tensor_list: Sequence[Array], group: Group = None,
                async_op: bool = False) -> Work | None:
     pg = _resolve(group, "all_to_all")
     return None if pg is None else _finish(pg.alltoall(output_tensor_list, input_tensor_list), async_op)
 
 
-def all_to_all_single(output: Any, input: Any, output_split_sizes: Sequence[int] | None = None,
+@overload
+def all_to_all_single(output: Array, input: Array, output_split_sizes: Sequence[int] | None = None,
+                      input_split_sizes: Sequence[int] | None = None, group: Group = None,
+                      async_op: Literal[False] = False) -> None: ...
+
+
+@overload
+def all_to_all_single(output: Array, input: Array, output_split_sizes: Sequence[int] | None = None,
+                      input_split_sizes: Sequence[int] | None = None, group: Group = None,
+                      async_op: bool = False) -> Work | None: ...
+
+
+def all_to_all_single(output: Array, input: Array, output_split_sizes: Sequence[int] | None = None,
                       input_split_sizes: Sequence[int] | None = None, group: Group = None,
                       async_op: bool = False) -> Work | None:
     """Split sizes count rows (the first dimension), as in torch."""
@@ -467,7 +566,17 @@ def all_to_all_single(output: Any, input: Any, output_split_sizes: Sequence[int]
     return _finish(pg.alltoall_base(output, input, output_split_sizes, input_split_sizes), async_op)
 
 
-def gather(tensor: Any, gather_list: list[Any] | None = None, dst: int | None = None, group: Group = None,
+@overload
+def gather(tensor: Array, gather_list: Sequence[Array] | None = None, dst: int | None = None, group: Group = None,
+           async_op: Literal[False] = False, group_dst: int | None = None) -> None: ...
+
+
+@overload
+def gather(tensor: Array, gather_list: Sequence[Array] | None = None, dst: int | None = None, group: Group = None,
+           async_op: bool = False, group_dst: int | None = None) -> Work | None: ...
+
+
+def gather(tensor: Array, gather_list: Sequence[Array] | None = None, dst: int | None = None, group: Group = None,
            async_op: bool = False, group_dst: int | None = None) -> Work | None:
     pg = _resolve(group, "gather")
     if pg is None:
@@ -475,7 +584,17 @@ def gather(tensor: Any, gather_list: list[Any] | None = None, dst: int | None = 
     return _finish(pg.gather(tensor, gather_list, _in_group(pg, dst, group_dst, "gather dst")), async_op)
 
 
-def scatter(tensor: Any, scatter_list: list[Any] | None = None, src: int | None = None, group: Group = None,
+@overload
+def scatter(tensor: Array, scatter_list: Sequence[Array] | None = None, src: int | None = None, group: Group = None,
+            async_op: Literal[False] = False, group_src: int | None = None) -> None: ...
+
+
+@overload
+def scatter(tensor: Array, scatter_list: Sequence[Array] | None = None, src: int | None = None, group: Group = None,
+            async_op: bool = False, group_src: int | None = None) -> Work | None: ...
+
+
+def scatter(tensor: Array, scatter_list: Sequence[Array] | None = None, src: int | None = None, group: Group = None,
             async_op: bool = False, group_src: int | None = None) -> Work | None:
     pg = _resolve(group, "scatter")
     if pg is None:
@@ -554,7 +673,7 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
     with _coalescing_manager(p2p_op_list[0].group, async_ops=True) as cm:
         pg = p2p_op_list[0].group or _get_default_group()
         if isinstance(pg, ProcessGroup):  # NCCL_PG_NAN_CHECK=raise: every send checked before any is issued
-            pg._check_up_front(OpType.SEND, [(f"p2p_op_list[{i}].tensor", p.tensor)
+            pg.check_up_front(OpType.SEND, [(f"p2p_op_list[{i}].tensor", p.tensor)
                                              for i, p in enumerate(p2p_op_list) if p.op is isend])
         for p in p2p_op_list:
             if p.op is isend:
@@ -562,6 +681,14 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
             else:
                 irecv(p.tensor, p.peer, p.group, p.tag, group_src=p.group_peer)
     return cm.works
+
+
+@overload
+def barrier(group: Group = None, async_op: Literal[False] = False, device_ids: Sequence[int] | None = None) -> None: ...
+
+
+@overload
+def barrier(group: Group = None, async_op: bool = False, device_ids: Sequence[int] | None = None) -> Work | None: ...
 
 
 def barrier(group: Group = None, async_op: bool = False, device_ids: Sequence[int] | None = None) -> Work | None:
@@ -611,7 +738,7 @@ def _coalescing_manager(group: Group = None, device: Any = None,
     try:
         yield cm
     except BaseException:
-        pg._abandon_coalescing()
+        pg.abandon_coalescing()
         raise
     work = pg._end_coalescing()
     if async_ops:

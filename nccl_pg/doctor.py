@@ -15,6 +15,7 @@ the command also runs, and passes, on CPU-only machines.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -42,6 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--_sanity-device", type=int, default=None, help=argparse.SUPPRESS)  # internal: the child
 
 
+# What a probe returns: (status, detail) or (status, detail, data for the JSON report).
+Outcome = tuple[str, str] | tuple[str, str, dict[str, Any]]
+
+
 @dataclass
 class Result:
     name: str
@@ -63,10 +68,10 @@ class Doctor:
         self.nccl_loaded = False
         self.nvrtc_ok = False
 
-    def probe(self, name: str, fn: Callable[[], tuple[str, str] | tuple[str, str, dict[str, Any]]]) -> Result:
+    def probe(self, name: str, fn: Callable[[], Outcome]) -> Result:
         try:
-            out = fn()
-            res = Result(name, out[0], out[1], out[2] if len(out) > 2 else {})  # type: ignore[misc]
+            status, detail, *data = fn()
+            res = Result(name, status, detail, data[0] if data else {})
         except _Skip as exc:
             res = Result(name, SKIP, str(exc))
         except Exception as exc:
@@ -80,17 +85,17 @@ class Doctor:
 
     # --- the probes ----------------------------------------------------------------
 
-    def versions(self) -> tuple[str, str]:
+    def versions(self) -> Outcome:
         from . import __version__
 
         return OK, f"{__version__} ({Path(__file__).resolve().parent})"
 
-    def python(self) -> tuple[str, str]:
+    def python(self) -> Outcome:
         import numpy
 
         return OK, f"{platform.python_version()} ({sys.executable}), numpy {numpy.__version__}, {platform.platform()}"
 
-    def array_libs(self) -> tuple[str, str]:
+    def array_libs(self) -> Outcome:
         found = []
         for mod in ("cupy", "torch", "jax", "ml_dtypes"):
             try:
@@ -100,7 +105,7 @@ class Doctor:
                 found.append(f"{mod} -")
         return INFO, ", ".join(found)
 
-    def nccl(self) -> tuple[str, str]:
+    def nccl(self) -> Outcome:
         try:
             import nccl as nccl_pkg
             from nccl.bindings import nccl as nb
@@ -124,7 +129,7 @@ class Doctor:
         return OK, f"{major}.{minor}.{patch} (code {code}), nccl4py {pkg}, unique id ok", \
             {"version": f"{major}.{minor}.{patch}", "code": code}
 
-    def driver(self) -> tuple[str, str]:
+    def driver(self) -> Outcome:
         from cuda.bindings import driver
 
         try:
@@ -135,7 +140,7 @@ class Doctor:
         _check(err, "cuDriverGetVersion")
         return OK, f"CUDA driver API {ver // 1000}.{ver % 1000 // 10} ({ver})", {"version": ver}
 
-    def runtime(self) -> tuple[str, str]:
+    def runtime(self) -> Outcome:
         import cuda.bindings
         from cuda.bindings import runtime
 
@@ -143,7 +148,7 @@ class Doctor:
         _check(err, "cudaRuntimeGetVersion")
         return OK, f"CUDA runtime {ver // 1000}.{ver % 1000 // 10} ({ver}), cuda-bindings {cuda.bindings.__version__}"
 
-    def nvrtc(self) -> tuple[str, str]:
+    def nvrtc(self) -> Outcome:
         from cuda.bindings import nvrtc
 
         try:
@@ -158,7 +163,7 @@ class Doctor:
         self.nvrtc_ok = True
         return OK, f"NVRTC {major}.{minor}"
 
-    def find_gpus(self) -> tuple[str, str]:
+    def find_gpus(self) -> Outcome:
         if self.gpu_error:
             raise _Skip(f"no GPU: {self.gpu_error}")
         from cuda.bindings import driver
@@ -196,7 +201,7 @@ class Doctor:
         return OK, f"{count} GPU(s)" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "") + \
             "".join(f"\n         {x}" for x in lines), {"gpus": self.gpus}
 
-    def p2p(self) -> tuple[str, str]:
+    def p2p(self) -> Outcome:
         if not self.gpus:
             raise _Skip("no GPU")
         if len(self.gpus) < 2:
@@ -221,7 +226,7 @@ class Doctor:
                   "host memory there)") + "".join(f"\n       {x}" for x in lines)
         return OK, detail, {"matrix": matrix}
 
-    def kernels(self) -> tuple[str, str]:
+    def kernels(self) -> Outcome:
         sources = _kernel_sources()
         if not sources:
             raise _Skip("no .cu sources found (neither nccl_pg/_kernels/ nor the checkout's kernels/)")
@@ -241,7 +246,7 @@ class Doctor:
         return OK, f"{len(done)} source(s) compile for {arch}" + (" and load" if self.gpus else "") + \
             f": {', '.join(done)}"
 
-    def host_sanity(self) -> tuple[str, str]:
+    def host_sanity(self) -> Outcome:
         import numpy as np
 
         import nccl_pg as dist
@@ -260,7 +265,7 @@ class Doctor:
             dist.destroy_process_group()
         return OK, f"one-rank all_reduce on the host backend ({(time.perf_counter() - t0) * 1e3:.0f} ms)"
 
-    def nccl_sanity(self, gpu: dict[str, Any]) -> tuple[str, str]:
+    def nccl_sanity(self, gpu: dict[str, Any]) -> Outcome:
         if not self.nccl_loaded:
             raise RuntimeError("NCCL library not loaded (see the nccl probe)")
         cmd = [sys.executable, "-m", "nccl_pg.doctor", "--_sanity-device", str(gpu["index"])]
@@ -299,7 +304,7 @@ class Doctor:
             self.probe("nccl sanity", _skipper("--no-sanity"))
         else:
             for gpu in self.gpus:
-                self.probe(f"nccl sanity {gpu['index']}", lambda g=gpu: self.nccl_sanity(g))
+                self.probe(f"nccl sanity {gpu['index']}", functools.partial(self.nccl_sanity, gpu))
         failed = [r for r in self.results if r.status == FAIL]
         passed = sum(r.status == OK for r in self.results)
         skipped = sum(r.status == SKIP for r in self.results)
@@ -313,8 +318,8 @@ class Doctor:
         return 1 if failed else 0
 
 
-def _skipper(reason: str) -> Callable[[], tuple[str, str]]:
-    def fn() -> tuple[str, str]:
+def _skipper(reason: str) -> Callable[[], Outcome]:
+    def fn() -> Outcome:
         raise _Skip(reason)
 
     return fn
@@ -407,7 +412,9 @@ def _sanity_child(device: int) -> int:
     try:
         x = cupy.arange(1 << 20, dtype=cupy.float32)
         dist.all_reduce(x)
-        dist.all_reduce(x, async_op=True).wait()
+        work = dist.all_reduce(x, async_op=True)
+        assert work is not None
+        work.wait()
         cupy.cuda.runtime.deviceSynchronize()
         if not np.array_equal(x.get(), np.arange(1 << 20, dtype=np.float32)):
             print("wrong result: a one-rank sum must leave the data as it was")

@@ -36,32 +36,31 @@ import threading
 import time
 import traceback
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import env, flight_recorder
-
-if TYPE_CHECKING:
-    from .process_group import ProcessGroup
+from .group_view import GroupView
 
 
-def _group(pg: ProcessGroup) -> dict[str, Any]:
+def _group(view: GroupView) -> dict[str, Any]:
+    a = view.activity()
     now = time.monotonic()
     return {
-        "uid": pg.uid, "desc": pg.group_desc, "name": pg.group_name, "rank": pg.rank(), "size": pg.size(),
-        "backend": pg.backend_name, "issued": pg._seq, "completed": pg._completed_seq, "p2p_issued": pg._seq_p2p,
-        "state": pg._closed or "open",
-        "pending": [{"op": w.op_type.name, "seq": w.seq, "age_s": round(now - w._issued_mono, 3)}
-                    for w in sorted(list(pg._pending), key=lambda w: w.seq)],
+        "uid": view.uid, "desc": view.desc, "name": view.name, "rank": view.rank, "size": view.size,
+        "backend": view.backend, "issued": a.issued, "completed": a.completed, "p2p_issued": a.p2p_issued,
+        "state": view.state() or "open",
+        "pending": [{"op": p.op, "seq": p.seq, "age_s": round(now - p.issued, 3)}
+                    for p in sorted(a.pending, key=lambda p: p.seq)],
     }
 
 
 def _threads() -> dict[str, list[str]]:
     names = {t.ident: t.name for t in threading.enumerate()}
     return {f"{names.get(ident, '?')} ({ident})": traceback.format_stack(frame)
-            for ident, frame in sys._current_frames().items()}
+            for ident, frame in sys._current_frames().items()}  # noqa: SLF001 - the stdlib's one way to them
 
 
-def report(reason: str, rank: int, groups: Sequence[ProcessGroup]) -> dict[str, Any]:
+def report(reason: str, rank: int, groups: Sequence[GroupView]) -> dict[str, Any]:
     """The dump as a dict (the flight recorder's layout plus our keys)."""
     out = flight_recorder.get().dump(groups)
     out.update({"reason": reason, "rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
@@ -113,7 +112,7 @@ def written_within(seconds: float) -> bool:
     return _last_written is not None and time.monotonic() - _last_written < seconds
 
 
-def write(reason: str, rank: int, groups: Sequence[ProcessGroup]) -> str:
+def write(reason: str, rank: int, groups: Sequence[GroupView]) -> str:
     """Write this rank's dump; returns its path."""
     global _last_written
     path = path_for(rank)

@@ -22,14 +22,12 @@ import threading
 import time
 import traceback
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from . import env
-
-if TYPE_CHECKING:
-    from .process_group import ProcessGroup
+from . import env, group_view
+from .group_view import GroupView
 
 VERSION = "2.10"
 _RETRACTED = -1  # the record_id of an entry taken back (a coalesced group's parts, merged into one)
@@ -111,6 +109,25 @@ class Entry:
     __slots__ = ("record_id", "pg_id", "process_group", "thread", "collective_seq_id", "p2p_seq_id", "op_id",
                  "profiling_name", "time_created_ns", "duration_ms", "state", "time_discovered_started_ns",
                  "time_discovered_completed_ns", "retired", "timeout_s", "is_p2p", "frames", "ins", "outs")
+    record_id: int
+    pg_id: int
+    process_group: tuple[str, str]  # (name, desc)
+    thread: threading.Thread
+    collective_seq_id: int
+    p2p_seq_id: int
+    op_id: int
+    profiling_name: str
+    time_created_ns: int
+    duration_ms: float | None
+    state: str  # "scheduled", "started", "completed"
+    time_discovered_started_ns: int | None
+    time_discovered_completed_ns: int | None
+    retired: bool
+    timeout_s: float
+    is_p2p: bool
+    frames: list[dict[str, Any]] | None
+    ins: list[tuple[Any, Any]]  # (shape, dtype) of each input
+    outs: list[tuple[Any, Any]]
 
     @property
     def input_sizes(self) -> list[list[int]]:
@@ -160,9 +177,10 @@ class FlightRecorder:
     def enabled(self) -> bool:
         return self.capacity > 0
 
-    def record(self, pg: ProcessGroup, name: str, collective_seq: int, p2p_seq: int, op_id: int,
+    def record(self, group: GroupView, timeout: float, name: str, collective_seq: int, p2p_seq: int, op_id: int,
                inputs: Sequence[Any], outputs: Sequence[Any], is_p2p: bool) -> Entry | None:
-        """A new entry in state "scheduled"; None when the recorder is off."""
+        """A new entry in state "scheduled" on ``group`` (its operations'
+        timeout now: ``timeout``); None when the recorder is off."""
         if not self.capacity:
             return None
         e = Entry()
@@ -172,21 +190,21 @@ class FlightRecorder:
         except AttributeError:  # torch's [tensor] / [[t0, t1]] forms
             ins, outs = _pairs(inputs), _pairs(outputs)
         e.ins, e.outs = ins, outs
-        e.pg_id, e.process_group = pg.uid, (pg.group_name, pg.group_desc)
+        e.pg_id, e.process_group = group.uid, (group.name, group.desc)
         e.thread = _current_thread()
         e.collective_seq_id, e.p2p_seq_id, e.op_id = collective_seq, p2p_seq, op_id
         e.profiling_name, e.time_created_ns = name, _time_ns()
         e.state, e.retired, e.duration_ms = "scheduled", False, None
         e.time_discovered_started_ns = e.time_discovered_completed_ns = None
-        e.timeout_s, e.is_p2p = pg._timeout, is_p2p
+        e.timeout_s, e.is_p2p = timeout, is_p2p
         e.frames = ([{"name": f.name, "filename": f.filename, "line": f.lineno}
                      for f in reversed(traceback.extract_stack()[:-3])] if self.stacks else None)
         e.record_id = next(self._ids)
         self._ring.append(e)
         return e
 
-    def record_coalesced(self, pg: ProcessGroup, parts: Sequence[Entry], collective_seq: int, p2p_seq: int,
-                         op_id: int, is_p2p: bool) -> Entry | None:
+    def record_coalesced(self, group: GroupView, timeout: float, parts: Sequence[Entry], collective_seq: int,
+                         p2p_seq: int, op_id: int, is_p2p: bool) -> Entry | None:
         """The entry of a coalesced group whose operations were recorded as
         ``parts``. A group of one kind of all_reduce, all_gather_into_tensor
         or reduce_scatter_tensor becomes one entry (torch's
@@ -197,7 +215,7 @@ class FlightRecorder:
             return None
         names = {e.profiling_name for e in parts}
         fast = _COALESCED_FAST.get(next(iter(names))) if len(names) == 1 and not is_p2p else None
-        whole = self.record(pg, fast or "nccl:coalesced", collective_seq, p2p_seq, op_id, (), (), is_p2p)
+        whole = self.record(group, timeout, fast or "nccl:coalesced", collective_seq, p2p_seq, op_id, (), (), is_p2p)
         if fast and whole is not None:
             whole.ins = [p for e in parts for p in e.ins]
             whole.outs = [p for e in parts for p in e.outs]
@@ -213,25 +231,24 @@ class FlightRecorder:
     def reset(self) -> None:
         self._ring.clear()
 
-    def dump(self, groups: Sequence[ProcessGroup], include_collectives: bool = True,
+    def dump(self, groups: Sequence[GroupView], include_collectives: bool = True,
              include_stack_traces: bool = True, only_active: bool = False) -> dict[str, Any]:
         """PyTorch's dump layout as a dict (``pickle.dumps`` it for their tools)."""
         out: dict[str, Any] = {"version": VERSION, "comm_lib_version": _comm_lib_version(groups)}
-        out["pg_config"] = {pg.group_name: {"name": pg.group_name, "desc": pg.group_desc,
-                                            "ranks": str(pg._global_ranks or list(range(pg.size())))}
-                            for pg in groups}
-        out["pg_status"] = {str(pg.uid): {"last_enqueued_collective": pg._seq or -1,
-                                          "last_started_collective": pg._started_seq or -1,
-                                          "last_completed_collective": pg._completed_seq or -1}
-                            for pg in groups}
+        out["pg_config"] = {g.name: {"name": g.name, "desc": g.desc, "ranks": str(g.global_ranks())} for g in groups}
+        activity = {g.uid: g.activity() for g in groups}
+        out["pg_status"] = {str(uid): {"last_enqueued_collective": a.issued or -1,
+                                       "last_started_collective": a.started or -1,
+                                       "last_completed_collective": a.completed or -1}
+                            for uid, a in activity.items()}
         if include_collectives:
             out["entries"] = [e.as_dict(include_stack_traces) for e in self.entries()
                               if not (only_active and e.state == "completed")]
         return out
 
 
-def _comm_lib_version(groups: Sequence[ProcessGroup]) -> str:
-    names = sorted({pg.backend_name for pg in groups})
+def _comm_lib_version(groups: Sequence[GroupView]) -> str:
+    names = sorted({g.backend for g in groups})
     return ", ".join(names) or "none"
 
 
@@ -251,11 +268,7 @@ def dump_flight_recorder(include_collectives: bool = True, include_stack_traces:
                          only_active: bool = False) -> bytes:
     """This process's recorder as pickled bytes in PyTorch's layout
     (``_dump_nccl_trace`` in torch)."""
-    from . import watchdog
-
-    dog = watchdog.existing()
-    groups = dog.groups() if dog is not None else []
-    return pickle.dumps(get().dump(groups, include_collectives, include_stack_traces, only_active))
+    return pickle.dumps(get().dump(group_view.views(), include_collectives, include_stack_traces, only_active))
 
 
 def _json_ready(d: dict[str, Any]) -> dict[str, Any]:
@@ -273,8 +286,4 @@ def dump_flight_recorder_json(include_collectives: bool = True, include_stack_tr
     torch): the pickle's layout, with undiscovered times as 0."""
     import json
 
-    from . import watchdog
-
-    dog = watchdog.existing()
-    groups = dog.groups() if dog is not None else []
-    return json.dumps(_json_ready(get().dump(groups, include_collectives, include_stack_traces, only_active)))
+    return json.dumps(_json_ready(get().dump(group_view.views(), include_collectives, include_stack_traces, only_active)))

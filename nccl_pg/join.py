@@ -95,14 +95,14 @@ def _group_of(joinable: Joinable) -> ProcessGroup:
 
 def _flag(pg: ProcessGroup, device: Any, value: int) -> Any:
     """A one-element count on the joinables' device, for an all_reduce over ``pg``."""
-    return pg._backend.from_host(np.full(1, value, np.int32), device)
+    return pg.comm_backend.from_host(np.full(1, value, np.int32), device)
 
 
 def _sum(pg: ProcessGroup, device: Any, value: int) -> int:
     """Sum of ``value`` over the ranks of ``pg`` (a blocking all_reduce)."""
     array = _flag(pg, device, value)
     all_reduce(array, group=pg)
-    return int(pg._backend.to_host(array)[0])
+    return int(pg.comm_backend.to_host(array)[0])
 
 
 class Join:

@@ -44,7 +44,7 @@ def _nvrtc() -> Any:
     return nvrtc
 
 
-def _check(result: tuple, what: str) -> object:
+def _check(result: tuple, what: str) -> Any:
     err = result[0]
     if int(err) != 0:
         raise RuntimeError(f"NVRTC {what} failed: {getattr(err, 'name', err)}")
@@ -68,7 +68,7 @@ def nvrtc_version() -> tuple[int, int]:
 @functools.cache
 def supported_archs() -> tuple[int, ...]:
     """Compute capabilities (e.g. 90 for sm_90) this NVRTC emits code for."""
-    return tuple(int(a) for a in _check(_nvrtc().nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs"))  # type: ignore[union-attr]
+    return tuple(int(a) for a in _check(_nvrtc().nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs"))
 
 
 def compile_source(name: str, arch: str) -> bytes:
@@ -83,14 +83,14 @@ def compile_source(name: str, arch: str) -> bytes:
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         if int(err) != 0:
             size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-            text = b" " * int(size)  # type: ignore[arg-type]
+            text = b" " * int(size)
             nvrtc.nvrtcGetProgramLog(prog, text)
             raise RuntimeError(f"NVRTC could not compile {name} for {arch}:\n{text.decode(errors='replace')}")
         ptx = arch.startswith("compute_")
         get_size, get = (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX) if ptx else (nvrtc.nvrtcGetCUBINSize,
                                                                                  nvrtc.nvrtcGetCUBIN)
         size = _check(get_size(prog), "get image size")
-        image = b" " * int(size)  # type: ignore[arg-type]
+        image = b" " * int(size)
         _check(get(prog, image), "get image")
         return image
     finally:

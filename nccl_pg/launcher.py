@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import IO, BinaryIO
 
 from . import env
 from .errors import DistError
@@ -163,7 +163,7 @@ class _LineWriter:
 class _Stream:
     """One output pipe of a rank and where its lines go."""
 
-    def __init__(self, pipe: BinaryIO, writer: _LineWriter) -> None:
+    def __init__(self, pipe: IO[bytes], writer: _LineWriter) -> None:
         self.pipe = pipe
         self.writer = writer
 
@@ -282,7 +282,7 @@ class _Job:
             self._watch(proc.stdout, _LineWriter(prefix, sys.stdout.buffer))
             self._watch(proc.stderr, _LineWriter(prefix, sys.stderr.buffer))
 
-    def _watch(self, pipe: BinaryIO | None, writer: _LineWriter) -> None:
+    def _watch(self, pipe: IO[bytes] | None, writer: _LineWriter) -> None:
         assert pipe is not None
         self.streams[pipe.fileno()] = _Stream(pipe, writer)
         self.selector.register(pipe.fileno(), selectors.EVENT_READ)

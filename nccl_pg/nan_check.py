@@ -14,119 +14,26 @@ backend, numpy on the host backend) and this module turns a finding into a
 - ``trap``: as PyTorch: a NaN ends the process (``__trap()`` on the device,
   which also destroys the CUDA context; ``os.abort()`` on the host backend).
 
-Arrays are scanned in "lanes": their real scalars (a complex element is two
-lanes). A scan of several arrays reports the first NaN lane of their
-concatenation; ``locate`` maps it back to (array, element).
+The scan itself (rules per dtype, lanes, the numpy search, ``NanScan``) is a
+primitive of the backends: ``nccl_pg/comm/nan_scan.py``.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import env
+from .comm.nan_scan import NanScan, lane_dtype, locate
 from .errors import DistBackendError, NanError
 
 if TYPE_CHECKING:
-    from .comm.base import Stream
-    from .process_group import ProcessGroup
+    from .comm.base import Backend, Stream
+    from .group_view import GroupView
     from .work import OpType
-
-
-@dataclass(frozen=True)
-class Rule:
-    """A lane holds a NaN iff ``(bits & mask) > largest``: its magnitude bits
-    exceed those of infinity (or of the largest finite value, for e4m3fn)."""
-
-    kernel: str  # entry point in kernels/nan_check.cu
-    bits: type[np.unsignedinteger]
-    mask: int
-    largest: int
-
-
-# By the name of the lane's dtype (ml_dtypes names for bf16 and fp8).
-RULES: dict[str, Rule] = {
-    "float16": Rule("nan_check_f16", np.uint16, 0x7FFF, 0x7C00),
-    "bfloat16": Rule("nan_check_bf16", np.uint16, 0x7FFF, 0x7F80),
-    "float32": Rule("nan_check_f32", np.uint32, 0x7FFF_FFFF, 0x7F80_0000),
-    "float64": Rule("nan_check_f64", np.uint64, 0x7FFF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_0000),
-    "float8_e4m3fn": Rule("nan_check_e4m3", np.uint8, 0x7F, 0x7E),  # only S.1111.111 is NaN
-    "float8_e5m2": Rule("nan_check_e5m2", np.uint8, 0x7F, 0x7C),
-}
-# Lanes scanned per numpy step: the temporary stays in L2, and per-call costs are amortised (2**20 was the
-# fastest of 2**16..2**22 on the benchmark machine, docs/BENCHMARKS.md).
-_CHUNK = 1 << 20
-
-
-def lane_dtype(dtype: np.dtype) -> tuple[np.dtype, int] | None:
-    """(lane dtype, lanes per element) of a checked dtype; None for dtypes
-    that cannot hold a NaN or have no check (integers, bool, fnuz fp8)."""
-    if dtype.kind == "c":
-        real = np.dtype(f"f{dtype.itemsize // 2}")
-        return (real, 2) if real.name in RULES else None
-    return (dtype, 1) if dtype.name in RULES else None
-
-
-def first_nan(lanes: np.ndarray) -> int | None:
-    """Index of the first NaN of a flat numpy array of a ``RULES`` dtype."""
-    rule = RULES[lanes.dtype.name]
-    if lanes.dtype.kind == "f" and lanes.dtype.itemsize >= 4:
-        # max() propagates NaN and runs vectorised without a temporary.
-        for at in range(0, lanes.size, _CHUNK):
-            chunk = lanes[at:at + _CHUNK]
-            if np.isnan(chunk.max()):
-                return at + int(np.flatnonzero(np.isnan(chunk))[0])
-        return None
-    bits = lanes.view(rule.bits)
-    mask, largest = rule.bits(rule.mask), rule.bits(rule.largest)
-    buf = np.empty(min(_CHUNK, bits.size), rule.bits)
-    for at in range(0, bits.size, _CHUNK):
-        chunk = bits[at:at + _CHUNK]
-        mag = np.bitwise_and(chunk, mask, out=buf[:chunk.size])
-        if mag.max() > largest:
-            return at + int(np.flatnonzero(mag > largest)[0])
-    return None
-
-
-def first_nan_of(arrays: Sequence[np.ndarray]) -> int | None:
-    """The host backend's scan: first NaN lane of the arrays' concatenation."""
-    offset = 0
-    for a in arrays:
-        lane, per = lane_dtype(a.dtype) or (a.dtype, 1)
-        hit = first_nan(a.view(lane) if per > 1 else a)
-        if hit is not None:
-            return offset + hit
-        offset += a.size * per
-    return None
-
-
-def locate(counts: Sequence[int], lane: int) -> tuple[int, int]:
-    """(array, lane within it) of ``lane`` in the concatenation of arrays of
-    ``counts`` lanes."""
-    for i, n in enumerate(counts):
-        if lane < n:
-            return i, lane
-        lane -= n
-    raise IndexError(f"lane {lane} past the end of the scanned arrays")
-
-
-class NanScan(Protocol):
-    """A backend's scan in flight (``Backend.find_nan``)."""
-
-    def wait(self, timeout: float) -> bool:
-        """Block until the scan finished (False: ``timeout`` passed)."""
-
-    def first(self) -> int | None:
-        """First NaN lane; read once the scan finished (after ``wait``, or
-        once an event recorded after it on its stream completed)."""
-
-    def release(self, finished: bool) -> None:
-        """Give back the result memory; ``finished=False``: the scan may still
-        write it (an aborted stream), so it is not reused."""
 
 
 @dataclass
@@ -172,19 +79,21 @@ def resolve_mode(option: str | None) -> str:
 
 
 class NanCheck:
-    """One group's NaN check (absent when the mode is off)."""
+    """One group's NaN check (absent when the mode is off): the group's view
+    (for the words of a finding), its backend and device. It holds nothing
+    that refers back to the group, so that a dropped group can go at once."""
 
-    def __init__(self, pg: ProcessGroup, mode: str) -> None:
+    def __init__(self, group: GroupView, backend: Backend, device: Any, mode: str) -> None:
         if mode not in env.NAN_CHECK_MODES[1:]:
             raise ValueError(f"NaN check mode must be one of {env.NAN_CHECK_MODES[1:]}, got {mode!r}")
-        # A proxy: the group holds this object, and a reference back would keep a dropped group alive until the
-        # cyclic garbage collector runs (its __del__ frees the communicator).
-        self._pg, self.mode = weakref.proxy(pg), mode
+        self._group, self._backend, self._device, self.mode = group, backend, device, mode
 
-    def check(self, op_type: OpType, items: Sequence[tuple[str, Any]], stream: Stream) -> Pending | None:
-        """Check ``items`` ((label, array) pairs) as the mode says: raise now,
-        return the Work's Pending (async), or arm the trap."""
-        pg, backend = self._pg, self._pg._backend
+    def check(self, op_type: OpType, items: Sequence[tuple[str, Any]], stream: Stream,
+              timeout: float) -> Pending | None:
+        """Check ``items`` ((label, array) pairs) as the mode says: raise now
+        (a scan not done within ``timeout`` seconds raises too), return the
+        Work's Pending (async), or arm the trap."""
+        backend, device = self._backend, self._device
         targets = []
         for label, array in items:
             flat = backend.flat(array, label)
@@ -195,25 +104,25 @@ class NanCheck:
             return None
         flats = [t.flat for t in targets]
         if self.mode == "raise":
-            scan = backend.find_nan(flats, None, None, pg._device)
-            finished = scan.wait(pg._timeout)
+            scan = backend.find_nan(flats, None, None, device)
+            finished = scan.wait(timeout)
             lane = scan.first() if finished else None
             scan.release(finished)
             if not finished:
                 raise DistBackendError(f"timeout: the NaN check of {op_type.name}'s inputs on {self._where()} did not "
-                               f"finish within {pg._timeout:.1f} s")
+                               f"finish within {timeout:.1f} s")
             if lane is not None:
                 raise self.error(op_type, targets, lane, "the operation was not issued (NCCL_PG_NAN_CHECK=raise)")
             return None
         if self.mode == "trap":
-            backend.find_nan(flats, stream, lambda lane: self._trap_text(op_type, targets, lane), pg._device)
+            backend.find_nan(flats, stream, lambda lane: self._trap_text(op_type, targets, lane), device)
             return None
-        return Pending(self, op_type, backend.find_nan(flats, stream, None, pg._device), targets)
+        return Pending(self, op_type, backend.find_nan(flats, stream, None, device), targets)
 
     def _where(self) -> str:
-        pg = self._pg
-        return (f"process group {pg.uid} ({pg.group_desc!r}), rank {pg._global_rank_of(pg.rank())} "
-                f"(group rank {pg.rank()} of {pg.size()})")
+        g = self._group
+        return (f"process group {g.uid} ({g.desc!r}), rank {g.global_rank(g.rank)} "
+                f"(group rank {g.rank} of {g.size})")
 
     def error(self, op_type: OpType, targets: list[_Target], lane: int, outcome: str, issued: str = "") -> NanError:
         """``issued``: where the operation went, e.g. " (seq 3)"."""
@@ -224,10 +133,10 @@ class NanCheck:
         if len(t.shape) > 1:
             where = f", index {tuple(int(x) for x in np.unravel_index(element, t.shape))} of shape {t.shape}"
         part = "" if t.per == 1 else f" ({'real' if at % 2 == 0 else 'imaginary'} part)"
-        pg = self._pg
+        g = self._group
         text = (f"NaN in the input of {op_type.name}{issued} on {self._where()}: {t.label} element {element}{part}"
-                f"{where} ({t.flat.size} x {np.dtype(pg._backend.dtype(t.flat)).name}); {outcome}")
-        return NanError(text, rank=pg._global_rank_of(pg.rank()), group=pg.uid, group_desc=pg.group_desc,
+                f"{where} ({t.flat.size} x {np.dtype(self._backend.dtype(t.flat)).name}); {outcome}")
+        return NanError(text, rank=g.global_rank(g.rank), group=g.uid, group_desc=g.desc,
                         op=op_type.name, input=t.label, index=element)
 
     def _trap_text(self, op_type: OpType, targets: list[_Target], lane: int) -> str:

@@ -98,7 +98,7 @@ def _serializer(choice: str | Serializer | None) -> Serializer:
 
 def _pack(pg: ProcessGroup, codec: Serializer, obj: Any) -> tuple[Any, int]:
     data = np.frombuffer(codec.dumps(obj), dtype=np.uint8)
-    return pg._backend.from_host(data, pg._device), data.size
+    return pg.comm_backend.from_host(data, pg.bound_device_id), data.size
 
 
 def _loads(codec: Serializer, data: bytes, pg: ProcessGroup, source: int) -> Any:
@@ -110,7 +110,7 @@ def _loads(codec: Serializer, data: bytes, pg: ProcessGroup, source: int) -> Any
 
 
 def _unpack(pg: ProcessGroup, codec: Serializer, array: Any, size: int, source: int) -> Any:
-    return _loads(codec, pg._backend.to_host(array)[:size].tobytes(), pg, source)
+    return _loads(codec, pg.comm_backend.to_host(array)[:size].tobytes(), pg, source)
 
 
 def _lengths(pg: ProcessGroup, values: Sequence[int], sources: Sequence[int], what: str) -> list[int]:
@@ -128,30 +128,30 @@ def _lengths(pg: ProcessGroup, values: Sequence[int], sources: Sequence[int], wh
 
 
 def _sizes(pg: ProcessGroup, values: Sequence[int]) -> Any:
-    return pg._backend.from_host(np.asarray(values, dtype=np.int64), pg._device)
+    return pg.comm_backend.from_host(np.asarray(values, dtype=np.int64), pg.bound_device_id)
 
 
 def _padded(pg: ProcessGroup, array: Any, size: int, length: int) -> Any:
     host = np.zeros(length, np.uint8)
-    host[:size] = pg._backend.to_host(array)[:size]
-    return pg._backend.from_host(host, pg._device)
+    host[:size] = pg.comm_backend.to_host(array)[:size]
+    return pg.comm_backend.from_host(host, pg.bound_device_id)
 
 
 def _all_sizes(pg: ProcessGroup, size: int, what: str) -> list[int]:
     """Every rank's ``size`` (an all_gather), checked."""
     sizes = [_sizes(pg, [0]) for _ in range(pg.size())]
     _finish(pg.allgather(sizes, _sizes(pg, [size])), async_op=False)
-    return _lengths(pg, [int(pg._backend.to_host(s)[0]) for s in sizes], range(pg.size()), what)
+    return _lengths(pg, [int(pg.comm_backend.to_host(s)[0]) for s in sizes], range(pg.size()), what)
 
 
 def _blob(pg: ProcessGroup, packed: list[tuple[Any, int]]) -> Any:
     """The pickles of ``packed`` back to back in one device array."""
-    host = np.concatenate([pg._backend.to_host(d) for d, _ in packed]) if packed else np.zeros(0, np.uint8)
-    return pg._backend.from_host(host, pg._device)
+    host = np.concatenate([pg.comm_backend.to_host(d) for d, _ in packed]) if packed else np.zeros(0, np.uint8)
+    return pg.comm_backend.from_host(host, pg.bound_device_id)
 
 
 def _unblob(pg: ProcessGroup, codec: Serializer, blob: Any, lengths: list[int], into: list[Any], source: int) -> None:
-    host, at = pg._backend.to_host(blob), 0
+    host, at = pg.comm_backend.to_host(blob), 0
     for i, n in enumerate(lengths):
         into[i] = _loads(codec, host[at:at + n].tobytes(), pg, source)
         at += n
@@ -169,7 +169,7 @@ def all_gather_object(object_list: list[Any], obj: Any, group: Group = None, *,
     data, size = _pack(pg, codec, obj)
     lengths = _all_sizes(pg, size, "all_gather_object")
     longest = max(lengths)
-    outs = [pg._backend.empty(longest, np.uint8, pg._device) for _ in lengths]
+    outs = [pg.comm_backend.empty(longest, np.uint8, pg.bound_device_id) for _ in lengths]
     _finish(pg.allgather(outs, _padded(pg, data, size, longest)), async_op=False)
     for r, (out, n) in enumerate(zip(outs, lengths, strict=True)):
         object_list[r] = _unpack(pg, codec, out, n, r)
@@ -187,8 +187,8 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None, group:
     packed = [_pack(pg, codec, o) for o in object_list] if pg.rank() == root else []
     sizes = _sizes(pg, [n for _, n in packed] if pg.rank() == root else [0] * len(object_list))
     _finish(pg.broadcast(sizes, root), async_op=False)
-    lengths = _lengths(pg, pg._backend.to_host(sizes), [root] * len(object_list), "broadcast_object_list")
-    blob = _blob(pg, packed) if pg.rank() == root else pg._backend.empty(sum(lengths), np.uint8, pg._device)
+    lengths = _lengths(pg, pg.comm_backend.to_host(sizes), [root] * len(object_list), "broadcast_object_list")
+    blob = _blob(pg, packed) if pg.rank() == root else pg.comm_backend.empty(sum(lengths), np.uint8, pg.bound_device_id)
     _finish(pg.broadcast(blob, root), async_op=False)
     if pg.rank() != root:
         _unblob(pg, codec, blob, lengths, object_list, root)
@@ -208,7 +208,7 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: in
     data, size = _pack(pg, codec, obj)
     lengths = _all_sizes(pg, size, "gather_object")
     longest = max(lengths)
-    outs = [pg._backend.empty(longest, np.uint8, pg._device) for _ in lengths] if pg.rank() == root else None
+    outs = [pg.comm_backend.empty(longest, np.uint8, pg.bound_device_id) for _ in lengths] if pg.rank() == root else None
     _finish(pg.gather(_padded(pg, data, size, longest), outs, root), async_op=False)
     if outs is not None and object_gather_list is not None:
         for r, (out, n) in enumerate(zip(outs, lengths, strict=True)):
@@ -239,11 +239,11 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
     else:
         head = _sizes(pg, [0])
     _finish(pg.broadcast(head, root), async_op=False)
-    (longest,) = _lengths(pg, pg._backend.to_host(head), [root], "scatter_object_list")
-    out, count = pg._backend.empty(longest, np.uint8, pg._device), _sizes(pg, [0])
+    (longest,) = _lengths(pg, pg.comm_backend.to_host(head), [root], "scatter_object_list")
+    out, count = pg.comm_backend.empty(longest, np.uint8, pg.bound_device_id), _sizes(pg, [0])
     _finish(pg.scatter(count, counts, root), async_op=False)
     _finish(pg.scatter(out, ins, root), async_op=False)
-    (size,) = _lengths(pg, pg._backend.to_host(count), [root], "scatter_object_list")
+    (size,) = _lengths(pg, pg.comm_backend.to_host(count), [root], "scatter_object_list")
     if size > longest:
         raise DistBackendError(f"scatter_object_list: rank {_global(pg, root)} announced {size} bytes for this rank "
                                f"but at most {longest} for any")
@@ -276,8 +276,8 @@ def recv_object_list(object_list: list[Any], src: int | None = None, group: Grou
     codec = _serializer(serializer)
     sizes = _sizes(pg, [0] * len(object_list))
     _finish(pg.recv(sizes, peer), async_op=False)
-    lengths = _lengths(pg, pg._backend.to_host(sizes), [peer] * len(object_list), "recv_object_list")
-    blob = pg._backend.empty(sum(lengths), np.uint8, pg._device)
+    lengths = _lengths(pg, pg.comm_backend.to_host(sizes), [peer] * len(object_list), "recv_object_list")
+    blob = pg.comm_backend.empty(sum(lengths), np.uint8, pg.bound_device_id)
     _finish(pg.recv(blob, peer), async_op=False)
     _unblob(pg, codec, blob, lengths, object_list, peer)
     return _global(pg, peer)

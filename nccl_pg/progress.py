@@ -8,8 +8,8 @@ never issued the operation, the ranks in which it is stuck, and the ranks
 that did not answer at all (with what they said at an earlier incident, if
 anything, marked as old).
 
-``GroupView`` is the small view of a group that diagnostics read (the group
-hands it over; nothing here reaches into the group).
+``GroupView`` (group_view.py) is the small view of a group that diagnostics
+read (the group hands it over; nothing here reaches into the group).
 """
 
 from __future__ import annotations
@@ -18,52 +18,11 @@ import json
 import os
 import socket
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .store import PrefixStore, Store
-
-
-def root_of(store: Store) -> tuple[Store, str]:
-    """The store under every PrefixStore layer, and the layers' prefixes
-    joined (the group's namespace in it)."""
-    prefixes: list[str] = []
-    while isinstance(store, PrefixStore):
-        prefixes.append(store.prefix)
-        store = store.underlying_store
-    return store, "/".join(reversed(prefixes))
-
-
-@dataclass(eq=False)
-class GroupView:
-    """What diagnosis reads of a group. ``ident`` names the group the same
-    way on every member (its namespace in the shared store and its name);
-    ``counts`` returns (last collective issued, last completed, last
-    point-to-point operation issued); ``state`` returns None while open,
-    else "aborted", "revoked" or "destroyed"."""
-
-    ident: str
-    uid: int
-    desc: str
-    rank: int
-    size: int
-    root: Store
-    global_rank: Callable[[int], int]
-    counts: Callable[[], tuple[int, int, int]]
-    state: Callable[[], str | None]
-
-    @classmethod
-    def of(cls, store: Store, name: str, uid: int, desc: str, rank: int, size: int,
-           global_rank: Callable[[int], int], counts: Callable[[], tuple[int, int, int]],
-           state: Callable[[], str | None]) -> GroupView:
-        root, path = root_of(store)
-        return cls(f"{path}|{name}", uid, desc, rank, size, root, global_rank, counts, state)
-
-    def name(self, r: int) -> str:
-        """Group rank ``r`` in words ("1 (global 2)")."""
-        g = self.global_rank(r)
-        return f"{r}" if g == r else f"{r} (global {g})"
+from .group_view import GroupView
 
 
 @dataclass(frozen=True)
@@ -109,7 +68,7 @@ def silence(view: GroupView, silent: Sequence[int], waited: float, old: Mapping[
             "held)")
     if old:
         now = time.time()
-        said = ", ".join(f"rank {view.name(r)}: issued {a.issued}, completed {a.completed} "
+        said = ", ".join(f"rank {view.name_of(r)}: issued {a.issued}, completed {a.completed} "
                          f"({now - a.time:.1f} s ago)" for r, a in sorted(old.items()))
         text += f"; their last answers, to an earlier diagnosis, are old: {said}"
     return text
@@ -123,7 +82,7 @@ def explain(view: GroupView, seq: int, answers: Mapping[int, Answer], silent: Se
     parts: list[str] = []
     behind = sorted(r for r, a in answers.items() if a.issued < seq)
     if behind:
-        last = ", ".join(f"rank {view.name(r)}: {answers[r].issued}" for r in behind)
+        last = ", ".join(f"rank {view.name_of(r)}: {answers[r].issued}" for r in behind)
         parts.append(f"ranks {_globals(view, behind)} never issued this collective "
                      f"(last sequence number they issued on this group: {last})")
     if silent:

@@ -46,6 +46,7 @@ from .errors import DistBackendError, DistError
 from .process_group import ProcessGroup
 from .store import HashStore, TCPStore, TCPStoreServer
 from .store.base import timeout_error
+from .timeouts import Timeout
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -135,7 +136,7 @@ class _HarnessStore(HashStore):
             self._abort_reason = reason
             self._cond.notify_all()
 
-    def _wait_locked(self, keys: list[str], timeout: float | None, op: str) -> None:
+    def _wait_locked(self, keys: list[str], timeout: Timeout | None, op: str) -> None:
         start = time.monotonic()
         self._cond.wait_for(lambda: self._abort_reason is not None or not self._state.missing(keys),
                             self._deadline(timeout))
@@ -489,7 +490,7 @@ class ProcessRanks:
             left = limit - time.monotonic()
             if left <= 0:
                 break
-            waitables = [self._procs[r].sentinel for r in running]
+            waitables: list[Any] = [self._procs[r].sentinel for r in running]
             waitables += [self._conns[r] for r in running if r not in messages and not self._conns[r].closed]
             multiprocessing.connection.wait(waitables, left)
             for r in sorted(running):

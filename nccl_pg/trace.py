@@ -677,9 +677,9 @@ class Analysis:
                 s = s_list[k][1] if k < len(s_list) else None
                 rv = r_list[k][1] if k < len(r_list) else None
                 if s is None or rv is None:
-                    have, e = (src, s) if s is not None else (dst, rv)
-                    assert e is not None
-                    self._unmatched(g, have, dst if s is not None else src, e, f"#{k + 1} ")
+                    have, lone = (src, s) if s is not None else (dst, rv)
+                    assert lone is not None
+                    self._unmatched(g, have, dst if s is not None else src, lone, f"#{k + 1} ")
                     continue
                 sizes_s, sizes_r = s["input_sizes"], rv["output_sizes"] or rv["input_sizes"]
                 types_s, types_r = s["input_dtypes"], rv["output_dtypes"] or rv["input_dtypes"]

@@ -28,12 +28,13 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from . import diagnosis, dump, env, forks, progress
+from . import diagnosis, dump, env, forks, group_view
 
 if TYPE_CHECKING:
-    from .process_group import ProcessGroup
+    from .comm.base import Backend
+    from .group_view import GroupView
     from .work import Work
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,19 @@ log = logging.getLogger(__name__)
 # 1.25 timeouts), and at least once a second so that a short timeout is not overshot by much.
 _HEARTBEAT_CHECKS = 4
 _HEARTBEAT_CHECK_MAX = 1.0
+
+
+class Watched(Protocol):
+    """What the watchdog needs of a process group (ProcessGroup is one)."""
+
+    @property
+    def diag(self) -> GroupView: ...
+
+    @property
+    def comm_backend(self) -> Backend: ...
+
+    def check_comm(self) -> None:
+        """Act on a communicator broken while nothing was pending (never blocks)."""
 
 
 class Watchdog:
@@ -53,7 +67,7 @@ class Watchdog:
         self._hooks_due = threading.Condition(lock)  # the hook runner waits here for calls
         self._progress = threading.Condition(lock)  # drain() waits here: a poll or a call is done
         self._pending: list[Work] = []
-        self._groups: weakref.WeakSet[ProcessGroup] = weakref.WeakSet()
+        self._groups: weakref.WeakSet[Watched] = weakref.WeakSet()
         self._calls: collections.deque[tuple[object, Callable[[], None]]] = collections.deque()
         self._running: set[object] = set()  # owners whose call is running now
         self._interval, self._heartbeat_timeout = env.watchdog_timing()
@@ -62,7 +76,7 @@ class Watchdog:
         self._dump_on_timeout = env.DUMP_ON_TIMEOUT.get()
         self._pipe: tuple[int, int, str] | None = None  # (rank, fd, path) of the dump pipe
         self._pipe_refused: int | None = None  # the rank whose pipe could not be made or was not ours
-        self.diagnosis = diagnosis.Diagnosis(self._views, self.write_dump, lambda: self._dump_on_timeout)
+        self.diagnosis = diagnosis.Diagnosis(group_view.views, self.write_dump, lambda: self._dump_on_timeout)
         self._owner = forks.Owner()
         atexit.register(self._at_exit)
         self._start("poller", self._poll_loop)
@@ -77,17 +91,14 @@ class Watchdog:
 
     # --- registration ------------------------------------------------------------------
 
-    def watch_group(self, pg: ProcessGroup) -> None:
+    def watch_group(self, pg: Watched) -> None:
         with self._cond:
             self._groups.add(pg)
         self.diagnosis.watch(pg.diag)
 
-    def groups(self) -> list[ProcessGroup]:
+    def groups(self) -> list[Watched]:
         with self._cond:
             return list(self._groups)
-
-    def _views(self) -> list[progress.GroupView]:
-        return [pg.diag for pg in self.groups()]
 
     def watch(self, work: Work) -> None:
         with self._cond:  # no wake-up: the poller comes by within an interval anyway
@@ -104,7 +115,7 @@ class Watchdog:
         have run; False if ``timeout`` passed first."""
         deadline = time.monotonic() + timeout
         while True:
-            pending = [w for w in works() if not w._poll()]
+            pending = [w for w in works() if not w.is_completed()]
             with self._cond:
                 if not pending and not self._busy(owner):
                     return True
@@ -123,30 +134,33 @@ class Watchdog:
         while True:
             groups = self.groups()
             for pg in groups:
-                if id(pg._backend) not in prepared:
-                    prepared.add(id(pg._backend))
+                backend = pg.comm_backend
+                if id(backend) not in prepared:
+                    prepared.add(id(backend))
                     try:
-                        pg._backend.prepare_poller()
+                        backend.prepare_poller()
                     except Exception:
-                        log.exception("watchdog: preparing the poller for the %s backend failed", pg._backend.name)
+                        log.exception("watchdog: preparing the poller for the %s backend failed", backend.name)
             with self._cond:
                 works = list(self._pending)
+            done: set[int] = set()  # ids of the Works finished; one finished after its poll goes at the next
             for w in works:
                 try:
-                    w._poll()
+                    if w.is_completed():
+                        done.add(id(w))
                 except Exception:  # the watchdog must outlive any one bad Work
                     log.exception("watchdog: polling %r failed", w)
             for pg in groups:
                 try:
-                    pg._check_comm()
+                    pg.check_comm()
                 except Exception:
                     log.exception("watchdog: checking %r failed", pg)
-            self._check_pipe(groups)
+            self._check_pipe()
             # The loop variables would keep the last Work, and through it its group, alive until the next poll
             # that has one: a group its user dropped (``del pg``) must be freed now.
-            groups = works = w = pg = None  # type: ignore[assignment]
+            groups = works = w = pg = backend = None  # type: ignore[assignment]
             with self._cond:
-                self._pending = [w for w in self._pending if not w._finished]
+                self._pending = [w for w in self._pending if id(w) not in done]
                 self._heartbeat = time.monotonic()
                 self._progress.notify_all()
                 self._cond.wait(self._interval)
@@ -172,13 +186,15 @@ class Watchdog:
 
     # --- dumps --------------------------------------------------------------------------
 
-    def _check_pipe(self, groups: list[ProcessGroup]) -> None:
+    def _check_pipe(self) -> None:
         """A byte written to ``<dump prefix><rank>.pipe`` asks for a dump
         (written off the poller, by the diagnosis thread)."""
-        groups = [g for g in groups if g._closed is None]
-        if not self._dump_on_timeout or not groups:
+        if not self._dump_on_timeout:
             return
-        rank = groups[0]._global_rank_of(groups[0].rank())
+        views = [v for v in group_view.views() if v.state() is None]
+        if not views:
+            return
+        rank = views[0].global_rank(views[0].rank)
         if rank == self._pipe_refused:
             return
         if self._pipe is None or self._pipe[0] != rank:
@@ -228,14 +244,15 @@ class Watchdog:
             with contextlib.suppress(OSError):
                 os.unlink(path)
 
-    def signal_dump(self, pg: ProcessGroup, reason: str) -> int:
-        """Ask every other rank sharing ``pg``'s store to write its dump (this
-        one writes its own with ``write_dump``); returns the incident's number."""
-        return self.diagnosis.watch(pg.diag).raise_signal(reason, answer=False, dump=True)
+    def signal_dump(self, view: GroupView, reason: str) -> int:
+        """Ask every other rank sharing the store of ``view``'s group to write
+        its dump (this one writes its own with ``write_dump``); returns the
+        incident's number."""
+        return self.diagnosis.watch(view).raise_signal(reason, answer=False, dump=True)
 
     def write_dump(self, reason: str, rank: int) -> str | None:
         try:
-            path = dump.write(reason, rank, self.groups())
+            path = dump.write(reason, rank, group_view.views())
         except OSError as exc:
             log.error("nccl_pg: could not write the debug dump: %s", exc)
             return None
@@ -249,8 +266,8 @@ class Watchdog:
             time.sleep(min(self._heartbeat_timeout / _HEARTBEAT_CHECKS, _HEARTBEAT_CHECK_MAX))
             stalled = time.monotonic() - self._heartbeat
             if stalled > self._heartbeat_timeout:
-                groups = self.groups()
-                rank = groups[0]._global_rank_of(groups[0].rank()) if groups else -1
+                views = group_view.views()
+                rank = views[0].global_rank(views[0].rank) if views else -1
                 reason = (f"the watchdog thread made no progress for {stalled:.1f} s "
                           f"(NCCL_PG_HEARTBEAT_TIMEOUT={self._heartbeat_timeout:g})")
                 path = self.write_dump(reason, rank)

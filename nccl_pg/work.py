@@ -17,16 +17,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from . import diagnosis
 from .errors import DistBackendError, NanError
 from .timeouts import Timeout, to_seconds
 
 if TYPE_CHECKING:
     from .comm.base import Event
     from .flight_recorder import Entry
-    from .nan_check import Pending
-    from .process_group import ProcessGroup
+    from .group_view import GroupView
 
 # Longest slice wait() blocks on an event before re-checking errors and deadlines.
 _WAIT_SLICE = 0.05
@@ -117,16 +117,74 @@ class Future:
         self._f.set_exception(error)
 
 
+class NanFinding(Protocol):
+    """An async-mode NaN check of a Work's inputs (nan_check.Pending), read
+    once the operation completed."""
+
+    def error(self, work_op: OpType, seq: int) -> NanError | None:
+        """The NaN found, for the Work ``work_op`` (``seq``), or None."""
+
+    def abandon(self) -> None:
+        """The Work failed otherwise: the finding is not read."""
+
+
+class WorkGroup(Protocol):
+    """What a Work calls back into its group for (ProcessGroup is one).
+    Plain attributes where the hot path reads them (no property calls)."""
+
+    uid: int
+    group_name: str
+    group_desc: str
+    diag: GroupView
+    waits_block: bool  # wait() blocks the CPU: a CPU backend, or NCCL_PG_BLOCKING_WAIT
+    blocking_wait: bool  # NCCL_PG_BLOCKING_WAIT: a wait() that raises aborts the group first
+
+    def rank(self) -> int: ...
+
+    def size(self) -> int: ...
+
+    def comm_error(self) -> BaseException | None:
+        """The communicator's asynchronous error, if any (never blocks)."""
+
+    def diagnose_timeout(self, timeout: diagnosis.Timeout) -> None:
+        """A Work passed its deadline: find out who is missing (asking every
+        rank, within a small budget), then call ``timeout``'s finish."""
+
+    def work_started(self, seq: int) -> None:
+        """The collective ``seq`` started on the stream (timing on)."""
+
+    def work_failing(self, error: BaseException) -> None:
+        """A Work is about to fail with ``error`` (no NaN finding): error
+        handling that ends the process does so before any waiter sees it."""
+
+    def work_finished(self, work: Work, error: BaseException | None, p2p: bool) -> None:
+        """``work`` finished (``error``: None on success; ``p2p``: a
+        point-to-point operation, numbered apart from the collectives)."""
+
+    def make_caller_wait(self, end: Event) -> None:
+        """Order the caller's stream after ``end`` (no CPU wait)."""
+
+    def close_for_blocking_wait(self, error: BaseException) -> None:
+        """Blocking-wait mode: a wait is about to raise ``error``; the group
+        refuses later operations, saying why (its abort() follows)."""
+
+    def abort(self) -> None:
+        """Fail every pending and later operation at once; never blocks."""
+
+
 class Work:
     """One issued operation (or one coalesced group of them)."""
 
     __slots__ = ("_group", "op_type", "_seq", "_outputs", "_end", "_start", "_timeout", "_issued_mono",
                  "_issued_wall", "_lock", "_finished", "_waiters", "_error", "_finished_wall", "_future", "_entries", "_started",
-                 "_p2p", "_peers", "_duration_ms", "_nan", "_nan_found", "_captured", "_source", "__weakref__")
+                 "_p2p", "_peers", "_duration_ms", "_nan", "_nan_found", "_captured", "_source", "_diagnosing",
+                 "__weakref__")
 
-    def __init__(self, group: ProcessGroup, op_type: OpType, seq: int, outputs: list[Any], end: Event,
+    def __init__(self, group: WorkGroup, op_type: OpType, seq: int, outputs: list[Any], end: Event,
                  start: Event | None, timeout: float, entries: Sequence[Entry] | None = None,
-                 peers: tuple[int, ...] | None = None, nan: list[Pending] | None = None) -> None:
+                 peers: tuple[int, ...] | None = None, nan: Sequence[NanFinding] | None = None,
+                 source: Callable[[], int | None] | None = None) -> None:
+        """``source``: for a receive from any source, who sent (once done)."""
         self._group = group
         self.op_type = op_type
         self._seq = seq
@@ -152,16 +210,17 @@ class Work:
         self._nan = nan  # async NaN checks, read once the operation completed
         self._nan_found: NanError | None = None
         self._captured = False
-        self._source: Callable[[], int | None] | None = None  # a receive from any source: who sent, once done
+        self._source = source
+        self._diagnosing = False  # past its deadline, and the group's diagnosis asked to fail it
 
     @classmethod
-    def captured(cls, group: ProcessGroup, op_type: OpType, outputs: list[Any], end: Event,
-                 peers: tuple[int, ...] | None) -> Work:
+    def captured(cls, group: WorkGroup, op_type: OpType, outputs: list[Any], end: Event,
+                 peers: tuple[int, ...] | None, source: Callable[[], int | None] | None = None) -> Work:
         """An operation captured into a CUDA graph: done as far as the host
         is concerned (it runs at each replay, where nothing can watch it);
         ``wait()`` still orders the caller's stream after it, which also
         joins the group's stream back into the capture."""
-        work = cls(group, op_type, 0, outputs, end, None, 0.0, None, peers)
+        work = cls(group, op_type, 0, outputs, end, None, 0.0, None, peers, None, source)
         work._captured = True
         work._finished = True
         return work
@@ -172,20 +231,20 @@ class Work:
 
     # --- completion ----------------------------------------------------------------
 
-    def _poll(self) -> bool:
+    def is_completed(self) -> bool:
         """Observe the operation without blocking; True once it has finished
         (successfully or not)."""
         if self._finished:
             return True
         if not self._started and self._start is not None and self._start.query():
             self._mark_started()
-        error = self._group._comm_error()
+        error = self._group.comm_error()
         if self._end.query():
             self._finish(self._describe(error) if error else self._nan_error())
         elif error is not None:
             self._finish(self._describe(error))
         elif time.monotonic() - self._issued_mono > self._timeout:
-            self._group._timed_out(self)  # finishes it once it knows which ranks are missing
+            self._timed_out()  # finished once the diagnosis knows which ranks are missing
         return self._finished
 
     def _nan_error(self) -> NanError | None:
@@ -219,9 +278,24 @@ class Work:
         return (f"process group {g.uid} ({g.group_desc!r}), rank {g.rank()} of {g.size()}: "
                 f"{self.op_type.name} (seq {self._seq})")
 
-    def _timed_out_text(self) -> str:
+    def _timed_out(self) -> None:
+        """Past its deadline: the group's diagnosis finds out who is missing,
+        then fails it (once, whoever polls)."""
+        with self._lock:
+            if self._diagnosing or self._finished:
+                return
+            self._diagnosing = True
         elapsed = time.monotonic() - self._issued_mono
-        return f"timeout: {self._where()} ran for {elapsed:.3f} s, past its timeout of {self._timeout:.3f} s"
+        text = f"timeout: {self._where()} ran for {elapsed:.3f} s, past its timeout of {self._timeout:.3f} s"
+
+        def finish(why: str, path: str | None) -> None:
+            self._finish(DistBackendError(f"{text}; {why}" + (f"; debug dump: {path}" if path else "")))
+
+        group = self._group
+        self._group.diagnose_timeout(diagnosis.Timeout(
+            group.diag, self._seq, tuple(self._peers) if self._p2p else None, self._timeout,
+            self._issued_mono + self._timeout, f"{self.op_type.name} seq {self._seq} on group {group.uid}", text,
+            finish))
 
     def _mark_started(self) -> None:
         self._started = True
@@ -229,7 +303,7 @@ class Work:
         for e in self._entries:
             e.state, e.time_discovered_started_ns = "started", now
         if not self._p2p:
-            self._group._started_seq = max(self._group._started_seq, self._seq)
+            self._group.work_started(self._seq)
 
     def _retire(self, error: BaseException | None) -> None:
         """Settle the flight-recorder entries: retired, and completed unless
@@ -248,10 +322,8 @@ class Work:
                 e.state, e.time_discovered_completed_ns, e.duration_ms = "completed", now, self._duration_ms
 
     def _finish(self, error: BaseException | None) -> None:
-        if (error is not None and not isinstance(error, NanError) and self._group._error_handling in (1, 3)
-                and not self._finished):
-            # Modes that end the process do so before any waiter sees the failure (and runs on regardless).
-            self._group._handle_error(error)
+        if error is not None and not isinstance(error, NanError) and not self._finished:
+            self._group.work_failing(error)
         with self._lock:
             if self._finished:
                 return
@@ -271,7 +343,7 @@ class Work:
                 _finished_cond.notify_all()
         if future is not None:
             self._settle(future)
-        self._group._work_finished(self, error)
+        self._group.work_finished(self, error, self._p2p)
 
     def _settle(self, future: Future) -> None:
         if self._error is not None:
@@ -285,14 +357,16 @@ class Work:
     def seq(self) -> int:
         return self._seq
 
-    def is_completed(self) -> bool:
-        return self._poll()
+    @property
+    def issued_at(self) -> float:
+        """When it was issued (``time.monotonic()``)."""
+        return self._issued_mono
 
     def is_success(self) -> bool:
-        return self._poll() and self._error is None
+        return self.is_completed() and self._error is None
 
     def exception(self) -> BaseException | None:
-        self._poll()
+        self.is_completed()
         return self._error
 
     def wait(self, timeout: Timeout | None = None) -> bool:
@@ -309,29 +383,39 @@ class Work:
         limit = None if seconds is None else time.monotonic() + seconds
         if self._finished and self._error is None and not self._captured:
             return True  # its end event completed: nothing is left for the CPU or a device stream to wait for
-        backend = self._group._backend
+        group = self._group
         if self._captured:
-            backend.make_caller_wait(self._end, self._group._device)
+            group.make_caller_wait(self._end)
             return True
-        if backend.blocking_wait or self._group._blocking_wait or limit is not None:
-            while not self._poll():
+        if group.waits_block or limit is not None:
+            while not self.is_completed():
                 now = time.monotonic()
                 if limit is not None and now >= limit:
                     error = DistBackendError(f"timeout: {self._where()} not complete after wait({timeout}): Timed out "
                                              f"waiting {1000 * (seconds or 0):.0f}ms for it")
-                    if self._group._blocking_wait:
-                        self._group._abort_for_blocking_wait(self, error)
+                    if group.blocking_wait:
+                        self._abort_group(error)
                     raise error
                 left = _WAIT_SLICE if limit is None else min(_WAIT_SLICE, limit - now)
                 self._end.synchronize(max(left, 0.0))
         else:
-            backend.make_caller_wait(self._end, self._group._device)
-            self._poll()
+            group.make_caller_wait(self._end)
+            self.is_completed()
         if self._error is not None:
-            if self._group._blocking_wait and not isinstance(self._error, NanError):  # a data error: the group is fine
-                self._group._abort_for_blocking_wait(self, self._error)
+            if group.blocking_wait and not isinstance(self._error, NanError):  # a data error: the group is fine
+                self._abort_group(self._error)
             raise self._error
         return True
+
+    def _abort_group(self, error: BaseException) -> None:
+        """Blocking wait: a ``wait()`` about to raise ``error`` aborts the
+        group first (torch's blocking wait aborts its communicators too), so
+        later operations fail at once with the reason instead of queueing
+        behind the failed one. An abort of this process's own making: the
+        error-handling mode does not act on it."""
+        self._group.close_for_blocking_wait(error)
+        self._finish(error if isinstance(error, DistBackendError) else DistBackendError(str(error)))
+        self._group.abort()
 
     def get_future(self) -> Future:
         with self._lock:
@@ -361,11 +445,12 @@ class Work:
         if self._start is None:
             raise RuntimeError("Work duration needs timing: set NCCL_PG_ENABLE_TIMING=1 or register a "
                                "completion hook before issuing the operation")
-        if not self._poll():
+        if not self.is_completed():
             raise RuntimeError(f"{self!r}: duration asked before completion")
         return self._start.elapsed_ms(self._end)
 
-    def _info(self) -> WorkInfo:
+    def info(self) -> WorkInfo:
+        """What a completion hook receives about it."""
         started = finished = active = None
         if self._duration_ms is not None:
             active = timedelta(milliseconds=self._duration_ms)

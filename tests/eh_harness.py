@@ -300,7 +300,7 @@ def errors_nonblocking(ctx: Ctx) -> dict | None:
     t.join(10)
     res["comm_error"] = repr(pg._comm.async_error())
     res["comm_state"] = pg._comm.state.value
-    res["closed"] = pg._closed
+    res["closed"] = pg.diag.state()
     ctx.publish(res)
     ctx.set("done")
     return None  # exit without destroying the group (the seed does not either)
@@ -548,7 +548,7 @@ def error_handling_mode(ctx: Ctx) -> dict | None:
     if ctx.args["ends"]:
         time.sleep(ctx.args["timeout"] + 30)  # the error handling must end this process first
         sys.exit(17)
-    res["closed"] = pg._closed
+    res["closed"] = pg.diag.state()
     res["comm_state"] = pg._comm.state.value
     res["later"] = attempt(lambda: dist.all_reduce(ones(), async_op=True).wait(timeout=0.3))
     res["alive"] = True
@@ -560,11 +560,11 @@ def error_handling_mode(ctx: Ctx) -> dict | None:
 
 @scenario
 def heartbeat_stuck(ctx: Ctx) -> dict | None:
-    """The watchdog's poller gets stuck (a group's ``_check_comm`` sleeps):
+    """The watchdog's poller gets stuck (a group's ``check_comm`` sleeps):
     the monitor must dump and end the process with SIGABRT."""
     pg = ctx.pg()
     pg.allreduce(ones()).wait()
-    pg._check_comm = lambda: time.sleep(120)
+    pg.check_comm = lambda: time.sleep(120)
     ctx.set("stuck", repr(time.monotonic()))
     time.sleep(60)
     sys.exit(17)
@@ -635,7 +635,7 @@ def abort_process_group(ctx: Ctx) -> dict | None:
     t0 = time.monotonic()
     dist.destroy_process_group()
     res["destroy_s"] = time.monotonic() - t0
-    res["closed"] = [pg._closed, sub._closed]
+    res["closed"] = [pg.diag.state(), sub.diag.state()]
     ctx.set("done")
     return res
 

@@ -21,7 +21,7 @@ import nccl_pg as dist
 from nccl_pg import ReduceOp, env
 from nccl_pg.comm.base import CommConfig
 from nccl_pg.distributed import _get_default_group
-from nccl_pg.process_group import Options
+from nccl_pg.group.options import Options
 from nccl_pg.store import HashStore
 from nccl_pg.testing import run_threads
 

@@ -401,7 +401,7 @@ def test_error_handling_modes(tmp_path, mode, blocking):
 
 @pytest.mark.timeout(30)
 def test_heartbeat_monitor_fires_when_watchdog_stuck(tmp_path):
-    """Ours: the watchdog's poller stuck (a group's _check_comm sleeps): after NCCL_PG_HEARTBEAT_TIMEOUT the
+    """Ours: the watchdog's poller stuck (a group's check_comm sleeps): after NCCL_PG_HEARTBEAT_TIMEOUT the
     monitor writes the dump and ends the process with SIGABRT."""
     with H.World(1, "heartbeat_stuck", tmp_path, env={"NCCL_PG_HEARTBEAT_TIMEOUT": "1"}) as w:
         t_stuck = float(w.wait_key("stuck"))
@@ -414,7 +414,7 @@ def test_heartbeat_monitor_fires_when_watchdog_stuck(tmp_path):
     d = dump.read(f"{w.dump_prefix}0")
     assert "the watchdog thread made no progress" in d["reason"], d["reason"]
     poller = [s for name, s in d["threads"].items() if name.startswith("nccl_pg-poller")]
-    assert poller and "_check_comm" in "".join(poller[0]), poller
+    assert poller and "check_comm" in "".join(poller[0]), poller
 
 
 @pytest.mark.timeout(40)

@@ -19,10 +19,11 @@ import numpy as np
 import pytest
 
 import nccl_pg as dist
-from nccl_pg import backends, env, kernels, nan_check
+from nccl_pg import backends, env, kernels
+from nccl_pg.comm import nan_scan
+from nccl_pg.comm.nan_scan import RULES, first_nan, first_nan_of, lane_dtype
 from nccl_pg.errors import NanError
-from nccl_pg.nan_check import RULES, first_nan, first_nan_of, lane_dtype
-from nccl_pg.process_group import Options
+from nccl_pg.group.options import Options
 from nccl_pg.testing import run_threads
 
 ENTRY_POINTS = sorted(rule.kernel for rule in RULES.values())
@@ -216,7 +217,7 @@ def test_swar_word_test_matches_lanes() -> None:
 
 
 @pytest.mark.parametrize("name", DTYPES)
-@pytest.mark.parametrize("size", [1, 7, nan_check._CHUNK // 2 + 3, nan_check._CHUNK + 5])  # across numpy chunks
+@pytest.mark.parametrize("size", [1, 7, nan_scan._CHUNK // 2 + 3, nan_scan._CHUNK + 5])  # across numpy chunks
 def test_first_nan_index(name: str, size: int) -> None:
     dt = dtype(name)
     a = np.ones(size, dt)
@@ -649,7 +650,7 @@ def test_gpu_context_usable_after_a_nan(mode: str) -> None:
 
 GPU_TRAP = textwrap.dedent("""
     import cupy as cp, nccl_pg as dist
-    from nccl_pg.process_group import Options
+    from nccl_pg.group.options import Options
     pg = dist.ProcessGroupNCCL(dist.HashStore(), 0, 1, Options(nan_check="trap", timeout=20), device_id=0)
     x = cp.ones(100, cp.float32); x[7] = cp.nan
     w = pg.allreduce(x)

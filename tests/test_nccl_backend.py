@@ -259,7 +259,7 @@ def every_op(comm, dt, dev, back) -> None:
     against numpy; ``dev(host)`` makes a device array on the caller's current
     stream, ``back(array)`` reads one. Shared by the GPU test and the
     simulated one (test_nccl_sim.py)."""
-    from nccl_pg.comm.nccl.stream import caller_stream
+    from nccl_pg.comm.nccl.array import caller_stream
 
     host = (np.arange(1, 13) % 5).astype(np.float32).astype(dt)
     stream = comm.new_stream()

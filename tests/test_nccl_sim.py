@@ -86,7 +86,7 @@ def _ranks(n: int, fn: Callable[[int, Any], Any], timeout: float = 10.0, store: 
 
 
 def _stream(comm: Any) -> Any:
-    from nccl_pg.comm.nccl.stream import caller_stream
+    from nccl_pg.comm.nccl.array import caller_stream
 
     s = comm.new_stream()
     s.wait_stream(caller_stream(comm.device))

@@ -57,8 +57,8 @@ def _s_shrink_default(r: Rank, eager: bool) -> dict | None:
     new = dist.shrink_group([3])
     out = {
         "before": before, "rank": dist.get_rank(), "size": dist.get_world_size(),
-        "default_is_new": dist._get_default_group() is new, "old_state": old._closed,
-        "sub_state": sub._closed if isinstance(sub, dist.ProcessGroup) else None,
+        "default_is_new": dist._get_default_group() is new, "old_state": old.diag.state(),
+        "sub_state": sub.diag.state() if isinstance(sub, dist.ProcessGroup) else None,
         "native": native_possible and ".shrink" in getattr(new._ready()[0], "name", ""),
         "desc": new.group_desc, "ranks": dist.get_process_group_ranks(new),
     }
@@ -114,7 +114,7 @@ def _s_shrink_subgroup(r: Rank) -> dict:
         out["group_rank"] = dist.get_rank(small)
         out["desc"] = small.group_desc
         out["small"] = _sum_over(r, small)
-        assert sub._closed == "destroyed"
+        assert sub.diag.state() == "destroyed"
     out["world"] = _sum_over(r)  # the default group is untouched, every rank still in it
     dist.destroy_process_group()
     return out

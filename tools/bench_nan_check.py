@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import nccl_pg as dist  # noqa: E402
 from nccl_pg import backends  # noqa: E402
-from nccl_pg.nan_check import first_nan_of  # noqa: E402
-from nccl_pg.process_group import Options  # noqa: E402
+from nccl_pg.comm.nan_scan import first_nan_of  # noqa: E402
+from nccl_pg.group.options import Options  # noqa: E402
 
 DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16),
           "float32": np.dtype(np.float32), "float64": np.dtype(np.float64),

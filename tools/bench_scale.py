@@ -345,7 +345,7 @@ async def _steady(server: Server, port: int, n: int, window: float) -> dict[str,
 
 
 async def _diagnosis_round(server: Server, port: int, n: int, timeout: float, silent_share: float) -> dict[str, Any]:
-    from nccl_pg import diagnosis, progress
+    from nccl_pg import diagnosis, group_view, progress
     from nccl_pg.store import TCPStore
 
     k = round(silent_share * n) if silent_share else 0
@@ -355,8 +355,8 @@ async def _diagnosis_round(server: Server, port: int, n: int, timeout: float, si
     behind = {2 + i * (n - 2) // b for i in range(b)} - set(silent)
     seq = 5
     store = TCPStore(HOST, port, timeout=60)
-    view = progress.GroupView.of(store, "0", 0, "simulated", 0, n, lambda r: r, lambda: (seq, seq - 1, 0),
-                                 lambda: None)
+    view = group_view.GroupView.of(store, "0", 0, "simulated", 0, n, lambda r: r, lambda: (seq, seq - 1, 0),
+                                   lambda: None)
     ident = view.ident
     alive = [r for r in range(1, n) if r not in dead]
     ranks = dict(zip(alive, await _connect_all(port, len(alive)), strict=True))

@@ -25,7 +25,7 @@ from ..timeouts import to_seconds
 WAIT_READY_GRACE = 5.0
 
 if TYPE_CHECKING:
-    from ..nan_check import NanScan
+    from .nan_scan import NanScan
 
 
 class CommState(enum.Enum):
@@ -362,7 +362,7 @@ class Backend(ABC):
 
     def find_nan(self, arrays: Sequence[Any], stream: Stream | None, trap: Callable[[int], str] | None,
                  device: Any = None) -> NanScan:
-        """Scan flat ``arrays`` (of dtypes in ``nan_check.RULES``, complex as
+        """Scan flat ``arrays`` (of dtypes in ``nan_scan.RULES``, complex as
         two lanes) for the first NaN lane of their concatenation, after the
         work enqueued so far on ``stream`` (None: the caller's stream, or the
         calling thread). ``trap``: end the process on a NaN instead (with

@@ -21,7 +21,7 @@ BACKEND_NAME = "nccl_pg"
 
 def _create(options: Any, pg_options: Any = None) -> Any:
     """torch's creator (extended API): one ProcessGroupTorch per group."""
-    from ..process_group import Options  # noqa: PLC0415
+    from ..group.options import Options  # noqa: PLC0415
     from .process_group import ProcessGroupTorch  # noqa: PLC0415
 
     if pg_options is not None and not isinstance(pg_options, Options):

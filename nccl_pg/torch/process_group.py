@@ -19,8 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
+from ..group.options import Options
 from ..monitored_barrier import monitored_barrier
-from ..process_group import Options, ProcessGroup, ProcessGroupHost, ProcessGroupNCCL
+from ..process_group import ProcessGroup, ProcessGroupHost, ProcessGroupNCCL
 from ..reduce_op import ReduceOp
 from ..store import PrefixStore
 from ..timeouts import Timeout, to_seconds
@@ -32,11 +33,10 @@ from .work import Completer, Slot, TorchWork, to_torch
 
 BACKEND_NAME = "nccl_pg"
 
-OpType = torch._C._distributed_c10d.OpType
+OpType = torch._C._distributed_c10d.OpType  # type: ignore[attr-defined]  # torch's stub (2.13) omits it
 _OPS = {
-    tdist.ReduceOp.RedOpType.SUM: ReduceOp.SUM, tdist.ReduceOp.RedOpType.PRODUCT: ReduceOp.PRODUCT,
-    tdist.ReduceOp.RedOpType.MIN: ReduceOp.MIN, tdist.ReduceOp.RedOpType.MAX: ReduceOp.MAX,
-    tdist.ReduceOp.RedOpType.AVG: ReduceOp.AVG,
+    tdist.ReduceOp.SUM: ReduceOp.SUM, tdist.ReduceOp.PRODUCT: ReduceOp.PRODUCT, tdist.ReduceOp.MIN: ReduceOp.MIN,
+    tdist.ReduceOp.MAX: ReduceOp.MAX, tdist.ReduceOp.AVG: ReduceOp.AVG,
 }
 # uids (flight recorder, dumps) for groups torch names by something other than a number.
 _extra_uids = itertools.count(1000)
@@ -58,7 +58,7 @@ class ProcessGroupTorch(tdist.ProcessGroup):
 
     def __init__(self, store: Any, rank: int, size: int, timeout: timedelta, group_name: str = "0",
                  global_ranks: Sequence[int] = (), options: Options | None = None) -> None:
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]  # a constructor torch has; its stub lists another
         seconds = to_seconds(timeout)
         self._npg_store = TorchStore(store, seconds)
         self._npg_options = Options(timeout=seconds, is_high_priority_stream=bool(
@@ -111,7 +111,7 @@ class ProcessGroupTorch(tdist.ProcessGroup):
         cuda = next((t.device for t in tensors if t.is_cuda), None)
         return self._group(kind, cuda)
 
-    def _run(self, what: str, tensors: Sequence[torch.Tensor], results: list[torch.Tensor],
+    def _run(self, what: str, tensors: Sequence[torch.Tensor], results: list[Any],
              call: Callable[[ProcessGroup], Any]) -> TorchWork:
         """Issue ``call`` on the group for ``tensors``' device; torch's
         exception types for communication failures."""
@@ -130,8 +130,10 @@ class ProcessGroupTorch(tdist.ProcessGroup):
         return TorchWork(Slot(work), results, self._npg_completer)
 
     # --- collectives (torch's signatures; ranks are group ranks) ---------------------------------
+    # torch's C++ calls these as (tensors, opts); its stub lists only the Python-facing overloads of its
+    # own ProcessGroup, hence the ``type: ignore[override]`` on those it names.
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:  # type: ignore[override]
         op = _op((opts or tdist.AllreduceOptions()).reduceOp)
         if any(t.is_sparse for t in tensors):
             return self._allreduce_sparse(tensors, op)
@@ -150,18 +152,18 @@ class ProcessGroupTorch(tdist.ProcessGroup):
         arrays = [as_array(t, f"all_reduce_coalesced tensors[{i}]") for i, t in enumerate(tensors)]
         return self._run("all_reduce_coalesced", tensors, tensors, lambda pg: pg.allreduce_coalesced(arrays, op))
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:  # type: ignore[override]
         root = (opts or tdist.BroadcastOptions()).rootRank
         arrays = [as_array(t, "broadcast tensor") for t in tensors]
         return self._run("broadcast", tensors, tensors, lambda pg: pg.broadcast(arrays, root))
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:  # type: ignore[override]
         opts = opts or tdist.ReduceOptions()
         op, root = _op(opts.reduceOp), opts.rootRank
         arrays = [as_array(t, "reduce tensor") for t in tensors]
         return self._run("reduce", tensors, tensors, lambda pg: pg.reduce(arrays, root, op))
 
-    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],  # type: ignore[override]
                   opts: Any = None) -> TorchWork:
         outs = [as_array(t, f"all_gather output[{i}]") for i, t in enumerate(_single(output_lists))]
         inp = [as_array(t, "all_gather input") for t in inputs]
@@ -194,7 +196,7 @@ class ProcessGroupTorch(tdist.ProcessGroup):
         return self._coalesced("all_gather_coalesced", inputs, output_lists,
                                lambda pg: [pg.allgather(o, i) for o, i in pairs])
 
-    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
+    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],  # type: ignore[override]
                        opts: Any = None) -> TorchWork:
         op = _op((opts or tdist.ReduceScatterOptions()).reduceOp)
         out = [as_array(t, "reduce_scatter output") for t in outputs]
@@ -226,14 +228,14 @@ class ProcessGroupTorch(tdist.ProcessGroup):
         ins = [as_array(t, f"all_to_all input[{i}]") for i, t in enumerate(inputs)]
         return self._run("all_to_all", [*inputs, *outputs], outputs, lambda pg: pg.alltoall(outs, ins))
 
-    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> TorchWork:
+    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> TorchWork:  # type: ignore[override]
         root = (opts or tdist.GatherOptions()).rootRank
         outs = [as_array(t, f"gather gather_list[{i}]") for i, t in enumerate(_single(output_lists))] \
             if output_lists else None
         inp = as_array(_single(inputs), "gather input")
         return self._run("gather", inputs, output_lists, lambda pg: pg.gather(inp, outs, root))
 
-    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None) -> TorchWork:
+    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None) -> TorchWork:  # type: ignore[override]
         root = (opts or tdist.ScatterOptions()).rootRank
         ins = [as_array(t, f"scatter scatter_list[{i}]") for i, t in enumerate(_single(input_lists))] \
             if input_lists else None
@@ -258,7 +260,7 @@ class ProcessGroupTorch(tdist.ProcessGroup):
         (as ProcessGroupNCCL's barrier), else on the CPU group."""
         ids = list(getattr(opts, "device_ids", None) or [])
         if ids or set(self._npg_groups) == {"cuda"}:
-            index = ids[0] if ids else self._npg_groups["cuda"]._device
+            index = ids[0] if ids else self._npg_groups["cuda"].bound_device_id
             pg = self._group("cuda", torch.device("cuda", index) if index is not None else None)
         else:
             pg = self._group("cpu")
@@ -285,10 +287,10 @@ class ProcessGroupTorch(tdist.ProcessGroup):
 
     # torch < 2.10 calls these by their older names.
     _allgather_base = all_gather_single
-    allgather_into_tensor_coalesced = all_gather_single_coalesced
-    _reduce_scatter_base = reduce_scatter_single
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
-    alltoall_base = all_to_all_single
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]  # (tensors, opts), as above
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # (tensors, opts), as above
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]  # (tensors, opts), as above
+    alltoall_base = all_to_all_single  # type: ignore[assignment]  # (tensors, opts), as above
 
     # --- coalescing -----------------------------------------------------------------------------
 
@@ -312,7 +314,7 @@ class ProcessGroupTorch(tdist.ProcessGroup):
             raise mapped from exc
         return TorchWork(slot, results, self._npg_completer)
 
-    def _coalesced(self, what: str, tensors: Sequence[torch.Tensor], results: list[torch.Tensor],
+    def _coalesced(self, what: str, tensors: Sequence[torch.Tensor], results: list[Any],
                    issue: Callable[[ProcessGroup], Any]) -> TorchWork:
         """Several operations as one group (one Work), like torch's *_coalesced."""
         device = tensors[0].device if tensors else torch.device("cpu")
@@ -322,7 +324,7 @@ class ProcessGroupTorch(tdist.ProcessGroup):
             issue(pg)
         except BaseException as exc:
             self._npg_coalescing = None
-            pg._abandon_coalescing()
+            pg.abandon_coalescing()
             mapped = to_torch(exc)
             if mapped is exc:
                 raise

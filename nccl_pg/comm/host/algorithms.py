@@ -10,6 +10,7 @@ ends with bit-identical results, as with NCCL.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -57,7 +58,7 @@ CHUNK_BYTES = 1 << 20  # ring/chain chunk
 
 def u8(a: np.ndarray) -> memoryview:
     """A flat byte view of a contiguous array (works for ml_dtypes types too)."""
-    return memoryview(a.reshape(-1).view(np.uint8))
+    return a.reshape(-1).view(np.uint8).data
 
 
 def segments(count: int, n: int) -> list[tuple[int, int]]:
@@ -182,7 +183,7 @@ def _ring_reduce_scatter(mesh: Mesh, t: Tag, buf: np.ndarray, segs: list[tuple[i
         recvs: list[Recv] = []
         for c_lo, c_hi in chunks(r_lo, r_hi, buf.itemsize):
             view = scratch[:c_hi - c_lo]
-            recvs.append((prv, u8(view), lambda v=view, lo=c_lo, hi=c_hi: combine(buf[lo:hi], v)))
+            recvs.append((prv, u8(view), functools.partial(combine, buf[c_lo:c_hi], view)))
         sends: list[Send] = [(nxt, u8(buf[a:b])) for a, b in chunks(s_lo, s_hi, buf.itemsize)]
         _x(mesh, t, sends, recvs)
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from ...nan_check import first_nan_of
 from ...store import Store
 from ..base import Backend, CommConfig, Event, Stream
+from ..nan_scan import first_nan_of
 from .communicator import HostCommunicator
 from .stream import INLINE_BYTES, HostStream
 

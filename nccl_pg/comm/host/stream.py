@@ -65,14 +65,16 @@ class HostEvent(Event):
         gate.release()  # the next waiter's turn
         return True
 
-    def _arm(self) -> None:
+    def arm(self) -> None:
+        """Its stream recorded it: pending until ``fire``."""
         if self._gate is None:  # recorded again while pending: it completes at the first of its markers, as before
             gate = _allocate_lock()
             gate.acquire()
             self._gate = gate
         self.time_ns = None
 
-    def _fire(self) -> None:
+    def fire(self) -> None:
+        """Everything its stream ran before it is done: complete now."""
         gate = self._gate
         self.time_ns, self._gate = _now_ns(), None
         if gate is not None:
@@ -146,20 +148,20 @@ class HostStream(Stream):
             if self._closing:
                 raise RuntimeError(f"{self!r} is closed")
             if self._queue:
-                ev._arm()
+                ev.arm()
                 last = self._queue[-1]
                 if last[2] is None:
                     last[2] = [ev]
                 else:
                     last[2].append(ev)
             elif self._busy:
-                ev._arm()
+                ev.arm()
                 if self._then is None:
                     self._then = [ev]
                 else:
                     self._then.append(ev)
             else:
-                ev._fire()  # everything before it has run: complete now
+                ev.fire()  # everything before it has run: complete now
         return ev
 
     def wait_event(self, event: Event) -> None:
@@ -204,7 +206,7 @@ class HostStream(Stream):
             then, self._then = self._then, None
             if then is not None:
                 for ev in then:
-                    ev._fire()
+                    ev.fire()
             if self._queue:
                 self._cond.notify()
 

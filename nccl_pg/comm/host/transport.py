@@ -280,7 +280,7 @@ class Mesh:
                 except BaseException as exc:
                     if self.error is None:
                         self.fail(exc)
-                    raise self.error from None
+                    raise (self.error or exc) from None
         finally:
             if self.error is not None:  # other lanes were woken by fail() and end at once
                 self._try_farewell(_FAREWELL_BUDGET)

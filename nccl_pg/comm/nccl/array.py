@@ -198,7 +198,6 @@ def _order_after(producer: int, device: int) -> None:
     ``producer`` (a CUDA Array Interface v3 stream: 1 legacy, 2 per-thread,
     else a handle), unless that is the caller's stream."""
     from ._lib import check_cuda, cudart  # noqa: PLC0415
-    from .stream import caller_stream  # noqa: PLC0415 - stream.py imports this module
 
     consumer = caller_stream(device)
     if producer == consumer or (producer == 1 and consumer == 0):
@@ -249,7 +248,6 @@ def _from_dlpack(a: Any, what: str) -> DeviceArray:
     if int(dev_type) not in (_KDL_CUDA, _KDL_CUDA_MANAGED):
         raise ValueError(f"{what}: arrays must be on a CUDA device (DLPack device type {int(dev_type)}); "
                          "use the host backend for CPU arrays")
-    from .stream import caller_stream  # noqa: PLC0415 - stream.py imports this module
 
     consumer = caller_stream(int(dev_id))
     try:  # the producer makes our stream wait for its work (DLPack: 1 is the legacy default stream)
@@ -305,3 +303,19 @@ def torch_module() -> Any:
 
 def cupy_module() -> Any:
     return sys.modules.get("cupy")
+
+
+def caller_stream(device: int) -> int:
+    """The raw handle of the caller's current stream on ``device``: torch's
+    current stream when the caller's arrays are torch tensors, else CuPy's
+    current stream when CuPy is in use, else the legacy default stream (0)."""
+    kind = caller_kind()
+    if kind == "torch":
+        torch = torch_module()
+        if torch is not None:
+            return int(torch.cuda.current_stream(device).cuda_stream)
+    cupy = cupy_module()
+    if cupy is not None and kind in ("cupy", None):
+        with cupy.cuda.Device(device):
+            return int(cupy.cuda.get_current_stream().ptr)
+    return 0

@@ -11,10 +11,11 @@ import numpy as np
 
 from ..base import Backend, CommConfig, Event, Stream
 from ._lib import check_cuda, cudart
-from .array import DeviceArray, as_device_array
+from .array import DeviceArray, as_device_array, caller_stream
 from .communicator import NcclCommunicator
+from .device import adopt_thread
 from .memory import DeviceMemory
-from .stream import CudaEvent, CudaStream, adopt_thread, caller_stream
+from .stream import CudaEvent, CudaStream
 
 _H2D, _D2H, _D2D = 1, 2, 3  # cudaMemcpyKind
 _RELAXED = 2  # cudaStreamCaptureModeRelaxed
@@ -123,7 +124,7 @@ class NcclBackend(Backend):
     def make_caller_wait(self, event: Event, device: Any = None) -> None:
         if not isinstance(event, CudaEvent):
             raise TypeError(f"the nccl backend waits on CudaEvents, got {type(event).__name__}")
-        if event._recorded:
+        if event.recorded:
             check_cuda(cudart().cudaStreamWaitEvent(caller_stream(event.device), event.handle, 0),
                        "cudaStreamWaitEvent")
 

@@ -46,7 +46,8 @@ from ..base import WAIT_READY_GRACE, CommConfig, CommState, Communicator, Stream
 from . import _lib
 from ._lib import IN_PROGRESS, NOCOLOR, SUCCESS, bindings
 from .array import DeviceArray, as_device_array
-from .stream import CudaEvent, CudaStream, _AbortFlag, _device_guard, _restore, adopt_thread
+from .device import adopt_thread, device_guard, restore_device
+from .stream import CudaEvent, CudaStream, _AbortFlag
 
 _UID_KEY = "nccl_unique_id"
 _UID_BYTES = 128
@@ -203,7 +204,7 @@ class NcclCommunicator(Communicator):
                 adopt_thread(self.device)  # this thread's CUDA calls are for this device only
             cfg = nccl_config(self.config)
             self._keep.append(cfg)
-            prev = _device_guard(self.device)  # NCCL binds the communicator to the current device
+            prev = device_guard(self.device)  # NCCL binds the communicator to the current device
             try:
                 with self._lock:
                     if self._error is not None or self._freed:
@@ -216,7 +217,7 @@ class NcclCommunicator(Communicator):
                         self._ctl = self._call("ncclCommInitRankScalable", b.comm_init_rank_scalable,
                                                self._nranks, self._rank, len(ids), bytearray(b"".join(ids)), cfg)
             finally:
-                _restore(prev)
+                restore_device(prev)
             self._poll(deadline, "init")
             self._open_ops(deadline)
         except BaseException as exc:
@@ -260,14 +261,14 @@ class NcclCommunicator(Communicator):
         if self.blocking_ops:
             cfg = nccl_config(self.config, blocking=True, split_share=True)
             self._keep.append(cfg)
-            prev = _device_guard(self.device)
+            prev = device_guard(self.device)
             try:
                 with self._lock:
                     self._check_live("init")
                     child = self._call("ncclCommSplit", bindings().comm_split, self._ctl, 0, self._rank, cfg)
                     self._children.append(child)
             finally:
-                _restore(prev)
+                restore_device(prev)
             self._poll(deadline, "init (split of the operations communicator)")  # the parent leaves ncclInProgress
             with self._lock:  # NCCL has written the child now (init.cc ncclCommInitRankFunc)
                 self._take_child(child)
@@ -565,7 +566,7 @@ class NcclCommunicator(Communicator):
         if self._state is not CommState.READY:
             if self._state is CommState.INITIALIZING:
                 self.wait_ready(self.config.timeout + WAIT_READY_GRACE)
-            if self._state is not CommState.READY:
+            if self.state is not CommState.READY:  # the property: wait_ready changed it
                 raise self._error or DistBackendError(f"{self.name}: {self._state.value}")
         return self._ops
 
@@ -810,7 +811,7 @@ class NcclCommunicator(Communicator):
         """Issue a split or shrink of the control communicator; returns the
         nccl4py Comm NCCL writes the child into when the job ends (it must stay
         referenced until then: the binding passed its own storage)."""
-        prev = _device_guard(self.device)
+        prev = device_guard(self.device)
         try:
             with self._lock:
                 self._check_live(what)
@@ -823,7 +824,7 @@ class NcclCommunicator(Communicator):
                 self._children.append(child)
                 return child
         finally:
-            _restore(prev)
+            restore_device(prev)
 
     def _finish_child(self, child: NcclCommunicator, child_obj: Any, ncfg: Any, deadline: float, what: str,
                       blocking: bool) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._lib import check_cuda, cudart
+from .device import device_guard, restore_device
 
 _CAPTURE_NONE = 0  # cudaStreamCaptureStatusNone
 _released: dict[int, list[tuple[int, Any]]] = {}  # device -> (pointer, stream) of blocks dropped, to free
@@ -38,16 +39,14 @@ class DeviceMemory:
     __slots__ = ("ptr", "device", "stream", "captured", "__weakref__")
 
     def __init__(self, nbytes: int, device: int, stream: int) -> None:
-        from .stream import _device_guard, _restore  # noqa: PLC0415 - stream.py imports this module
-
         rt = cudart()
-        prev = _device_guard(device)
+        prev = device_guard(device)
         try:
             free_released(device)
             self.captured = int(check_cuda(rt.cudaStreamIsCapturing(stream), "cudaStreamIsCapturing")) != _CAPTURE_NONE
             self.ptr = int(check_cuda(rt.cudaMallocAsync(max(nbytes, 1), stream), "cudaMallocAsync"))
         finally:
-            _restore(prev)
+            restore_device(prev)
         self.device, self.stream = device, stream
 
     def free_on(self, stream: Any) -> None:

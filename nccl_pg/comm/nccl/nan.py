@@ -20,12 +20,13 @@ from typing import Any
 import numpy as np
 
 from ... import kernels
-from ...nan_check import RULES, Rule, lane_dtype
 from ..base import Stream
+from ..nan_scan import RULES, Rule, lane_dtype
 from . import _lib
 from ._lib import check_cuda, cudart
-from .array import DeviceArray
-from .stream import CudaEvent, CudaStream, _device_guard, _restore, caller_stream
+from .array import DeviceArray, caller_stream
+from .device import device_guard, restore_device
+from .stream import CudaEvent, CudaStream
 
 _THREADS = 256  # THREADS in nan_check.cu
 _UNROLL = 4  # UNROLL in nan_check.cu
@@ -56,7 +57,7 @@ class _Device:
         rt, drv = cudart(), _driver()
         attr = rt.cudaDeviceAttr
         self.device = device
-        prev = _device_guard(device)
+        prev = device_guard(device)
         try:
             check_cuda(rt.cudaFree(0), "cudaFree")  # the device's primary context, current from here on
             major = check_cuda(rt.cudaDeviceGetAttribute(attr.cudaDevAttrComputeCapabilityMajor, device), "attr")
@@ -73,7 +74,7 @@ class _Device:
                                     "cuOccupancyMaxActiveBlocksPerMultiprocessor")
                 self._functions[rule.kernel], self._grid[rule.kernel] = f, int(sms) * max(int(per_sm), 1)
         finally:
-            _restore(prev)
+            restore_device(prev)
         self._lock = threading.Lock()
         self._free: list[_Slot] = []
         self._chunks: list[tuple[int, int]] = []  # (device, host) allocations, kept for the process's life
@@ -84,12 +85,12 @@ class _Device:
             if not self._free:
                 rt = cudart()
                 nbytes = 8 * _SLOTS_PER_CHUNK
-                prev = _device_guard(self.device)
+                prev = device_guard(self.device)
                 try:
                     dev = int(check_cuda(rt.cudaMalloc(nbytes), "cudaMalloc"))
                     host = int(check_cuda(rt.cudaHostAlloc(nbytes, rt.cudaHostAllocDefault), "cudaHostAlloc"))
                 finally:
-                    _restore(prev)
+                    restore_device(prev)
                 self._chunks.append((dev, host))
                 self._free.extend(_Slot(dev + 8 * i, host + 8 * i) for i in range(_SLOTS_PER_CHUNK))
             return self._free.pop()
@@ -147,7 +148,7 @@ def find_nan(arrays: Sequence[DeviceArray], stream: Stream | None, trap: Callabl
     rt = cudart()
     handle = caller_stream(index) if stream is None else stream.handle  # type: ignore[attr-defined]
     slot = dev.trap_slot if trap is not None else dev.take()
-    prev = _device_guard(index)
+    prev = device_guard(index)
     try:
         if trap is None:
             check_cuda(rt.cudaMemsetAsync(slot.dev, 0xFF, 8, handle), "cudaMemsetAsync")
@@ -166,10 +167,10 @@ def find_nan(arrays: Sequence[DeviceArray], stream: Stream | None, trap: Callabl
         if stream is None:
             done = CudaEvent(index)
             check_cuda(rt.cudaEventRecord(done.handle, handle), "cudaEventRecord")
-            done._recorded = True
+            done.recorded = True
         else:
             assert isinstance(stream, CudaStream)
             stream.keep(*(a.owner for a in arrays))  # until the Work's end event: the scan reads them
     finally:
-        _restore(prev)
+        restore_device(prev)
     return CudaNanScan(dev, slot, done)

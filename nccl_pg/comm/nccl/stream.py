@@ -1,5 +1,5 @@
 """CUDA streams and events behind the Stream/Event contract (cuda.bindings
-runtime API), and "the caller's current stream".
+runtime API).
 
 Events are queried without blocking; ``synchronize(timeout)`` polls with a
 short backoff instead of cudaEventSynchronize, so it is bounded and returns
@@ -12,13 +12,12 @@ NCCL still reads or writes it.
 from __future__ import annotations
 
 import collections
-import threading
 import time
 from typing import Any
 
 from ..base import Event, Stream
 from ._lib import check_cuda, cudart
-from .array import caller_kind, cupy_module, torch_module
+from .device import device_guard, on_own_thread, restore_device
 from .memory import DeviceMemory, free_released
 
 _NOT_READY = 600  # cudaErrorNotReady
@@ -34,40 +33,6 @@ class _AbortFlag:
         self.aborted = False
 
 
-_thread = threading.local()
-
-
-def adopt_thread(device: int | None = None) -> None:
-    """The calling thread is nccl_pg's own (a communicator's init or split
-    thread, the watchdog's poller): the backend makes the device it works on
-    current and never restores the previous one. A new thread's current device
-    is 0 until it chooses one, so restoring it, or making CUDA calls without
-    choosing, would create a context on GPU 0 in every process."""
-    _thread.ours = True
-    if device is not None:
-        _device_guard(device)
-
-
-def _device_guard(device: int) -> int | None:
-    """Make ``device`` current; returns the previous device to restore (None: unchanged)."""
-    rt = cudart()
-    if getattr(_thread, "ours", False):
-        if getattr(_thread, "device", None) != device:
-            check_cuda(rt.cudaSetDevice(device), "cudaSetDevice")
-            _thread.device = device
-        return None
-    prev = check_cuda(rt.cudaGetDevice(), "cudaGetDevice")
-    if prev == device:
-        return None
-    check_cuda(rt.cudaSetDevice(device), "cudaSetDevice")
-    return prev
-
-
-def _restore(prev: int | None) -> None:
-    if prev is not None:
-        cudart().cudaSetDevice(prev)
-
-
 # CUDA events of dead CudaEvents, per (device, timing), for the next ones: an event is re-recorded at each use,
 # and the last reference to a CudaEvent may go on any thread (a watchdog thread retiring a Work), where a CUDA
 # call (cudaEventDestroy) would create a context on GPU 0 if that thread never chose a device.
@@ -75,7 +40,7 @@ _spare_events: dict[tuple[int, bool], list[Any]] = {}
 
 
 class CudaEvent(Event):
-    __slots__ = ("handle", "device", "timing", "_flag", "_refs", "_recorded")
+    __slots__ = ("handle", "device", "timing", "flag", "refs", "recorded")  # the last three: set by its stream
 
     def __init__(self, device: int, timing: bool = False, flag: _AbortFlag | None = None) -> None:
         spare = _spare_events.get((device, timing))
@@ -86,14 +51,14 @@ class CudaEvent(Event):
         if self.handle is None:
             rt = cudart()
             flags = rt.cudaEventDefault if timing else rt.cudaEventDisableTiming
-            prev = _device_guard(device)
+            prev = device_guard(device)
             try:
                 self.handle = check_cuda(rt.cudaEventCreateWithFlags(flags), "cudaEventCreateWithFlags")
             finally:
-                _restore(prev)
-        self.device, self.timing, self._flag = device, timing, flag
-        self._refs: list[Any] | None = None
-        self._recorded = False
+                restore_device(prev)
+        self.device, self.timing, self.flag = device, timing, flag
+        self.refs: list[Any] | None = None
+        self.recorded = False
 
     def __del__(self) -> None:
         handle = getattr(self, "handle", None)
@@ -101,14 +66,14 @@ class CudaEvent(Event):
             _spare_events.setdefault((self.device, self.timing), []).append(handle)
 
     def query(self) -> bool:
-        if not self._recorded:
+        if not self.recorded:
             return True  # never recorded: complete, as cudaEventQuery says
-        if getattr(_thread, "ours", False) and getattr(_thread, "device", None) != self.device:
-            _device_guard(self.device)  # the watchdog's poller: on this event's device, not on GPU 0
+        if on_own_thread(self.device):
+            device_guard(self.device)  # the watchdog's poller: on this event's device, not on GPU 0
         (err,) = cudart().cudaEventQuery(self.handle)
         code = int(err)
         if code == 0:
-            self._refs = None  # the operations before it are done: their buffers may go
+            self.refs = None  # the operations before it are done: their buffers may go
             return True
         if code == _NOT_READY:
             return False
@@ -119,7 +84,7 @@ class CudaEvent(Event):
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = 20e-6
         while not self.query():
-            if self._flag is not None and self._flag.aborted:
+            if self.flag is not None and self.flag.aborted:
                 return True
             if deadline is not None and time.monotonic() >= deadline:
                 return False
@@ -143,7 +108,7 @@ class CudaStream(Stream):
         rt = cudart()
         self.device, self._flag, self._owned = device, flag, handle is None
         if handle is None:
-            prev = _device_guard(device)
+            prev = device_guard(device)
             try:
                 prio = 0
                 if high_priority:
@@ -153,7 +118,7 @@ class CudaStream(Stream):
                 handle = check_cuda(rt.cudaStreamCreateWithPriority(rt.cudaStreamNonBlocking, prio),
                                     "cudaStreamCreateWithPriority")
             finally:
-                _restore(prev)
+                restore_device(prev)
         self.handle = handle
         self.ptr = int(handle)
         self._pending: list[Any] = []  # buffers of operations enqueued since the last record()
@@ -182,13 +147,13 @@ class CudaStream(Stream):
                     self._graph_refs.append(ref)
             self._pending = []
         check_cuda(cudart().cudaEventRecord(ev.handle, self.handle), "cudaEventRecord")
-        ev._recorded = True
-        if ev._flag is None:
-            ev._flag = self._flag
+        ev.recorded = True
+        if ev.flag is None:
+            ev.flag = self._flag
         if capturing:
             return ev
         if self._pending:
-            ev._refs, self._pending = self._pending, []
+            ev.refs, self._pending = self._pending, []
             self._inflight.append(ev)
         while self._inflight and self._inflight[0].query():  # drop what completed
             self._inflight.popleft()
@@ -197,7 +162,7 @@ class CudaStream(Stream):
     def wait_event(self, event: Event) -> None:
         if not isinstance(event, CudaEvent):
             raise TypeError(f"a CudaStream waits on CudaEvents, got {type(event).__name__}")
-        if event._recorded:
+        if event.recorded:
             check_cuda(cudart().cudaStreamWaitEvent(self.handle, event.handle, 0), "cudaStreamWaitEvent")
 
     def wait_stream(self, other: int) -> None:
@@ -234,7 +199,7 @@ class CudaStream(Stream):
         self._pending.clear()
         self._inflight.clear()
         self._graph_refs.clear()
-        prev = _device_guard(self.device)
+        prev = device_guard(self.device)
         try:
             free_released(self.device)
             if self._owned and self.handle is not None:
@@ -243,20 +208,4 @@ class CudaStream(Stream):
         except Exception:
             pass
         finally:
-            _restore(prev)
-
-
-def caller_stream(device: int) -> int:
-    """The raw handle of the caller's current stream on ``device``: torch's
-    current stream when the caller's arrays are torch tensors, else CuPy's
-    current stream when CuPy is in use, else the legacy default stream (0)."""
-    kind = caller_kind()
-    if kind == "torch":
-        torch = torch_module()
-        if torch is not None:
-            return int(torch.cuda.current_stream(device).cuda_stream)
-    cupy = cupy_module()
-    if cupy is not None and kind in ("cupy", None):
-        with cupy.cuda.Device(device):
-            return int(cupy.cuda.get_current_stream().ptr)
-    return 0
+            restore_device(prev)
