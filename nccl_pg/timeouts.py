@@ -52,9 +52,11 @@ def to_seconds(timeout: object, name: str = "timeout", *, zero: bool = False, fo
     accepted (no limit). Neither: a deadline, finite and > 0. ``name`` is the
     argument as the caller knows it; TypeError and ValueError name it and the
     value."""
-    if isinstance(timeout, timedelta):
+    if isinstance(timeout, (float, int)) and not isinstance(timeout, bool):  # the common case: no ABC check
+        value = float(timeout)
+    elif isinstance(timeout, timedelta):
         value = timeout.total_seconds()
-    elif isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
+    elif isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):  # NumPy scalars, Fraction
         value = float(timeout)
     else:
         raise TypeError(f"{name} must be a number of seconds or a timedelta, got "
