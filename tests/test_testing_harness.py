@@ -15,8 +15,6 @@ import numpy as np
 import pytest
 
 import nccl_pg as dist
-from nccl_pg import testing
-from nccl_pg.pytest_plugin import ProcessRanksFixture
 from nccl_pg.testing import (
     MultiThreadedTestCase,
     ProcessRanks,
@@ -25,6 +23,8 @@ from nccl_pg.testing import (
     run_threads,
     spawn_threads_and_init_comms,
 )
+from nccl_pg.testing import threads as thread_ranks_module
+from nccl_pg.testing.pytest_plugin import ProcessRanksFixture
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -169,7 +169,7 @@ def test_rank_stuck_after_another_failed_is_reported_without_waiting_for_the_tim
     """Rank 1 fails; rank 0 is busy outside any collective, so aborting
     cannot release it: it is reported once the unwinding grace has passed,
     not at the (long) timeout, and both ranks are blamed."""
-    monkeypatch.setattr(testing, "_UNWIND_GRACE", 0.5)
+    monkeypatch.setattr(thread_ranks_module, "_UNWIND_GRACE", 0.5)
     release = threading.Event()
 
     def fn(rank: int, world_size: int) -> None:
