@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable, Iterator
 
 import pytest
-from pg_harness import nccl_unavailable_reason
+from harness.forked import nccl_unavailable_reason
 
 Spawn = Callable[..., subprocess.Popen]
 

@@ -61,8 +61,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from host_harness import live_children
-from pg_harness import nccl_unavailable_reason
+from harness.forked import nccl_unavailable_reason
+from harness.procs import live_children
 
 from nccl_pg.backends import SAME_GPU_ENV
 from nccl_pg.store import TCPStore

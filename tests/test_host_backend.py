@@ -18,9 +18,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-import host_harness as H
 import numpy as np
 import pytest
+from harness import cases as H
+from harness import comm_scenarios as S
+from harness.procs import World, live_children
+from harness.threads import ThreadWorld, create_comms, destroy_all, parallel, unique
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -44,16 +47,16 @@ LARGE_SUBSET = {
 
 
 @pytest.fixture(scope="module")
-def worlds() -> Iterator[Callable[[int], H.ThreadWorld]]:
+def worlds() -> Iterator[Callable[[int], ThreadWorld]]:
     """Thread worlds of n ranks, built once per module (rebuilt if broken)."""
-    cache: dict[int, H.ThreadWorld] = {}
+    cache: dict[int, ThreadWorld] = {}
 
-    def get(n: int) -> H.ThreadWorld:
+    def get(n: int) -> ThreadWorld:
         w = cache.get(n)
         if w is None or not w.healthy():
             if w is not None:
                 w.close()
-            w = cache[n] = H.ThreadWorld(n)
+            w = cache[n] = ThreadWorld(n)
         return w
 
     yield get
@@ -67,12 +70,12 @@ def make_comms() -> Iterator[Callable[..., list[HostCommunicator]]]:
     made: list[HostCommunicator] = []
 
     def make(n: int, **config: object) -> list[HostCommunicator]:
-        comms = H.create_comms(n, **config)
+        comms = create_comms(n, **config)
         made.extend(comms)
         return comms
 
     yield make
-    H.destroy_all(made)
+    destroy_all(made)
 
 
 def returns_within(seconds: float, fn: Callable[[], object]) -> object:
@@ -101,7 +104,7 @@ def returns_within(seconds: float, fn: Callable[[], object]) -> object:
 
 @pytest.mark.parametrize("op", H.COLLECTIVES)
 @pytest.mark.parametrize("n", range(1, 9))
-def test_collectives_match_numpy_threads(worlds: Callable[[int], H.ThreadWorld], n: int, op: str) -> None:
+def test_collectives_match_numpy_threads(worlds: Callable[[int], ThreadWorld], n: int, op: str) -> None:
     """Every dtype x ReduceOp x in-place/out-of-place, small sizes (0, 1, not
     multiples of n) and the large ring/chain path; exact bits against numpy,
     and the same bits on every rank."""
@@ -110,7 +113,7 @@ def test_collectives_match_numpy_threads(worlds: Callable[[int], H.ThreadWorld],
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_multichunk_paths_threads(worlds: Callable[[int], H.ThreadWorld], n: int) -> None:
+def test_multichunk_paths_threads(worlds: Callable[[int], ThreadWorld], n: int) -> None:
     """Segments of several 1 MiB chunks (pipelined ring and chain), odd sizes, in place too."""
     assert worlds(n).run_cases(H.huge_cases(n)) == []
 
@@ -121,7 +124,7 @@ def test_large_broadcast_algorithms(monkeypatch: pytest.MonkeyPatch, algo: str) 
     outnumber CPUs, as on a 2-core CI machine), from every root, multi-chunk."""
     monkeypatch.setenv("NCCL_PG_HOST_BROADCAST", algo)
     n = 4
-    w = H.ThreadWorld(n)
+    w = ThreadWorld(n)
     try:
         assert all(c._mesh.tree_broadcast is (algo == "tree") for c in w.comms)
         big = (H.CHUNK_BYTES * 2 + 13) // 8
@@ -169,7 +172,7 @@ def test_ranks_agree_on_the_broadcast_algorithm() -> None:
 def test_invalid_broadcast_algorithm_fails_fast(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NCCL_PG_HOST_BROADCAST", "star")
     with pytest.raises(DistBackendError, match="NCCL_PG_HOST_BROADCAST"):
-        H.ThreadWorld(2)
+        ThreadWorld(2)
 
 
 @pytest.mark.timeout(90)
@@ -178,15 +181,15 @@ def test_collectives_match_numpy_processes(n: int) -> None:
     """The full matrix (every op, dtype, ReduceOp, in/out of place, small,
     large and multi-chunk sizes) with each rank a separate process."""
     cases = H.matrix_cases(n, seed=7 * n) + (H.huge_cases(n) if n == 3 else [])
-    with H.ProcWorld(n, "matrix", {"cases": [c.to_json() for c in cases]}) as w:
-        results = w.join(timeout=80)
+    with World(n, S.matrix, args={"cases": [c.to_json() for c in cases]}) as w:
+        results = w.results(timeout=80)
         failures = H.check_matrix_results(cases, n, results)
     assert failures == []
-    assert H.live_children() == []
+    assert live_children() == []
 
 
 @pytest.mark.parametrize("n", range(1, 9))
-def test_rooted_ops_every_root(worlds: Callable[[int], H.ThreadWorld], n: int) -> None:
+def test_rooted_ops_every_root(worlds: Callable[[int], ThreadWorld], n: int) -> None:
     cases = []
     for root in range(n):
         for op in ("broadcast", "reduce", "gather", "scatter"):
@@ -196,7 +199,7 @@ def test_rooted_ops_every_root(worlds: Callable[[int], H.ThreadWorld], n: int) -
     assert worlds(n).run_cases(cases) == []
 
 
-def test_noisy_float_sums_are_identical_on_every_rank(worlds: Callable[[int], H.ThreadWorld]) -> None:
+def test_noisy_float_sums_are_identical_on_every_rank(worlds: Callable[[int], ThreadWorld]) -> None:
     """Random floats, large path: the reduction order is fixed, so every
     rank gets the same bits (run_cases asserts it) and numpy agrees within rounding."""
     n = 5
@@ -211,7 +214,7 @@ def test_noisy_float_sums_are_identical_on_every_rank(worlds: Callable[[int], H.
 
 
 @pytest.mark.parametrize("dt", H.FP8_DTYPES)
-def test_float8_reductions_raise_data_movement_works(worlds: Callable[[int], H.ThreadWorld], dt: str) -> None:
+def test_float8_reductions_raise_data_movement_works(worlds: Callable[[int], ThreadWorld], dt: str) -> None:
     w = worlds(2)
     c, s = w.comms[0], w.streams[0]
     x = np.zeros(8, dtype=H.dtype(dt))
@@ -233,7 +236,7 @@ def test_float8_reductions_raise_data_movement_works(worlds: Callable[[int], H.T
 
 
 @pytest.mark.parametrize("dt", H.COMPLEX_DTYPES)
-def test_complex_only_sum_like_reductions(worlds: Callable[[int], H.ThreadWorld], dt: str) -> None:
+def test_complex_only_sum_like_reductions(worlds: Callable[[int], ThreadWorld], dt: str) -> None:
     w = worlds(2)
     c, s = w.comms[0], w.streams[0]
     x = np.zeros(8, dtype=dt)
@@ -250,7 +253,7 @@ def test_complex_only_sum_like_reductions(worlds: Callable[[int], H.ThreadWorld]
     assert w.run_cases(cases) == []
 
 
-def test_bool_refuses_avg_and_premul_sum(worlds: Callable[[int], H.ThreadWorld]) -> None:
+def test_bool_refuses_avg_and_premul_sum(worlds: Callable[[int], ThreadWorld]) -> None:
     w = worlds(2)
     c, s = w.comms[0], w.streams[0]
     x = np.zeros(8, dtype=bool)
@@ -260,7 +263,7 @@ def test_bool_refuses_avg_and_premul_sum(worlds: Callable[[int], H.ThreadWorld])
         c.reduce_scatter(x, x[:4], ReduceOp.PREMUL_SUM, s, scale=2.0)
 
 
-def test_integer_avg_rounds_toward_zero(worlds: Callable[[int], H.ThreadWorld]) -> None:
+def test_integer_avg_rounds_toward_zero(worlds: Callable[[int], ThreadWorld]) -> None:
     """NCCL's integer AVG truncates toward zero, also at the most negative value."""
     w = worlds(3)
     for dt in H.INT_DTYPES:
@@ -280,7 +283,7 @@ def test_integer_avg_rounds_toward_zero(worlds: Callable[[int], H.ThreadWorld]) 
             assert recv[r].tolist() == want.tolist(), (dt, recv[r], want)
 
 
-def test_argument_errors(worlds: Callable[[int], H.ThreadWorld]) -> None:
+def test_argument_errors(worlds: Callable[[int], ThreadWorld]) -> None:
     """Bad arguments raise at once, before anything is enqueued (the world stays usable)."""
     w = worlds(2)
     c, s = w.comms[0], w.streams[0]
@@ -353,7 +356,7 @@ def collective_cases(draw: st.DrawFn) -> tuple[int, H.Case, tuple[int, ...]]:
 
 @FAST
 @given(collective_cases())
-def test_random_collectives(worlds: Callable[[int], H.ThreadWorld], drawn: tuple[int, H.Case, tuple[int, ...]]) -> None:
+def test_random_collectives(worlds: Callable[[int], ThreadWorld], drawn: tuple[int, H.Case, tuple[int, ...]]) -> None:
     """Random op, dtype, ReduceOp, multi-dimensional shape, root, in/out of place."""
     n, case, shape = drawn
     assert worlds(n).run_cases([case], shape=shape) == []
@@ -370,7 +373,7 @@ def uneven_counts(draw: st.DrawFn) -> tuple[np.ndarray, str]:
 
 @FAST
 @given(uneven_counts())
-def test_random_uneven_all_to_all(worlds: Callable[[int], H.ThreadWorld], drawn: tuple[np.ndarray, str]) -> None:
+def test_random_uneven_all_to_all(worlds: Callable[[int], ThreadWorld], drawn: tuple[np.ndarray, str]) -> None:
     """counts[p][q] elements go from rank p to rank q; blocks packed in rank order."""
     counts, dt = drawn
     n = len(counts)
@@ -393,7 +396,7 @@ def test_random_uneven_all_to_all(worlds: Callable[[int], H.ThreadWorld], drawn:
 def check_split(parents: list[HostCommunicator], colors: list[int | None], keys: list[int]) -> None:
     n = len(parents)
     before = [p.split_count for p in parents]
-    children = H.parallel(n, lambda r: parents[r].split(colors[r], keys[r]), timeout=30)
+    children = parallel(n, lambda r: parents[r].split(colors[r], keys[r]), timeout=30)
     try:
         assert [p.split_count for p in parents] == [b + 1 for b in before]
         for r in range(n):
@@ -415,24 +418,24 @@ def check_split(parents: list[HostCommunicator], colors: list[int | None], keys:
             order = [q for _, q in sorted((keys[q], q) for q in range(n) if colors[q] == colors[r])]
             assert got[r].tolist() == order
     finally:
-        H.destroy_all(children)
+        destroy_all(children)
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
-def test_random_split(worlds: Callable[[int], H.ThreadWorld], data: st.DataObject) -> None:
+def test_random_split(worlds: Callable[[int], ThreadWorld], data: st.DataObject) -> None:
     n = data.draw(st.integers(1, 6))
     colors = data.draw(st.lists(st.one_of(st.none(), st.integers(0, 2)), min_size=n, max_size=n))
     keys = data.draw(st.lists(st.integers(-3, 3), min_size=n, max_size=n))
     check_split(worlds(n).comms, colors, keys)
 
 
-def test_split_colors_keys_and_nested(worlds: Callable[[int], H.ThreadWorld]) -> None:
+def test_split_colors_keys_and_nested(worlds: Callable[[int], ThreadWorld]) -> None:
     w = worlds(6)
     colors: list[int | None] = [1, 0, 1, None, 0, 1]
     keys = [5, 0, -1, 3, 0, 5]  # ties break by parent rank
     before = [c.split_count for c in w.comms]
-    children = H.parallel(6, lambda r: w.comms[r].split(colors[r], keys[r]), timeout=30)
+    children = parallel(6, lambda r: w.comms[r].split(colors[r], keys[r]), timeout=30)
     try:
         assert children[3] is None
         assert [(c.rank, c.nranks) if c else None for c in children] == [
@@ -440,7 +443,7 @@ def test_split_colors_keys_and_nested(worlds: Callable[[int], H.ThreadWorld]) ->
         assert [c.split_count for c in w.comms] == [b + 1 for b in before]
         # a split of a child: color 1's three ranks split by child rank parity
         members = [0, 2, 5]
-        grand = H.parallel(3, lambda i: children[members[i]].split(children[members[i]].rank % 2,
+        grand = parallel(3, lambda i: children[members[i]].split(children[members[i]].rank % 2,
                                                                     -children[members[i]].rank), timeout=30)
         try:
             assert [children[m].split_count for m in members] == [1, 1, 1]
@@ -458,15 +461,15 @@ def test_split_colors_keys_and_nested(worlds: Callable[[int], H.ThreadWorld]) ->
                     assert s.synchronize(30) and c.async_error() is None
                     assert (b == len(g) * (len(g) + 1) // 2).all()
         finally:
-            H.destroy_all(grand)
+            destroy_all(grand)
     finally:
-        H.destroy_all(children)
+        destroy_all(children)
 
 
-def test_split_nonblocking_child(worlds: Callable[[int], H.ThreadWorld]) -> None:
+def test_split_nonblocking_child(worlds: Callable[[int], ThreadWorld]) -> None:
     w = worlds(3)
     cfg = CommConfig(blocking=False, timeout=20)
-    children = H.parallel(3, lambda r: w.comms[r].split(0, r, cfg), timeout=30)
+    children = parallel(3, lambda r: w.comms[r].split(0, r, cfg), timeout=30)
     try:
         for c in children:
             assert c.state in (CommState.INITIALIZING, CommState.READY)
@@ -479,7 +482,7 @@ def test_split_nonblocking_child(worlds: Callable[[int], H.ThreadWorld]) -> None
             assert c.state is CommState.READY
             assert s.synchronize(20) and (b == 2).all()
     finally:
-        H.destroy_all(children)
+        destroy_all(children)
 
 
 # --- groups and point-to-point -------------------------------------------------------------------
@@ -508,8 +511,8 @@ def test_group_all_pairs_large_threads(make_comms: Callable[..., list[HostCommun
 
 @pytest.mark.timeout(60)
 def test_group_all_pairs_large_processes() -> None:
-    with H.ProcWorld(3, "p2p_all_pairs", {"size": BIG}) as w:
-        results = w.join(timeout=50)
+    with World(3, S.p2p_all_pairs, args={"size": BIG}) as w:
+        results = w.results(timeout=50)
     assert all(r["ok"] for r in results.values())
 
 
@@ -628,7 +631,7 @@ def test_event_query_never_blocks(make_comms: Callable[..., list[HostCommunicato
 
 def test_synchronize_times_out_while_a_peer_has_not_joined() -> None:
     """Rank 1 does not exist yet: rank 0's nonblocking init and collective wait for it, boundedly."""
-    store, name = HashStore(), H.unique()
+    store, name = HashStore(), unique()
     cfg = CommConfig(blocking=False, timeout=20)
     c0 = HostCommunicator.create(PrefixStore(name, store), 2, 0, cfg)
     try:
@@ -707,7 +710,7 @@ def test_finalize_flushes_and_times_out(make_comms: Callable[..., list[HostCommu
     x0, x1 = np.ones(10), np.ones(10)
     c0.all_reduce(x0, x0, SUM, s0)
     c1.all_reduce(x1, x1, SUM, s1)
-    H.parallel(2, lambda r: (c0, c1)[r].finalize(10))
+    parallel(2, lambda r: (c0, c1)[r].finalize(10))
     assert (x0 == 2).all() and (x1 == 2).all()
     c0.all_reduce(x0, x0, SUM, s0)  # rank 1 never joins
     t0 = time.monotonic()
@@ -780,7 +783,7 @@ def test_abort_from_another_thread_unblocks_recv(make_comms: Callable[..., list[
 def test_nonblocking_init_ops_before_ready() -> None:
     """create returns at once (INITIALIZING while peers are missing); ops
     issued before READY run after init."""
-    n, store, name = 3, HashStore(), H.unique()
+    n, store, name = 3, HashStore(), unique()
     cfg = CommConfig(blocking=False, timeout=20)
     comms: list[HostCommunicator] = []
     try:
@@ -804,13 +807,13 @@ def test_nonblocking_init_ops_before_ready() -> None:
             c.wait_ready(20)
             assert c.state is CommState.READY and s.synchronize(20) and (x == 6).all()
     finally:
-        H.destroy_all(comms)
+        destroy_all(comms)
 
 
 def test_nonblocking_init_timeout_names_missing_ranks() -> None:
     """Rank 1 of 3 never comes: ranks 0 and 2 reach ERROR with a "timeout"
     DistBackendError naming rank 1, at the deadline."""
-    store, name, timeout = HashStore(), H.unique(), 1.0
+    store, name, timeout = HashStore(), unique(), 1.0
     cfg = CommConfig(blocking=False, timeout=timeout)
     t0 = time.monotonic()
     comms = {r: HostCommunicator.create(PrefixStore(name, store), 3, r, cfg) for r in (0, 2)}
@@ -830,7 +833,7 @@ def test_nonblocking_init_timeout_names_missing_ranks() -> None:
                 c.all_reduce(np.ones(4), np.ones(4), SUM, streams[r])
         assert "[1]" in str(comms[2].async_error())  # rank 2 knows exactly who is missing
     finally:
-        H.destroy_all(list(comms.values()))
+        destroy_all(list(comms.values()))
 
 
 def test_blocking_init_timeout_raises() -> None:
@@ -848,7 +851,7 @@ def test_abort_during_nonblocking_init_threads() -> None:
     addresses after the abort woke the rendezvous)."""
     before = set(threading.enumerate())
     for n, rank in ((2, 0), (3, 2)):
-        c = HostCommunicator.create(PrefixStore(H.unique(), HashStore()), n, rank,
+        c = HostCommunicator.create(PrefixStore(unique(), HashStore()), n, rank,
                                     CommConfig(blocking=False, timeout=30))
         s = c.new_stream()
         c.all_reduce(np.ones(3), np.ones(3), SUM, s)
@@ -947,7 +950,7 @@ def test_mismatched_dtype_op_and_root_fail_every_rank_naming_both_values(
 # --- misc -----------------------------------------------------------------------------------------
 
 
-def test_new_stream_and_repr(worlds: Callable[[int], H.ThreadWorld]) -> None:
+def test_new_stream_and_repr(worlds: Callable[[int], ThreadWorld]) -> None:
     w = worlds(1)
     s = w.comms[0].new_stream(high_priority=True)
     assert isinstance(s, HostStream) and s.query() and s.synchronize(1)

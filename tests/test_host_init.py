@@ -17,9 +17,9 @@ import threading
 import time
 from collections.abc import Sequence
 
-import host_harness as H
 import numpy as np
 import pytest
+from harness.threads import destroy_all, parallel
 
 from nccl_pg.comm.base import CommConfig, CommState
 from nccl_pg.comm.host import HostCommunicator
@@ -92,22 +92,22 @@ def _requests(n: int) -> tuple[list[int], list[int], list[int]]:
     shrink of it (rank n-1 excluded)."""
     shared = HashStore(timeout=60)
     stores = [CountingStore(shared) for _ in range(n)]
-    comms = H.parallel(n, lambda r: HostCommunicator.create(PrefixStore("c", stores[r]), n, r,
+    comms = parallel(n, lambda r: HostCommunicator.create(PrefixStore("c", stores[r]), n, r,
                                                             CommConfig(timeout=50)), 55)
     try:
         init = [sum(s.calls.values()) for s in stores]
         for s in stores:
             s.calls.clear()
-        children = H.parallel(n, lambda r: comms[r].split(r % 2, r), 55)
-        H.destroy_all(children)
+        children = parallel(n, lambda r: comms[r].split(r % 2, r), 55)
+        destroy_all(children)
         split = [sum(s.calls.values()) for s in stores]
         for s in stores:
             s.calls.clear()
-        shrunk = H.parallel(n - 1, lambda r: comms[r].shrink([n - 1]), 55)
-        H.destroy_all(shrunk)
+        shrunk = parallel(n - 1, lambda r: comms[r].shrink([n - 1]), 55)
+        destroy_all(shrunk)
         shrink = [sum(s.calls.values()) for s in stores[:n - 1]]
     finally:
-        H.destroy_all(comms)
+        destroy_all(comms)
     return init, split, shrink
 
 
@@ -177,7 +177,7 @@ def test_strangers_and_silent_connections_do_not_delay_init() -> None:
     finally:
         for s in strangers:
             s.close()
-        H.destroy_all([c0, *locals().get("others", [])])
+        destroy_all([c0, *locals().get("others", [])])
 
 
 def test_init_timeout_says_timed_out_and_names_the_ranks_that_never_joined() -> None:
@@ -192,7 +192,7 @@ def test_init_timeout_says_timed_out_and_names_the_ranks_that_never_joined() -> 
             assert text.startswith("timeout") and "Timed out after 1 s" in text, text
             assert "2 of 4 joined; ranks [1, 3] never joined" in text, text
     finally:
-        H.destroy_all(comms)
+        destroy_all(comms)
 
 
 def test_a_listener_gone_before_the_deadline_surfaces_as_a_timeout() -> None:
@@ -216,7 +216,7 @@ def test_a_listener_gone_before_the_deadline_surfaces_as_a_timeout() -> None:
 
 def test_tiny_timeouts_say_timeout() -> None:
     for _ in range(5):
-        comms = H.parallel(2, lambda r: _try_create(r), 10)
+        comms = parallel(2, lambda r: _try_create(r), 10)
         for text in comms:
             assert text is None or (text.startswith("timeout") and "Timed out" in text), text
 
@@ -257,4 +257,4 @@ def test_abort_releases_an_init_waiting_on_the_store_for_every_rank() -> None:
         assert time.monotonic() - t0 < 2.0
         assert comms[1].state is CommState.ABORTED and comms[0].state is CommState.ERROR
     finally:
-        H.destroy_all(comms)
+        destroy_all(comms)

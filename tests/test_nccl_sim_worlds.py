@@ -1,5 +1,5 @@
 """The NCCL backend's scenarios on the simulated bindings, with real
-processes as ranks (pg_harness ``backend="simnccl"``: each rank installs
+processes as ranks (harness.forked ``backend="simnccl"``: each rank installs
 tests/simnccl, drives simulated GPU 1 and fails on any violation the
 simulation recorded).
 
@@ -24,7 +24,7 @@ import pytest
 import test_nccl_backend as gpu
 import test_process_group as seeds
 import test_shrink as shrink
-from pg_harness import Rank, run_world
+from harness.forked import Rank, run_world
 
 import nccl_pg as dist
 
@@ -151,7 +151,7 @@ def _s_side_threads(r: Rank) -> None:
 
 def test_defect6_side_threads_create_no_context_on_gpu0(tmp_path: Any) -> None:
     """The ranks drive simulated GPU 1; the init thread used to restore device 0 (a context there) and the
-    poller never chose a device (its event queries and frees made one). pg_harness fails on the context."""
+    poller never chose a device (its event queries and frees made one). harness.forked fails on the context."""
     world(_s_side_threads, 2, tmp_path, env={**NONBLOCKING, **TIMING})
 
 

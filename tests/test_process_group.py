@@ -5,7 +5,7 @@ Each test runs its seed's scenario on a world of real processes (2 or 4, as
 the seed does) that rendezvous over a FileStore, on the host backend; the
 ``nccl`` variants run the same scenario on a GPU machine once the NCCL backend
 exists. A scenario is a module-level ``_s_*`` function run by every rank (see
-pg_harness.py); plain ``assert``s in it fail the test with that rank's
+harness/forked.py); plain ``assert``s in it fail the test with that rank's
 traceback.
 """
 
@@ -20,7 +20,7 @@ from datetime import timedelta
 import ml_dtypes
 import numpy as np
 import pytest
-from pg_harness import Rank, free_port, run_world
+from harness.forked import Rank, free_port, run_world
 
 import nccl_pg as dist
 from nccl_pg import OpType, ProcessGroupHost, ProcessGroupNCCL, backends

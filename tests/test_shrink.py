@@ -21,8 +21,8 @@ import time
 
 import numpy as np
 import pytest
-from host_harness import live_children
-from pg_harness import Rank, run_world
+from harness.forked import Rank, run_world
+from harness.procs import live_children
 
 import nccl_pg as dist
 from nccl_pg.comm.base import check_exclude

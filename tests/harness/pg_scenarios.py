@@ -1,241 +1,21 @@
-"""Worlds of real processes for tests/test_error_handling.py.
-
-Each rank is a fresh interpreter (``python -c BOOT <scenario> <port> <rank>
-<n>``) around a TCPStore served by the test process. A child reads its
-arguments (JSON) from the store key ``args``, runs ``SCENARIOS[scenario]``,
-publishes its result (JSON) under ``result/<rank>`` and then *returns*: the
-interpreter exits the ordinary way, atexit handlers included, so a group
-left undestroyed meets the library's exit path, not ``os._exit``. A
-scenario that ends its process otherwise (a signal, the error handling's
-SIGABRT, ``sys.exit(1)``) publishes what it has first, if anything.
-
-The parent synchronises on store keys, never on sleeps, and measures on
-CLOCK_MONOTONIC, which every process of the machine shares: children report
-``time.monotonic()`` stamps that the parent compares with its own (for
-instance the moment it saw a child exit).
-"""
+"""Scenarios on process groups for harness.procs worlds: error handling
+(tests/test_error_handling.py), fork safety (tests/test_fork_safety.py) and
+diagnosis on demand (tests/test_diagnosis.py). Each is a function of the
+rank's ``Ctx``; what it returns is published as the rank's result."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
-import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-
-HOST = "127.0.0.1"
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-BOOT = f"import sys; sys.path.insert(0, {TESTS_DIR!r}); import eh_harness; eh_harness.child_main(sys.argv[1:])"
-_ENV_PREFIXES = ("NCCL_PG_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "TORCH_FR_")
-
-
-# --- parent side ------------------------------------------------------------------------------
-
-class World:
-    """``n`` ranks as processes running ``scenario``. ``env`` goes to every
-    rank (on top of this process's environment, minus any NCCL_PG_*/TORCH_*
-    setting of ours), ``rank_env`` to single ranks; dumps go to
-    ``<tmp_path>/trace_<rank>`` unless ``env`` says otherwise."""
-
-    def __init__(self, n: int, scenario: str, tmp_path: Any, args: dict | None = None,
-                 env: dict[str, str] | None = None, rank_env: dict[int, dict[str, str]] | None = None,
-                 ranks: Sequence[int] | None = None) -> None:
-        from nccl_pg.store import TCPStore  # noqa: PLC0415 - the parent only
-
-        self.n = n
-        self.dir = str(tmp_path)
-        self.dump_prefix = os.path.join(self.dir, "trace_")
-        self.store = TCPStore(HOST, 0, is_master=True, timeout=30)
-        self.store.set("args", json.dumps(args or {}))
-        base = {k: v for k, v in os.environ.items() if not k.startswith(_ENV_PREFIXES)}
-        base["NCCL_PG_DEBUG_INFO_TEMP_FILE"] = self.dump_prefix
-        base.update(env or {})
-        self.procs: dict[int, subprocess.Popen] = {}
-        self.exited_at: dict[int, float] = {}  # rank -> when this process saw it gone (CLOCK_MONOTONIC)
-        self._logs: dict[int, Any] = {}
-        try:
-            for r in (range(n) if ranks is None else ranks):
-                log = open(os.path.join(self.dir, f"rank{r}.log"), "w+")  # noqa: SIM115 - closed in close()
-                self._logs[r] = log
-                self.procs[r] = subprocess.Popen(
-                    [sys.executable, "-c", BOOT, scenario, str(self.store.port), str(r), str(n)],
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    env={**base, **(rank_env or {}).get(r, {})})
-        except BaseException:
-            self.close()
-            raise
-
-    # --- observation ---
-
-    def log(self, r: int) -> str:
-        f = self._logs[r]
-        f.flush()
-        f.seek(0)
-        return f.read()
-
-    def logs(self) -> str:
-        return "\n".join(f"--- rank {r} (exit {p.poll()}) ---\n{self.log(r)[-3000:]}" for r, p in self.procs.items())
-
-    def _poll(self) -> None:
-        now = time.monotonic()
-        for r, p in self.procs.items():
-            if r not in self.exited_at and p.poll() is not None:
-                self.exited_at[r] = now
-
-    def wait_key(self, key: str, timeout: float = 20.0) -> bytes:
-        """Wait for a store key; fails early (with the logs) if a rank dies
-        without having published a result."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                self.store.wait([key], timeout=0.02)
-                return self.store.get(key)
-            except Exception:
-                pass
-            self._poll()
-            for r, p in self.procs.items():
-                if p.poll() not in (None, 0) and not self.store.check([f"result/{r}"]):
-                    raise AssertionError(f"rank {r} exited with {p.returncode} while the test waited for "
-                                         f"{key!r}\n{self.logs()}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timeout waiting for store key {key!r}\n{self.logs()}")
-
-    def set(self, key: str, value: str = "1") -> None:
-        self.store.set(key, value)
-
-    def join(self, timeout: float = 20.0, ranks: Sequence[int] | None = None) -> dict[int, int]:
-        """Wait for ``ranks`` (default: all) to exit; their exit codes. A rank
-        still running at the deadline fails the test (every rank is killed)."""
-        ranks = list(self.procs if ranks is None else ranks)
-        deadline = time.monotonic() + timeout
-        while True:
-            self._poll()
-            if all(r in self.exited_at for r in ranks):
-                return {r: self.procs[r].returncode for r in ranks}
-            if time.monotonic() > deadline:
-                stuck = [r for r in ranks if r not in self.exited_at]
-                text = self.logs()
-                self.kill_all()
-                raise AssertionError(f"ranks {stuck} did not exit within {timeout} s\n{text}")
-            time.sleep(0.01)
-
-    def result(self, r: int) -> dict | None:
-        if not self.store.check([f"result/{r}"]):
-            return None
-        res = json.loads(self.store.get(f"result/{r}"))
-        if "error" in res:
-            raise AssertionError(f"rank {r} failed:\n{res['error']}\n{self.logs()}")
-        return res
-
-    def results(self, timeout: float = 20.0, expect_rc: dict[int, int] | None = None) -> dict[int, dict]:
-        """Join every rank, check exit codes (default 0) and return the
-        published results of the ranks that have one."""
-        rcs = self.join(timeout)
-        out = {r: self.result(r) for r in self.procs}
-        want = {r: 0 for r in self.procs} | (expect_rc or {})
-        assert rcs == want, f"exit codes {rcs}, expected {want}\n{self.logs()}"
-        return {r: v for r, v in out.items() if v is not None}
-
-    # --- teardown ---
-
-    def kill_all(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.kill()
-        for p in self.procs.values():
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:  # pragma: no cover - a process immune to SIGKILL
-                pass
-
-    def close(self) -> None:
-        self.kill_all()
-        for f in self._logs.values():
-            f.close()
-        self.store.close()
-
-    def __enter__(self) -> World:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-# --- child side -------------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class Ctx:
-    store: Any  # TCPStore client
-    rank: int
-    n: int
-    args: dict
-
-    def set(self, key: str, value: str = "1") -> None:
-        self.store.set(key, value)
-
-    def wait(self, key: str, timeout: float = 30.0) -> bytes:
-        self.store.wait([key], timeout=timeout)
-        return self.store.get(key)
-
-    def barrier(self, name: str, timeout: float = 30.0) -> None:
-        """All ranks meet, over the store only (the seeds' gloo barrier)."""
-        self.store.set(f"{name}/{self.rank}", "1")
-        self.store.wait([f"{name}/{r}" for r in range(self.n)], timeout=timeout)
-
-    def publish(self, result: dict) -> None:
-        self.store.set(f"result/{self.rank}", json.dumps(result))
-
-    def init(self, timeout: float | None = None) -> Any:
-        """``init_process_group`` on the host backend; the default group."""
-        import nccl_pg as dist  # noqa: PLC0415
-
-        dist.init_process_group("host", store=self.store, rank=self.rank, world_size=self.n,
-                                timeout=timeout or self.args.get("timeout", 30.0))
-        return dist._get_default_group()
-
-    def pg(self, timeout: float | None = None) -> Any:
-        """A group made directly, as the seeds' ``ProcessGroupNCCL(store, rank, size, timeout=)``."""
-        from nccl_pg import Options, PrefixStore, ProcessGroupHost  # noqa: PLC0415
-
-        return ProcessGroupHost(PrefixStore("pg", self.store), self.rank, self.n,
-                                Options(timeout=timeout or self.args.get("timeout", 30.0)))
-
-
-SCENARIOS: dict[str, Callable[[Ctx], dict | None]] = {}
-
-
-def scenario(fn: Callable[[Ctx], dict | None]) -> Callable[[Ctx], dict | None]:
-    SCENARIOS[fn.__name__] = fn
-    return fn
-
-
-def child_main(argv: list[str]) -> None:
-    from nccl_pg.store import TCPStore  # noqa: PLC0415
-
-    name, port, rank, n = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
-    store = TCPStore(HOST, port, timeout=30)
-    ctx = Ctx(store, rank, n, json.loads(store.get("args")))
-    try:
-        result = SCENARIOS[name](ctx)
-    except BaseException as exc:
-        if isinstance(exc, SystemExit):
-            raise  # a scenario's own sys.exit()
-        store.set(f"result/{rank}", json.dumps({"error": traceback.format_exc()}))
-        sys.stderr.write(traceback.format_exc())
-        sys.stderr.flush()
-        os._exit(1)
-    if result is not None:
-        ctx.publish(result)
-    # return: the interpreter exits normally (atexit handlers run)
+from harness.procs import HOST, Ctx
 
 
 def attempt(fn: Callable[[], Any]) -> dict:
@@ -279,7 +59,6 @@ def _die(how: str) -> None:
 
 # --- scenarios: the seeds' NcclErrorHandlingTest (3 ranks, groups made directly) ------------------
 
-@scenario
 def errors_nonblocking(ctx: Ctx) -> dict | None:
     """Error handling off (mode 0): rank 0's collective that its peers never
     join stays pending; the process is not torn down, not even once the
@@ -306,7 +85,6 @@ def errors_nonblocking(ctx: Ctx) -> dict | None:
     return None  # exit without destroying the group (the seed does not either)
 
 
-@scenario
 def errors_blocking(ctx: Ctx) -> dict | None:
     """Blocking wait: rank 1 drops its group and ends (``how``); rank 0's
     ``wait(timeout=3 s)`` raises DistBackendError, and the group is aborted."""
@@ -331,7 +109,6 @@ def errors_blocking(ctx: Ctx) -> dict | None:
     return res
 
 
-@scenario
 def blocking_wait_with_barrier(ctx: Ctx) -> dict | None:
     pg = ctx.pg()
     pg.barrier().wait()
@@ -344,7 +121,6 @@ def blocking_wait_with_barrier(ctx: Ctx) -> dict | None:
     return res
 
 
-@scenario
 def nccl_timeout(ctx: Ctx) -> dict | None:
     pg = ctx.pg()
     pg.allreduce(ones()).wait(timeout=5)
@@ -357,7 +133,6 @@ def nccl_timeout(ctx: Ctx) -> dict | None:
 
 # --- scenarios: ProcessGroupNCCLGroupTest (2 ranks, the default group) ---------------------------
 
-@scenario
 def abort_pg(ctx: Ctx) -> dict | None:
     """Rank 0 issues an all_reduce rank 1 never joins, queues a copy of its
     buffer behind it on the group's stream (the seed's ``t.cpu()``) and
@@ -401,7 +176,6 @@ def abort_pg(ctx: Ctx) -> dict | None:
     return res
 
 
-@scenario
 def close_pg(ctx: Ctx) -> dict | None:
     """The seeds' test_close_pg and test_abort_in_destroy_pg (same body): an
     all_reduce not waited on, destroy, then the group refuses work."""
@@ -419,7 +193,6 @@ def close_pg(ctx: Ctx) -> dict | None:
     return res
 
 
-@scenario
 def destruct_before_terminate_pg(ctx: Ctx) -> dict | None:
     """``del pg`` on the default group, no destroy: the process exits."""
     pg = ctx.init()
@@ -429,7 +202,6 @@ def destruct_before_terminate_pg(ctx: Ctx) -> dict | None:
     return None
 
 
-@scenario
 def close_multi_pg_unordered(ctx: Ctx) -> dict | None:
     import nccl_pg as dist  # noqa: PLC0415
 
@@ -454,7 +226,6 @@ def close_multi_pg_unordered(ctx: Ctx) -> dict | None:
     return {"destroy_s": time.monotonic() - t0}
 
 
-@scenario
 def abort_in_destroy_multi_pgs(ctx: Ctx) -> dict | None:
     """Default group and two subgroups used, each with an all_reduce still
     un-waited at destroy: destroy flushes them, then frees every
@@ -487,7 +258,6 @@ def abort_in_destroy_multi_pgs(ctx: Ctx) -> dict | None:
 
 # --- scenario: DistributedDataParallelTest.test_nccl_propagate_error_reason (2 ranks) --------------
 
-@scenario
 def propagate_error_reason(ctx: Ctx) -> dict | None:
     pg = ctx.pg(timeout=ctx.args["timeout"])
     pg.barrier().wait(timeout=5)
@@ -504,7 +274,6 @@ def propagate_error_reason(ctx: Ctx) -> dict | None:
 
 # --- scenarios: our own ---------------------------------------------------------------------------
 
-@scenario
 def timeout_report(ctx: Ctx) -> dict | None:
     """Phase 1, a subgroup {1, 2} ("pair"): global rank 2 skips a collective,
     so rank 1 times out; every rank dumps (the timeout signal). Phase 2, the
@@ -530,7 +299,6 @@ def timeout_report(ctx: Ctx) -> dict | None:
     return res
 
 
-@scenario
 def error_handling_mode(ctx: Ctx) -> dict | None:
     """Rank 1 skips the second all_reduce; rank 0's times out under the
     mode in its environment."""
@@ -558,7 +326,6 @@ def error_handling_mode(ctx: Ctx) -> dict | None:
     return res
 
 
-@scenario
 def heartbeat_stuck(ctx: Ctx) -> dict | None:
     """The watchdog's poller gets stuck (a group's ``_check_comm`` sleeps):
     the monitor must dump and end the process with SIGABRT."""
@@ -570,7 +337,6 @@ def heartbeat_stuck(ctx: Ctx) -> dict | None:
     sys.exit(17)
 
 
-@scenario
 def heartbeat_busy(ctx: Ctx) -> dict | None:
     """A healthy job that is merely busy: a collective that waits 2 s for a
     late rank, then large all_reduces for about 1.5 s, the main thread
@@ -601,7 +367,6 @@ def heartbeat_busy(ctx: Ctx) -> dict | None:
     return res
 
 
-@scenario
 def abort_process_group(ctx: Ctx) -> dict | None:
     """Rank 0: a stuck collective on the default group and on a subgroup,
     a waiter thread on each; abort the subgroup, then every group."""
@@ -640,7 +405,6 @@ def abort_process_group(ctx: Ctx) -> dict | None:
     return res
 
 
-@scenario
 def destroy_flushes_pending(ctx: Ctx) -> dict | None:
     """Un-waited operations at destroy: flushed (completed, right values,
     completion hooks run) before destroy returns."""
@@ -663,7 +427,6 @@ def destroy_flushes_pending(ctx: Ctx) -> dict | None:
             "b": b.tolist(), "g": [x.tolist() for x in g], "hooks": list(seen)}
 
 
-@scenario
 def destroy_stuck(ctx: Ctx) -> dict | None:
     """Rank 0 destroys its groups with a collective rank 1 never joins on
     each: the subgroup's (timeout 1 s) and the default group's, issued
@@ -695,7 +458,6 @@ def destroy_stuck(ctx: Ctx) -> dict | None:
     return res
 
 
-@scenario
 def exit_without_destroy(ctx: Ctx) -> dict | None:
     """A group made directly and dropped (``del``) frees its communicator's
     threads at once; then rank 0 exits with a collective still pending on
@@ -751,7 +513,6 @@ def _loader(q: Any, shard: _Shard, batches: int) -> None:
     gc.collect()
 
 
-@scenario
 def fork_child(ctx: Ctx) -> dict | None:
     """Rank 0 forks after init (``how``: ``os.fork`` and a child that ends
     with sys.exit(0), or a multiprocessing 'fork' data loader); then every
@@ -816,7 +577,6 @@ def _job(ctx: Ctx, **groups: list[int]) -> tuple[Any, dict[str, Any]]:
     return job, made
 
 
-@scenario
 def steady_state(ctx: Ctx) -> dict | None:
     """Three groups besides the default one, recorder and watchdog on: warm
     up, then collectives on every group for ``duration`` seconds (rank 0
@@ -847,7 +607,6 @@ def steady_state(ctx: Ctx) -> dict | None:
     return res
 
 
-@scenario
 def timeout_store_frozen(ctx: Ctx) -> dict | None:
     """The job's store freezes (the parent stops its process); then rank 0's
     all_reduce, which rank 1 never joins, times out: the explanation may not
@@ -866,7 +625,6 @@ def timeout_store_frozen(ctx: Ctx) -> dict | None:
     return res
 
 
-@scenario
 def many_timeouts(ctx: Ctx) -> dict | None:
     """Rank 0 issues ``count`` async all_reduces that rank 1 never joins;
     they all time out together: one incident. Rank 0 reports how many
@@ -899,7 +657,6 @@ def many_timeouts(ctx: Ctx) -> dict | None:
     return res
 
 
-@scenario
 def frozen_rank(ctx: Ctx) -> dict | None:
     """Incident 1: rank 0's all_reduce on a pair group {0, 2} that rank 2
     skips (every rank answers). Then the parent freezes rank 2 (SIGSTOP)
