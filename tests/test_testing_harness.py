@@ -4,8 +4,11 @@ nothing hangs, and no rank thread or process outlives the call."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import unittest
@@ -13,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tomllib
 
 import nccl_pg as dist
 from nccl_pg.testing import (
@@ -373,3 +377,22 @@ def test_process_ranks_fixture_teardown_kills_leftovers(tmp_path: Path) -> None:
     pids = _pids(tmp_path, 2)
     fixture.close()  # what the fixture does at teardown
     assert all(_gone(p) for p in pids)
+
+
+def test_pytest_entry_point_names_the_plugin() -> None:
+    """pyproject.toml's ``pytest11`` entry point names the module that defines the fixtures."""
+    meta = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    plugin = importlib.import_module(meta["project"]["entry-points"]["pytest11"]["nccl_pg"])
+    assert {"thread_ranks", "process_ranks"} <= set(vars(plugin))
+
+
+def test_loading_the_plugin_imports_no_harness_code() -> None:
+    """pytest loads plugins before coverage starts: the plugin must not import
+    the harness modules (nccl_pg.testing exports its names on first use)."""
+    code = ("import sys, nccl_pg.testing.pytest_plugin; "
+            "print(sorted(m for m in sys.modules if m.startswith('nccl_pg.testing.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["['nccl_pg.testing.pytest_plugin']"]
+    from nccl_pg.testing import run_threads as exported  # noqa: PLC0415 - the lazy export itself
+
+    assert exported is run_threads
