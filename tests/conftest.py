@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
 from harness.forked import nccl_unavailable_reason
+from harness.procs import live_children
 
 Spawn = Callable[..., subprocess.Popen]
 
@@ -51,3 +53,13 @@ def spawn() -> Iterator[Spawn]:
         for pipe in (proc.stdin, proc.stdout):
             if pipe is not None:
                 pipe.close()
+
+
+@pytest.fixture
+def no_children_left() -> Iterator[None]:
+    """The test ends with no child process of ours alive (multiprocessing's service processes aside)."""
+    yield
+    deadline = time.monotonic() + 5
+    while live_children() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert live_children() == []

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 from harness import pg_scenarios as S
-from harness.procs import World, live_children
+from harness.procs import World
 
 from nccl_pg.store import TCPStoreServer
 
@@ -23,13 +23,7 @@ BUDGET = 0.1  # min(2 s, T / 10): how long a timed-out rank waits for answers
 BOUND = 1.0  # the contract (tests/test_error_handling.py): failures surface within timeout + 1 s
 
 
-@pytest.fixture(autouse=True)
-def no_children_left() -> Iterator[None]:
-    yield
-    deadline = time.monotonic() + 5
-    while live_children() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert live_children() == []
+pytestmark = pytest.mark.usefixtures("no_children_left")  # every test ends with no child process of ours alive
 
 
 @pytest.fixture

@@ -22,11 +22,10 @@ import os
 import re
 import signal
 import time
-from collections.abc import Iterator
 
 import pytest
 from harness import pg_scenarios as S
-from harness.procs import World, live_children
+from harness.procs import World
 
 from nccl_pg import HashStore, Options, ProcessGroupHost, dump, init_process_group
 from nccl_pg.distributed import _set_thread_world, _World
@@ -35,14 +34,7 @@ BOUND = 1.0  # the contract: failures surface within timeout + 1 s; abort releas
 ABORT = -signal.SIGABRT
 
 
-@pytest.fixture(autouse=True)
-def no_children_left() -> Iterator[None]:
-    """Every test ends with no child process of ours alive."""
-    yield
-    deadline = time.monotonic() + 5
-    while live_children() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert live_children() == []
+pytestmark = pytest.mark.usefixtures("no_children_left")  # every test ends with no child process of ours alive
 
 
 def failed(res: dict, *words: str) -> None:

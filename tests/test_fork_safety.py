@@ -5,21 +5,11 @@ processes (tests/harness/procs.py), a real fork of a rank."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
-
 import pytest
 from harness import pg_scenarios as S
-from harness.procs import World, live_children
+from harness.procs import World
 
-
-@pytest.fixture(autouse=True)
-def no_children_left() -> Iterator[None]:
-    yield
-    deadline = time.monotonic() + 5
-    while live_children() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert live_children() == []
+pytestmark = pytest.mark.usefixtures("no_children_left")  # every test ends with no child process of ours alive
 
 
 @pytest.mark.timeout(60)

@@ -11,11 +11,10 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 from harness import comm_scenarios as S
-from harness.procs import World, live_children
+from harness.procs import World
 from harness.threads import destroy_all
 
 from nccl_pg.comm.base import CommConfig
@@ -23,19 +22,10 @@ from nccl_pg.comm.host import HostCommunicator
 from nccl_pg.errors import DistBackendError
 from nccl_pg.store import PrefixStore
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_children_left")]
 
 BOUND = 1.0  # seconds: the contract's bound for failures to surface and for abort
 
-
-@pytest.fixture(autouse=True)
-def no_children_left() -> Iterator[None]:
-    """Every test ends with no child process of ours alive."""
-    yield
-    deadline = time.monotonic() + 5
-    while live_children() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert live_children() == []
 
 
 @pytest.mark.parametrize("n, victim", [(4, 1), (3, 0)])
