@@ -63,3 +63,13 @@ def no_children_left() -> Iterator[None]:
     while live_children() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert live_children() == []
+
+
+@pytest.fixture(scope="module")
+def simnccl_installed() -> Iterator[None]:
+    """The NCCL backend on the simulated bindings (tests/simnccl) for a module's tests; the real ones after."""
+    import simnccl  # noqa: PLC0415 - only the modules that ask for it pay for it
+
+    simnccl.install()
+    yield
+    simnccl.uninstall()

@@ -29,15 +29,8 @@ from nccl_pg.errors import DistBackendError
 from nccl_pg.reduce_op import ReduceOp
 from nccl_pg.store import HashStore, PrefixStore
 
-pytestmark = [pytest.mark.simnccl, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.simnccl, pytest.mark.timeout(60), pytest.mark.usefixtures("simnccl_installed")]
 DEVICE = 1  # simulated GPU 1: a context created on GPU 0 by mistake is seen
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _installed():
-    simnccl.install()
-    yield
-    simnccl.uninstall()
 
 
 @pytest.fixture(autouse=True)
