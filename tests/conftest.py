@@ -10,6 +10,9 @@ from collections.abc import Callable, Iterator
 import pytest
 from harness.forked import nccl_unavailable_reason
 from harness.procs import live_children
+from harness.threads import ThreadWorld, create_comms, destroy_all
+
+from nccl_pg.comm.host import HostCommunicator
 
 Spawn = Callable[..., subprocess.Popen]
 
@@ -73,3 +76,35 @@ def simnccl_installed() -> Iterator[None]:
     simnccl.install()
     yield
     simnccl.uninstall()
+
+
+@pytest.fixture(scope="module")
+def worlds() -> Iterator[Callable[[int], ThreadWorld]]:
+    """Thread worlds of n ranks, built once per module (rebuilt if broken)."""
+    cache: dict[int, ThreadWorld] = {}
+
+    def get(n: int) -> ThreadWorld:
+        w = cache.get(n)
+        if w is None or not w.healthy():
+            if w is not None:
+                w.close()
+            w = cache[n] = ThreadWorld(n)
+        return w
+
+    yield get
+    for w in cache.values():
+        w.close()
+
+
+@pytest.fixture
+def make_comms() -> Iterator[Callable[..., list[HostCommunicator]]]:
+    """Fresh communicators for tests that break or block them; destroyed at teardown."""
+    made: list[HostCommunicator] = []
+
+    def make(n: int, **config: object) -> list[HostCommunicator]:
+        comms = create_comms(n, **config)
+        made.extend(comms)
+        return comms
+
+    yield make
+    destroy_all(made)

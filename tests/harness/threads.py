@@ -4,13 +4,13 @@ collective matrix run on them (harness.cases)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from harness.cases import Case, run_cases_threads
-
 from nccl_pg.comm.base import CommConfig
 from nccl_pg.comm.host import HostCommunicator
 from nccl_pg.store import HashStore, PrefixStore, Store
@@ -75,3 +75,22 @@ class ThreadWorld:
         destroy_all(self.comms)
 
 
+def returns_within(seconds: float, fn: Callable[[], object]) -> object:
+    """Call fn in a thread; fail if it has not returned within ``seconds``."""
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:
+            box["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t0 = time.monotonic()
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"call did not return within {seconds} s"
+    box["elapsed"] = time.monotonic() - t0
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box.get("value")
