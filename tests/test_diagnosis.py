@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from harness import pg_scenarios as S
+from harness import diagnosis_scenarios as S
 from harness.procs import World
 
 from nccl_pg.store import TCPStoreServer

@@ -6,7 +6,7 @@ processes (tests/harness/procs.py), a real fork of a rank."""
 from __future__ import annotations
 
 import pytest
-from harness import pg_scenarios as S
+from harness import fork_scenarios as S
 from harness.procs import World
 
 pytestmark = pytest.mark.usefixtures("no_children_left")  # every test ends with no child process of ours alive

@@ -10,13 +10,17 @@ initialized for them). Pick by what the test needs:
 - ``harness.procs.World``: fresh interpreters around a TCPStore served by the
   test, for faults (kill, SIGSTOP, exit codes, hangs), the exit path
   (atexit), fork safety; scenarios are functions of a ``Ctx``
-  (``harness.pg_scenarios`` on groups, ``harness.comm_scenarios`` on
-  communicators). ``harness.procs.run_scripts`` runs a script as ranks.
+  (``harness.pg_scenarios``: error handling on groups;
+  ``harness.fork_scenarios``, ``harness.diagnosis_scenarios``;
+  ``harness.comm_scenarios``: on communicators). ``harness.procs.run_scripts``
+  runs a script as ranks.
 - ``harness.threads``: host communicators of one group as threads of the
   test (no process group), with ``harness.cases``, the collective matrix
   checked against numpy.
 - ``harness.torch_ranks``: helpers for ``run_world`` scenarios that drive
-  torch.distributed with backend "nccl_pg".
+  torch.distributed with backend "nccl_pg"; ``harness.pg_seed``: what the
+  test_pg_*.py files share; ``harness.store_wire``: the store protocol by
+  hand.
 
 Every wait is bounded and every rank still running at the end is killed.
 """

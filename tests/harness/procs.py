@@ -27,10 +27,13 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from nccl_pg.store import TCPStore
 
@@ -277,6 +280,33 @@ def child_main(argv: list[str]) -> None:
     if result is not None:
         ctx.publish(result)
     # return: the interpreter exits normally (atexit handlers run)
+
+
+# --- helpers for scenarios ---------------------------------------------------------------------
+
+def attempt(fn: Callable[[], Any]) -> dict:
+    """Run ``fn``; what happened, with monotonic stamps."""
+    from nccl_pg import DistBackendError  # noqa: PLC0415
+
+    t0 = time.monotonic()
+    try:
+        fn()
+    except Exception as e:
+        return {"ok": False, "t0": t0, "t1": time.monotonic(), "type": type(e).__name__,
+                "backend": isinstance(e, DistBackendError), "msg": str(e)}
+    return {"ok": True, "t0": t0, "t1": time.monotonic()}
+
+
+def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict]:
+    """Start ``attempt(fn)`` on a daemon thread; the dict fills in when it ends."""
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(attempt(fn)), daemon=True)
+    t.start()
+    return t, out
+
+
+def ones(k: int = 10) -> np.ndarray:
+    return np.ones(k, dtype=np.float32)
 
 
 def run_scripts(script: Any, world: int, env: Mapping[str, str],
