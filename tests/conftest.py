@@ -108,3 +108,21 @@ def make_comms() -> Iterator[Callable[..., list[HostCommunicator]]]:
 
     yield make
     destroy_all(made)
+
+
+@pytest.fixture
+def no_simnccl_violations() -> Iterator[None]:
+    """The test fails on any violation the NCCL simulation recorded; it starts on simulated GPU 1, and
+    ends with no call slowed down."""
+    import simnccl  # noqa: PLC0415 - only the modules that ask for it pay for it
+    from harness.sim_threads import DEVICE  # noqa: PLC0415
+    from simnccl import ncclsim  # noqa: PLC0415
+
+    simnccl.select_device(DEVICE)
+    simnccl.clear()
+    yield
+    problems = simnccl.violations()
+    simnccl.clear()
+    for call in list(ncclsim.world().delay):
+        simnccl.slow(call, 0)
+    assert problems == [], "\n".join(problems)
