@@ -27,14 +27,6 @@ pytestmark = pytest.mark.timeout(60)
 
 SUM = ReduceOp.SUM
 
-# World sizes above 5 run the large (ring/chain) path on a rotating subset of
-# dtypes, to keep the file fast; sizes 1..5 (and processes, below) run it for all.
-LARGE_SUBSET = {
-    6: ("bool", "int8", "uint32", "float16", "float32", "complex128", "float8_e4m3fn"),
-    7: ("uint8", "int16", "int64", "bfloat16", "float64", "complex64", "float8_e5m2"),
-    8: ("uint16", "int32", "uint64", "float16", "bfloat16", "float32", "complex128"),
-}
-
 
 # --- groups and point-to-point -------------------------------------------------------------------
 
