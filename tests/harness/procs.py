@@ -122,7 +122,8 @@ class World:
     def logs(self) -> str:
         return "\n".join(f"--- rank {r} (exit {p.poll()}) ---\n{self.log(r)[-3000:]}" for r, p in self.procs.items())
 
-    def _poll(self) -> None:
+    def poll(self) -> None:
+        """Note (in ``exited_at``) the ranks seen gone since the last look."""
         now = time.monotonic()
         for r, p in self.procs.items():
             if r not in self.exited_at and p.poll() is not None:
@@ -138,7 +139,7 @@ class World:
                 return self.store.get(key)
             except Exception:
                 pass
-            self._poll()
+            self.poll()
             for r, p in self.procs.items():
                 if p.poll() not in (None, 0) and not self.store.check([f"result/{r}"]):
                     raise AssertionError(f"rank {r} exited with {p.returncode} while the test waited for "
@@ -155,7 +156,7 @@ class World:
         ranks = list(self.procs if ranks is None else ranks)
         deadline = time.monotonic() + timeout
         while True:
-            self._poll()
+            self.poll()
             if all(r in self.exited_at for r in ranks):
                 return {r: self.procs[r].returncode for r in ranks}
             if time.monotonic() > deadline:
