@@ -462,3 +462,41 @@ def exit_without_destroy(ctx: Ctx) -> dict | None:
     dist.all_reduce(ones(), async_op=True)  # rank 1 never joins it
     res["t_end"] = time.monotonic()
     return res
+
+
+# --- scenario: shrink after a peer is SIGKILLed (tests/test_shrink.py, 3 ranks) ----------------------
+
+def shrink_after_sigkill(ctx: Ctx) -> dict | None:
+    """Rank 2 kills itself inside the survivors' all_reduce; they see the
+    error and shrink the default group to the two of them."""
+    import nccl_pg as dist  # noqa: PLC0415
+
+    rank, store = ctx.rank, ctx.store
+    dist.init_process_group("host", store=store, rank=rank, world_size=3, timeout=20)
+    a = np.full(4, rank + 1.0, dtype=np.float32)
+    dist.all_reduce(a)
+    assert a[0] == 6.0
+    store.add("ready", 1)
+    if rank == 2:
+        store.wait(["survivors_in"], timeout=30)
+        time.sleep(0.3)  # the survivors are inside their all_reduce
+        os.kill(os.getpid(), signal.SIGKILL)
+    store.add("in", 1)
+    if store.add("in", 0) == 2:
+        store.set("survivors_in", b"1")
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(np.ones(4, dtype=np.float32))
+        failed = None
+    except dist.DistBackendError as exc:
+        failed = str(exc)
+    detect = time.monotonic() - t0
+    old = dist._get_default_group()
+    comm_state = old._comm.state.value
+    new = dist.shrink_group([2], shrink_flags=dist.SHRINK_ABORT)
+    b = np.full(4, rank + 1.0, dtype=np.float32)
+    dist.all_reduce(b)
+    res = {"failed": failed, "detect": detect, "comm_state": comm_state, "sum": float(b[0]),
+           "size": dist.get_world_size(), "rank": dist.get_rank(), "comm": new._comm.name}
+    dist.destroy_process_group()
+    return res
