@@ -9,9 +9,6 @@ store keys, never on sleeps.
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -27,7 +24,6 @@ from nccl_pg.comm.base import CommConfig, CommState
 from nccl_pg.comm.host import HostCommunicator
 from nccl_pg.errors import DistBackendError
 from nccl_pg.reduce_op import ReduceOp
-from nccl_pg.store import TCPStore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -78,38 +74,14 @@ def test_large_broadcast_algorithms(monkeypatch: pytest.MonkeyPatch, algo: str) 
         w.close()
 
 
-AGREE_RANK = """
-import sys, numpy as np
-from nccl_pg.comm import CommConfig
-from nccl_pg.comm.host import HostCommunicator
-from nccl_pg.store import PrefixStore, TCPStore
-rank, port = int(sys.argv[1]), int(sys.argv[2])
-store = TCPStore("127.0.0.1", port, timeout=30)
-comm = HostCommunicator.create(PrefixStore("agree", store), 2, rank, CommConfig(timeout=30))
-s = comm.new_stream()
-x = np.arange(300_000, dtype=np.float64) if rank == 0 else np.zeros(300_000)
-comm.broadcast(x, x, 0, s)
-ok = s.synchronize(30) and comm.async_error() is None and bool((x == np.arange(300_000)).all())
-print(comm._mesh.tree_broadcast, ok, flush=True)
-store.set(f"done/{rank}", "1"); store.wait(["done/0", "done/1"])
-comm.destroy()
-"""
-
-
 @pytest.mark.timeout(60)
 def test_ranks_agree_on_the_broadcast_algorithm() -> None:
     """Each rank's preference depends on its own host and environment; the
     communicator must still pick one algorithm for all (tree if any wants it)."""
-    master = TCPStore("127.0.0.1", 0, is_master=True, timeout=30)
-    try:
-        procs = [subprocess.Popen([sys.executable, "-c", AGREE_RANK, str(r), str(master.port)], stdout=subprocess.PIPE,
-                                  text=True, env={**os.environ, "NCCL_PG_HOST_BROADCAST": algo})
-                 for r, algo in enumerate(("chain", "tree"))]
-        outs = [p.communicate(timeout=50)[0].split() for p in procs]
-    finally:
-        master.close()
-    assert [p.returncode for p in procs] == [0, 0]
-    assert outs == [["True", "True"], ["True", "True"]]
+    prefer = {r: {"NCCL_PG_HOST_BROADCAST": algo} for r, algo in enumerate(("chain", "tree"))}
+    with World(2, S.agree_on_broadcast, rank_env=prefer) as w:
+        results = w.results(timeout=50)
+    assert results == {r: {"tree": True, "ok": True} for r in (0, 1)}
 
 
 def test_invalid_broadcast_algorithm_fails_fast(monkeypatch: pytest.MonkeyPatch) -> None:

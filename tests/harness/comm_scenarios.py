@@ -12,9 +12,9 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
+
 from harness.cases import Case, check, check_unchanged, digest, issue, make_input
 from harness.procs import Ctx
-
 from nccl_pg.comm.base import CommConfig
 from nccl_pg.comm.host import HostCommunicator
 from nccl_pg.errors import DistBackendError
@@ -67,6 +67,21 @@ def p2p_all_pairs(ctx: Ctx) -> dict:
     ok = all(bool((b == 100 * p + r).all()) for p, b in bufs.items())
     comm.destroy()
     return {"ok": ok}
+
+
+def agree_on_broadcast(ctx: Ctx) -> dict:
+    """Two ranks whose environments prefer different broadcast algorithms
+    broadcast once: which algorithm this rank's communicator chose, and
+    whether the result is right."""
+    comm = ctx.comm("agree")
+    s = comm.new_stream()
+    x = np.arange(300_000, dtype=np.float64) if ctx.rank == 0 else np.zeros(300_000)
+    comm.broadcast(x, x, 0, s)
+    ok = s.synchronize(30) and comm.async_error() is None and bool((x == np.arange(300_000)).all())
+    ctx.barrier("done")
+    result = {"tree": comm._mesh.tree_broadcast, "ok": ok}
+    comm.destroy()
+    return result
 
 
 # --- fault scenarios (see test_host_faults.py) ----------------------------------------------
