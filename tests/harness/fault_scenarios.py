@@ -5,6 +5,7 @@ worlds: one collective, a fault on the victim, the survivors' outcomes.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -22,17 +23,13 @@ def fault_cell(ctx: Ctx) -> None:
     rank = ctx.rank
     fault, op, mode, T, backend = (ctx.args["fault"], ctx.args["op"], ctx.args["mode"], ctx.args["timeout"],
                                    ctx.args["backend"])
-    np: Any
-    if backend == "nccl":
-        import cupy as np  # noqa: PLC0415 - every rank on GPU 0 (the parent set NCCL_HOSTID and the socket transport)
-    elif backend == "simnccl":  # the NCCL backend on the simulated bindings, simulated GPU 1
+    if backend == "simnccl":  # the NCCL backend on the simulated bindings, simulated GPU 1
         import simnccl  # noqa: PLC0415
-        from simnccl import xp as np  # noqa: PLC0415
 
         simnccl.install()
         simnccl.select_device(1)
-    else:
-        import numpy as np  # noqa: PLC0415
+    # nccl: every rank on GPU 0 (the parent set NCCL_HOSTID and the socket transport)
+    np: Any = importlib.import_module({"nccl": "cupy", "simnccl": "simnccl.xp"}.get(backend, "numpy"))
     store = TCPStore(HOST, ctx.store.port, timeout=60)
 
     asynchronous = backend != "host"  # NCCL: a call returns before the operation ran; wait (bounded) for its outcome
