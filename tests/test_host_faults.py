@@ -36,7 +36,7 @@ def test_sigkill_during_all_reduce(n: int, victim: int) -> None:
     args = {"size": 1 << 21, "count": 400, "victim": victim}  # 8 MiB all_reduces: the ring path, many seconds' worth
     with World(n, S.killed_peer, args=args) as w:
         for r in range(n):
-            w.wait_key(f"progress/{r}")  # everyone is inside the stream of all_reduces
+            w.wait_key(f"progress/{r}", timeout=30)  # everyone is inside the stream of all_reduces
         t_kill = time.monotonic()
         os.kill(w.procs[victim].pid, signal.SIGKILL)
         w.procs[victim].wait(10)
@@ -64,7 +64,7 @@ def test_sigstop_peer_then_abort_unblocks_survivors() -> None:
     n, victim = 3, 2
     with World(n, S.hung_peer, args={"size": 1 << 21, "count": 400, "victim": victim}) as w:
         for r in range(n):
-            w.wait_key(f"progress/{r}")
+            w.wait_key(f"progress/{r}", timeout=30)
         os.kill(w.procs[victim].pid, signal.SIGSTOP)
         w.store.set("stopped", b"1")
         try:
@@ -143,7 +143,7 @@ def test_peer_frozen_in_init_fails_every_rank_at_the_deadline_naming_it() -> Non
         t0 = time.monotonic()
         comms = _survivors(w, n, [0, 2], timeout)
         try:
-            w.wait_key("frozen")
+            w.wait_key("frozen", timeout=30)
             for r in (2, 0):  # rank 2 first: it connected to the frozen rank (the case that hung before)
                 c = comms[r]
                 with pytest.raises(DistBackendError) as info:
@@ -167,7 +167,7 @@ def test_abort_releases_an_init_blocked_on_a_frozen_peer() -> None:
     with World(n, S.frozen_in_init, ranks=[victim]) as w:
         comms = _survivors(w, n, [0, 2], 30.0)
         try:
-            w.wait_key("frozen")
+            w.wait_key("frozen", timeout=30)
             time.sleep(0.3)  # let the survivors reach the handshake (an earlier abort passes too)
             for c in (comms[2], comms[0]):  # rank 2 first: its half-built mesh was beyond abort's reach
                 t0 = time.monotonic()

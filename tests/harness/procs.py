@@ -129,7 +129,7 @@ class World:
             if r not in self.exited_at and p.poll() is not None:
                 self.exited_at[r] = now
 
-    def wait_key(self, key: str, timeout: float = 30.0) -> bytes:
+    def wait_key(self, key: str, timeout: float = 20.0) -> bytes:
         """Wait for a store key; fails early (with the logs) if a rank dies
         without having published a result."""
         deadline = time.monotonic() + timeout
@@ -150,7 +150,7 @@ class World:
     def set(self, key: str, value: str = "1") -> None:
         self.store.set(key, value)
 
-    def join(self, timeout: float = 30.0, ranks: Sequence[int] | None = None) -> dict[int, int]:
+    def join(self, timeout: float = 20.0, ranks: Sequence[int] | None = None) -> dict[int, int]:
         """Wait for ``ranks`` (default: all) to exit; their exit codes. A rank
         still running at the deadline fails the test (every rank is killed)."""
         ranks = list(self.procs if ranks is None else ranks)
@@ -174,7 +174,7 @@ class World:
             raise AssertionError(f"rank {r} failed:\n{res['error']}\n{self.logs()}")
         return res
 
-    def results(self, timeout: float = 30.0, expect_rc: dict[int, int] | None = None,
+    def results(self, timeout: float = 20.0, expect_rc: dict[int, int] | None = None,
                 ranks: Sequence[int] | None = None) -> dict[int, dict]:
         """Join ``ranks`` (default: all), check their exit codes (default 0)
         and return the published results of those that have one."""
