@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip the one-rank all_reduce on each GPU (the slowest probe: NCCL init)")
     p.add_argument("--sanity-timeout", type=float, default=SANITY_TIMEOUT, metavar="S",
                    help=f"deadline of one GPU's sanity all_reduce, NCCL init included (default: {SANITY_TIMEOUT:g})")
-    p.add_argument("--_sanity-device", type=int, default=None, help=argparse.SUPPRESS)  # internal: the child
+    p.add_argument("--_sanity-device", dest="sanity_device", type=int, default=None, help=argparse.SUPPRESS)  # internal: the child
 
 
 # What a probe returns: (status, detail) or (status, detail, data for the JSON report).
@@ -426,8 +426,8 @@ def _sanity_child(device: int) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if getattr(args, "_sanity_device", None) is not None:
-        return _sanity_child(args._sanity_device)
+    if getattr(args, "sanity_device", None) is not None:
+        return _sanity_child(args.sanity_device)
     return Doctor(args).run()
 
 

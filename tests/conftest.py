@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from pg_harness import nccl_unavailable_reason
+from harness.forked import nccl_unavailable_reason
+from harness.procs import live_children
+from harness.threads import ThreadWorld, create_comms, destroy_all
+
+from nccl_pg.comm.host import HostCommunicator
 
 Spawn = Callable[..., subprocess.Popen]
 
@@ -51,3 +56,73 @@ def spawn() -> Iterator[Spawn]:
         for pipe in (proc.stdin, proc.stdout):
             if pipe is not None:
                 pipe.close()
+
+
+@pytest.fixture
+def no_children_left() -> Iterator[None]:
+    """The test ends with no child process of ours alive (multiprocessing's service processes aside)."""
+    yield
+    deadline = time.monotonic() + 5
+    while live_children() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert live_children() == []
+
+
+@pytest.fixture(scope="module")
+def simnccl_installed() -> Iterator[None]:
+    """The NCCL backend on the simulated bindings (tests/simnccl) for a module's tests; the real ones after."""
+    import simnccl  # noqa: PLC0415 - only the modules that ask for it pay for it
+
+    simnccl.install()
+    yield
+    simnccl.uninstall()
+
+
+@pytest.fixture(scope="module")
+def worlds() -> Iterator[Callable[[int], ThreadWorld]]:
+    """Thread worlds of n ranks, built once per module (rebuilt if broken)."""
+    cache: dict[int, ThreadWorld] = {}
+
+    def get(n: int) -> ThreadWorld:
+        w = cache.get(n)
+        if w is None or not w.healthy():
+            if w is not None:
+                w.close()
+            w = cache[n] = ThreadWorld(n)
+        return w
+
+    yield get
+    for w in cache.values():
+        w.close()
+
+
+@pytest.fixture
+def make_comms() -> Iterator[Callable[..., list[HostCommunicator]]]:
+    """Fresh communicators for tests that break or block them; destroyed at teardown."""
+    made: list[HostCommunicator] = []
+
+    def make(n: int, **config: object) -> list[HostCommunicator]:
+        comms = create_comms(n, **config)
+        made.extend(comms)
+        return comms
+
+    yield make
+    destroy_all(made)
+
+
+@pytest.fixture
+def no_simnccl_violations() -> Iterator[None]:
+    """The test fails on any violation the NCCL simulation recorded; it starts on simulated GPU 1, and
+    ends with no call slowed down."""
+    import simnccl  # noqa: PLC0415 - only the modules that ask for it pay for it
+    from harness.sim_threads import DEVICE  # noqa: PLC0415
+    from simnccl import ncclsim  # noqa: PLC0415
+
+    simnccl.select_device(DEVICE)
+    simnccl.clear()
+    yield
+    problems = simnccl.violations()
+    simnccl.clear()
+    for call in list(ncclsim.world().delay):
+        simnccl.slow(call, 0)
+    assert problems == [], "\n".join(problems)

@@ -1,7 +1,7 @@
 """Diagnosis on demand (issue 16 item 1, issue 14 items 7, 12, 19): a
 healthy job sends its store nothing, and a timeout gathers every rank's
 progress when it happens, within a small budget. Real processes around real
-store servers (tests/eh_harness.py); requests are counted at the server."""
+store servers (tests/harness/procs.py); requests are counted at the server."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import sys
 import time
 from collections.abc import Iterator
 
-import eh_harness as H
 import pytest
-from host_harness import live_children
+from harness import diagnosis_scenarios as S
+from harness.procs import World
 
 from nccl_pg.store import TCPStoreServer
 
@@ -23,13 +23,7 @@ BUDGET = 0.1  # min(2 s, T / 10): how long a timed-out rank waits for answers
 BOUND = 1.0  # the contract (tests/test_error_handling.py): failures surface within timeout + 1 s
 
 
-@pytest.fixture(autouse=True)
-def no_children_left() -> Iterator[None]:
-    yield
-    deadline = time.monotonic() + 5
-    while live_children() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert live_children() == []
+pytestmark = pytest.mark.usefixtures("no_children_left")  # every test ends with no child process of ours alive
 
 
 @pytest.fixture
@@ -53,7 +47,7 @@ def _until(cond, timeout: float) -> bool:
 def test_steady_state_sends_the_store_nothing(tmp_path, job_server):
     """3 ranks, 4 groups, recorder and watchdog on: 2 s of collectives on every group cost the store 0
     requests; each process keeps exactly one wait parked at the server (the signal channel)."""
-    with H.World(3, "steady_state", tmp_path, args={"job_port": job_server.port, "duration": 2.0}) as w:
+    with World(3, S.steady_state, tmp_path, args={"job_port": job_server.port, "duration": 2.0}) as w:
         for r in range(3):
             w.wait_key(f"ready/{r}")
         _until(lambda: job_server.num_waiters >= 3, 10.0)  # the listeners park right after init
@@ -91,7 +85,7 @@ def test_timeout_with_the_store_frozen(tmp_path, job_server_process):
     """Issue 14 item 7: the store is frozen (SIGSTOP) when rank 0's all_reduce times out: the error comes at
     about T + the budget (not T + the store's timeout) and says the progress could not be read."""
     proc, port = job_server_process
-    with H.World(2, "timeout_store_frozen", tmp_path,
+    with World(2, S.timeout_store_frozen, tmp_path,
                  args={"job_port": port, "timeout": T, "store_timeout": 5.0}) as w:
         for r in range(2):
             w.wait_key(f"warm/{r}")
@@ -112,7 +106,7 @@ def test_many_timed_out_ops_are_one_incident(tmp_path, job_server):
     number of extra threads meanwhile (not one per operation), one dump per rank, and at most one extra
     store connection per process."""
     env = {"NCCL_PG_ASYNC_ERROR_HANDLING": "0"}  # every operation fails by its own timeout
-    with H.World(2, "many_timeouts", tmp_path, args={"job_port": job_server.port, "timeout": T, "count": 500},
+    with World(2, S.many_timeouts, tmp_path, args={"job_port": job_server.port, "timeout": T, "count": 500},
                  env=env) as w:
         for r in range(2):
             w.wait_key(f"warm/{r}")
@@ -133,7 +127,7 @@ def test_many_timed_out_ops_are_one_incident(tmp_path, job_server):
 def test_frozen_rank_is_named_as_not_answering(tmp_path, job_server):
     """Issue 14 item 19: a frozen rank (SIGSTOP) is named as not answering, with what it answered at an
     earlier incident marked as old, instead of a stale "last sequence number issued"."""
-    with H.World(3, "frozen_rank", tmp_path, args={"job_port": job_server.port, "timeout": T}) as w:
+    with World(3, S.frozen_rank, tmp_path, args={"job_port": job_server.port, "timeout": T}) as w:
         for r in range(3):
             w.wait_key(f"phase1/{r}")
         os.kill(w.procs[2].pid, signal.SIGSTOP)

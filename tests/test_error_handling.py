@@ -9,7 +9,7 @@ error-handling modes, the heartbeat monitor, abort of every group, destroy
 with pending or stuck work, exit without destroy. The fault matrix and the
 random lifecycle sequences are in other files.
 
-Each world is a set of fresh interpreters (tests/eh_harness.py holds the
+Each world is a set of fresh interpreters (tests/harness/procs.py starts them, tests/harness/pg_scenarios.py holds the
 child side) around a TCPStore served here; children stamp events with
 CLOCK_MONOTONIC, which this process shares, so detection times are measured
 against the documented goal: a failure surfaces within timeout + 1 s, an
@@ -22,11 +22,10 @@ import os
 import re
 import signal
 import time
-from collections.abc import Iterator
 
-import eh_harness as H
 import pytest
-from host_harness import live_children
+from harness import pg_scenarios as S
+from harness.procs import World
 
 from nccl_pg import HashStore, Options, ProcessGroupHost, dump, init_process_group
 from nccl_pg.distributed import _set_thread_world, _World
@@ -35,14 +34,7 @@ BOUND = 1.0  # the contract: failures surface within timeout + 1 s; abort releas
 ABORT = -signal.SIGABRT
 
 
-@pytest.fixture(autouse=True)
-def no_children_left() -> Iterator[None]:
-    """Every test ends with no child process of ours alive."""
-    yield
-    deadline = time.monotonic() + 5
-    while live_children() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert live_children() == []
+pytestmark = pytest.mark.usefixtures("no_children_left")  # every test ends with no child process of ours alive
 
 
 def failed(res: dict, *words: str) -> None:
@@ -69,7 +61,7 @@ def wait_files(paths: list[str], timeout: float) -> None:
 def test_nccl_errors_nonblocking(tmp_path):
     """Seed: NcclErrorHandlingTest.test_nccl_errors_nonblocking."""
     env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
-    with H.World(3, "errors_nonblocking", tmp_path, args={"timeout": 1.5}, env=env) as w:
+    with World(3, S.errors_nonblocking, tmp_path, args={"timeout": 1.5}, env=env) as w:
         res = w.results()[0]
         log = w.log(0)
     failed(res["short_wait"], "not complete after wait(0.2)")
@@ -88,7 +80,7 @@ def _errors_blocking(tmp_path, how: str, rc: int) -> None:
     group and ends ``how``; rank 0's wait(timeout=3 s) raises DistBackendError and aborts the group."""
     env = {"TORCH_NCCL_BLOCKING_WAIT": "1"}
     args = {"timeout": 10.0, "op_timeout": 3.0, "how": how}
-    with H.World(3, "errors_blocking", tmp_path, args=args, env=env) as w:
+    with World(3, S.errors_blocking, tmp_path, args=args, env=env) as w:
         res = w.results(expect_rc={1: rc})[0]
     failed(res["wait"])
     assert took(res["wait"]) < 3.0 + BOUND, res  # a lost peer is seen at once; at worst the wait's own timeout
@@ -137,7 +129,7 @@ def test_nccl_errors_blocking_other_cases(tmp_path):
 def test_nccl_blocking_wait_with_barrier(tmp_path):
     """Seed: NcclErrorHandlingTest.test_nccl_blocking_wait_with_barrier."""
     env = {"TORCH_NCCL_BLOCKING_WAIT": "1"}
-    with H.World(3, "blocking_wait_with_barrier", tmp_path, args={"timeout": 10.0, "op_timeout": 1.0},
+    with World(3, S.blocking_wait_with_barrier, tmp_path, args={"timeout": 10.0, "op_timeout": 1.0},
                  env=env) as w:
         res = w.results()[0]
     failed(res["barrier"], "timeout", "BARRIER")
@@ -183,7 +175,7 @@ def _invalid_env(monkeypatch, var: str, value: str) -> None:
 def test_nccl_timeout(tmp_path):
     """Seed: NcclErrorHandlingTest.test_nccl_timeout."""
     env = {"TORCH_NCCL_BLOCKING_WAIT": "1"}
-    with H.World(3, "nccl_timeout", tmp_path, args={"timeout": 10.0}, env=env) as w:
+    with World(3, S.nccl_timeout, tmp_path, args={"timeout": 10.0}, env=env) as w:
         res = w.results()
     failed(res[0]["wait"], "timeout")
     assert took(res[0]["wait"]) < 0.1 + BOUND
@@ -197,7 +189,7 @@ def test_nccl_timeout(tmp_path):
 def test_abort_pg(tmp_path):
     """Seed: ProcessGroupNCCLGroupTest.test_abort_pg."""
     env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
-    with H.World(2, "abort_pg", tmp_path, args={"timeout": 30.0}, env=env) as w:
+    with World(2, S.abort_pg, tmp_path, args={"timeout": 30.0}, env=env) as w:
         res = w.results()
     r0 = res[0]
     assert r0["blocked"], "the collective completed without its peer"
@@ -218,7 +210,7 @@ def test_abort_pg(tmp_path):
 def test_close_pg(tmp_path):
     """Seed: ProcessGroupNCCLGroupTest.test_close_pg."""
     env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
-    with H.World(2, "close_pg", tmp_path, env=env) as w:
+    with World(2, S.close_pg, tmp_path, env=env) as w:
         res = w.results()
     for r in range(2):
         assert res[r]["flushed"] and res[r]["sum"] == 3.0, res[r]
@@ -231,7 +223,7 @@ def test_close_pg(tmp_path):
 def test_destruct_before_terminate_pg(tmp_path):
     """Seed: ProcessGroupNCCLGroupTest.test_destruct_before_terminate_pg."""
     env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
-    with H.World(2, "destruct_before_terminate_pg", tmp_path, env=env) as w:
+    with World(2, S.destruct_before_terminate_pg, tmp_path, env=env) as w:
         w.join(timeout=15)
         w.results()  # exit code 0 on both
         ends = {r: float(w.store.get(f"t_end/{r}")) for r in range(2)}
@@ -246,7 +238,7 @@ def test_destruct_before_terminate_pg(tmp_path):
 def test_abort_in_destroy_pg(tmp_path):
     """Seed: ProcessGroupNCCLGroupTest.test_abort_in_destroy_pg."""
     env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
-    with H.World(2, "close_pg", tmp_path, env=env) as w:  # the seed's body is test_close_pg's
+    with World(2, S.close_pg, tmp_path, env=env) as w:  # the seed's body is test_close_pg's
         res = w.results()
     for r in range(2):
         assert res[r]["flushed"], res[r]
@@ -257,7 +249,7 @@ def test_abort_in_destroy_pg(tmp_path):
 @pytest.mark.timeout(30)
 def test_close_multi_pg_unordered(tmp_path):
     """Seed: ProcessGroupNCCLGroupTest.test_close_multi_pg_unordered."""
-    with H.World(2, "close_multi_pg_unordered", tmp_path) as w:
+    with World(2, S.close_multi_pg_unordered, tmp_path) as w:
         res = w.results()
     for r in range(2):
         assert res[r]["destroy_s"] < 3 * BOUND, res[r]
@@ -266,7 +258,7 @@ def test_close_multi_pg_unordered(tmp_path):
 def _abort_in_destroy(tmp_path, empty: bool) -> None:
     """Default group and two subgroups (one never used when ``empty``), an all_reduce un-waited on each used
     group at destroy: flushed, every communicator freed, every group refuses later work."""
-    with H.World(2, "abort_in_destroy_multi_pgs", tmp_path, args={"empty": empty}) as w:
+    with World(2, S.abort_in_destroy_multi_pgs, tmp_path, args={"empty": empty}) as w:
         res = w.results()
     for r in range(2):
         x = res[r]
@@ -296,7 +288,7 @@ def test_abort_in_destroy_mixed_empty_pgs(tmp_path):
 def test_nccl_propagate_error_reason(tmp_path):
     """Seed: DistributedDataParallelTest.test_nccl_propagate_error_reason."""
     env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_BLOCKING_WAIT": "1"}
-    with H.World(2, "propagate_error_reason", tmp_path, args={"timeout": 15.0, "wait": 1.0}, env=env) as w:
+    with World(2, S.propagate_error_reason, tmp_path, args={"timeout": 15.0, "wait": 1.0}, env=env) as w:
         res = w.results()
     r1 = res[1]
     failed(r1["timed_out"], "timeout")
@@ -314,7 +306,7 @@ def test_nccl_propagate_error_reason(tmp_path):
 def test_timeout_report_and_dumps(tmp_path):
     """Ours: a timeout names group, rank, op, seq, timeout, elapsed and the ranks that never issued the
     collective (in global ranks, for a subgroup too), and makes every rank write its dump."""
-    with H.World(3, "timeout_report", tmp_path, args={"timeout": 1.0}) as w:
+    with World(3, S.timeout_report, tmp_path, args={"timeout": 1.0}) as w:
         for r in range(3):
             w.wait_key(f"phase1/{r}")
         paths = [f"{w.dump_prefix}{r}" for r in range(3)]
@@ -371,7 +363,7 @@ def test_error_handling_modes(tmp_path, mode, blocking):
         env["NCCL_PG_BLOCKING_WAIT"] = "1"
     ends = mode in (1, 3)
     rank_env = {1: {"NCCL_PG_ASYNC_ERROR_HANDLING": "0"}}  # the bystander must outlive rank 0's end
-    with H.World(2, "error_handling_mode", tmp_path, args={"timeout": T, "ends": ends}, env=env,
+    with World(2, S.error_handling_mode, tmp_path, args={"timeout": T, "ends": ends}, env=env,
                  rank_env=rank_env) as w:
         rc0 = w.join(timeout=T + 15, ranks=[0])[0]
         w.set("exit")
@@ -403,7 +395,7 @@ def test_error_handling_modes(tmp_path, mode, blocking):
 def test_heartbeat_monitor_fires_when_watchdog_stuck(tmp_path):
     """Ours: the watchdog's poller stuck (a group's check_comm sleeps): after NCCL_PG_HEARTBEAT_TIMEOUT the
     monitor writes the dump and ends the process with SIGABRT."""
-    with H.World(1, "heartbeat_stuck", tmp_path, env={"NCCL_PG_HEARTBEAT_TIMEOUT": "1"}) as w:
+    with World(1, S.heartbeat_stuck, tmp_path, env={"NCCL_PG_HEARTBEAT_TIMEOUT": "1"}) as w:
         t_stuck = float(w.wait_key("stuck"))
         rcs = w.join(timeout=15)
         log = w.log(0)
@@ -422,7 +414,7 @@ def test_heartbeat_monitor_quiet_on_busy_job(tmp_path):
     """Ours: a healthy but busy job (a collective waiting 2 s for a late rank, then large all_reduces for
     1.5 s while the main thread computes) never trips a 1 s heartbeat."""
     env = {"NCCL_PG_HEARTBEAT_TIMEOUT": "1"}
-    with H.World(2, "heartbeat_busy", tmp_path, args={"timeout": 30.0}, env=env) as w:
+    with World(2, S.heartbeat_busy, tmp_path, args={"timeout": 30.0}, env=env) as w:
         res = w.results(timeout=30)
         logs = w.logs()
     assert res[0]["late_s"] >= 1.9 and res[0]["busy_s"] >= 1.5 and res[0]["big"] >= 1, res
@@ -435,7 +427,7 @@ def test_abort_process_group(tmp_path):
     """Ours: abort_process_group(sub) releases only that group's waiter; abort_process_group() every group's,
     within 1 s; later operations raise "aborted"; destroy after abort is prompt."""
     env = {"NCCL_PG_ASYNC_ERROR_HANDLING": "0"}
-    with H.World(2, "abort_process_group", tmp_path, args={"timeout": 30.0}, env=env) as w:
+    with World(2, S.abort_process_group, tmp_path, args={"timeout": 30.0}, env=env) as w:
         res = w.results()[0]
     assert res["blocked"], res
     failed(res["sub"], "aborted")
@@ -453,7 +445,7 @@ def test_abort_process_group(tmp_path):
 @pytest.mark.timeout(30)
 def test_destroy_flushes_pending_ops(tmp_path):
     """Ours: operations never waited on are flushed by destroy (completed, right values, hooks run)."""
-    with H.World(2, "destroy_flushes_pending", tmp_path) as w:
+    with World(2, S.destroy_flushes_pending, tmp_path) as w:
         res = w.results()
     for r in range(2):
         x = res[r]
@@ -467,7 +459,7 @@ def test_destroy_flushes_pending_ops(tmp_path):
 def test_destroy_with_stuck_op_is_bounded(tmp_path):
     """Ours: destroy with collectives that can never complete returns within each group's timeout + 1 s: the
     flush of each gives up after the group timeout, warns and aborts (the subgroup's op may time out first)."""
-    with H.World(2, "destroy_stuck", tmp_path) as w:
+    with World(2, S.destroy_stuck, tmp_path) as w:
         res = w.results()[0]
     assert res["destroy_s"] < 2 * (1.0 + BOUND), res
     assert any("(uid=0," in m and "did not finish within 1.0 s at shutdown; aborting them" in m
@@ -482,7 +474,7 @@ def test_destroy_with_stuck_op_is_bounded(tmp_path):
 def test_exit_without_destroy(tmp_path):
     """Ours: a group dropped with ``del`` frees its communicator's threads; a process that exits with a
     collective pending and its groups never destroyed ends at once, exit code 0, warning on stderr."""
-    with H.World(2, "exit_without_destroy", tmp_path) as w:
+    with World(2, S.exit_without_destroy, tmp_path) as w:
         w.join(timeout=15, ranks=[0])
         w.set("exited")
         res = w.results()

@@ -6,13 +6,13 @@ send/recv, all_to_all}, 3 ranks, a group timeout of 1.5 s, error-handling
 mode 2 (the default); plus {SIGKILL, skip} x all_reduce x modes 0, 1, 3
 and mode 0 with blocking wait.
 
-Each cell is one world of 3 processes (``python -c CHILD``) around a
-TCPStore served by this process. Rank 1 is the victim (and the broadcast
-root, so that every op's completion depends on it on every survivor);
-ranks 0 and 2 survive; send/recv is one batch_isend_irecv in which each
-survivor exchanges with the victim (and the victim with both). Every rank
-first runs the op once (the communicator
-and its connections exist, and the op works), then:
+Each cell is one world of 3 processes (harness.procs.World running
+harness/fault_scenarios.py) around a TCPStore served by this process.
+Rank 1 is the victim (and the broadcast root, so that every op's
+completion depends on it on every survivor); ranks 0 and 2 survive;
+send/recv is one batch_isend_irecv in which each survivor exchanges with the
+victim (and the victim with both). Every rank first runs the op once (the
+communicator and its connections exist, and the op works), then:
 
 - dead peers (kill, term, abort, exit0, exit1): the survivors issue the op
   and, once they are inside it, the victim dies (a signal from here, or the
@@ -46,12 +46,9 @@ own cell's outcome, so a failure names its cell.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -61,13 +58,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from host_harness import live_children
-from pg_harness import nccl_unavailable_reason
+from harness.fault_scenarios import fault_cell
+from harness.forked import nccl_unavailable_reason
+from harness.procs import World, live_children
 
 from nccl_pg.backends import SAME_GPU_ENV
-from nccl_pg.store import TCPStore
 
-HOST = "127.0.0.1"
 N = 3
 VICTIM = 1
 SURVIVORS = (0, 2)
@@ -80,111 +76,6 @@ FAULTS = ("kill", "term", "abort", "exit0", "exit1", "hang", "skip")
 DEAD = ("kill", "term", "abort", "exit0", "exit1")  # the victim process is gone
 OPS = ("all_reduce", "broadcast", "barrier", "send_recv", "all_to_all")
 VICTIM_RC = {"kill": -signal.SIGKILL, "term": -signal.SIGTERM, "abort": -signal.SIGABRT, "exit0": 0, "exit1": 1}
-
-CHILD = r'''
-import json, os, sys, time
-import nccl_pg as dist
-from nccl_pg.store import TCPStore
-
-port, rank, fault, op, mode, T, backend = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4],
-                                           int(sys.argv[5]), float(sys.argv[6]), sys.argv[7])
-if backend == "nccl":
-    import cupy as np  # every rank on GPU 0 (the parent set NCCL_HOSTID and the socket transport)
-elif backend == "simnccl":  # the NCCL backend on the simulated bindings, simulated GPU 1
-    import simnccl
-    simnccl.install()
-    simnccl.select_device(1)
-    from simnccl import xp as np
-else:
-    import numpy as np
-N, V = 3, 1
-store = TCPStore("127.0.0.1", port, timeout=60)
-
-
-ASYNC = backend != "host"  # NCCL: a call returns before the operation ran; wait (bounded) to see its outcome
-
-
-def done(work):
-    if ASYNC:
-        work.wait(T + 30)
-
-
-def run_op():
-    if op == "all_reduce":
-        x = np.full(4, rank + 1.0)
-        done(dist.all_reduce(x, async_op=ASYNC))
-        assert (x == 6).all(), x
-    elif op == "broadcast":
-        x = np.full(4, float(rank))
-        done(dist.broadcast(x, src=V, async_op=ASYNC))
-        assert (x == V).all(), x
-    elif op == "barrier":
-        done(dist.barrier(async_op=ASYNC))
-    elif op == "send_recv":
-        bufs = {p: np.zeros(4) for p in range(N) if p != rank} if rank == V else {V: np.zeros(4)}
-        ops = [dist.P2POp(dist.isend, np.full(4, float(rank)), p) for p in bufs]
-        ops += [dist.P2POp(dist.irecv, b, p) for p, b in bufs.items()]
-        for w in dist.batch_isend_irecv(ops):
-            w.wait(T + 30) if ASYNC else w.wait()
-        for p, b in bufs.items():
-            assert (b == p).all(), (p, b)
-    elif op == "all_to_all":
-        outs = [np.zeros(2) for _ in range(N)]
-        done(dist.all_to_all(outs, [np.full(2, 10.0 * rank + p) for p in range(N)], async_op=ASYNC))
-    else:
-        raise ValueError(op)
-
-
-# Start-up (3 interpreters per world, several worlds at once on 2 cores) may take longer than T:
-# build the communicator under a long timeout, then give the group its short one.
-dist.init_process_group("nccl" if backend == "simnccl" else backend, store=store, rank=rank, world_size=N,
-                        timeout=60, device_id={"nccl": 0, "simnccl": 1}.get(backend))
-run_op()  # warm-up: the communicator and its connections exist, and the op works
-dist.distributed._set_pg_timeout(T)
-store.set(f"ready/{rank}", "1")
-store.wait(["go"])
-
-if rank == V:
-    if fault == "skip":
-        run_op()  # pairs with the survivors' first op; their second one is never matched
-        store.wait(["exit"])
-        dist.destroy_process_group()
-        sys.exit(0)
-    if fault in ("hang", "kill", "term"):
-        time.sleep(120)  # killed from outside
-        sys.exit(9)
-    store.wait(["strike"])
-    if fault == "abort":
-        os.abort()
-    if fault == "exit0":
-        sys.exit(0)  # without destroy_process_group(): interpreter exit, atexit handlers
-    if fault == "exit1":
-        os._exit(1)  # no cleanup at all
-    raise ValueError(fault)
-
-res = {"ops": []}
-for i in range(2 if fault == "skip" else 1):
-    t0 = time.monotonic()
-    store.set(f"in_op/{rank}/{i}", repr(t0))
-    try:
-        run_op()
-        res["ops"].append({"ok": True, "t0": t0, "t1": time.monotonic()})
-    except Exception as e:
-        res["ops"].append({"ok": False, "t0": t0, "t1": time.monotonic(), "type": type(e).__name__,
-                           "backend": isinstance(e, dist.DistBackendError), "msg": str(e)})
-        break
-if mode in (1, 3):
-    store.set(f"result/{rank}", json.dumps(res))
-    time.sleep(T + 30)  # the error handling must end this process (SIGABRT) before this
-    sys.exit(17)
-t = time.monotonic()
-dist.destroy_process_group()
-res["destroy_s"] = time.monotonic() - t
-if backend == "simnccl":
-    res["violations"] = simnccl.violations()
-store.set(f"result/{rank}", json.dumps(res))
-'''
-
 
 @dataclass(frozen=True)
 class Cell:
@@ -229,95 +120,73 @@ class _Abandon(Exception):
 def run_world(cell: Cell, stop: threading.Event) -> Outcome:
     out = Outcome(cell)
     tmp = tempfile.mkdtemp(prefix="fault_matrix_")
-    store = TCPStore(HOST, 0, is_master=True, timeout=30)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_NCCL_", "NCCL_PG_"))}
-    env.update(NCCL_PG_ASYNC_ERROR_HANDLING=str(cell.mode), NCCL_PG_DEBUG_INFO_TEMP_FILE=os.path.join(tmp, "trace_"),
-               NCCL_PG_BLOCKING_WAIT=str(int(cell.blocking)))
-    procs: dict[int, subprocess.Popen] = {}
-    logs = {}
+    env = {"NCCL_PG_ASYNC_ERROR_HANDLING": str(cell.mode), "NCCL_PG_BLOCKING_WAIT": str(int(cell.blocking))}
+    rank_env = {r: {"NCCL_HOSTID": f"rank{r}", **SAME_GPU_ENV} for r in range(N)} if cell.backend == "nccl" else None
+    args = {"fault": cell.fault, "op": cell.op, "mode": cell.mode, "timeout": TIMEOUT, "backend": cell.backend}
     deadline = time.monotonic() + WORLD_LIMIT
-
-    def reap() -> None:
-        for r, p in procs.items():
-            if r not in out.died_at and p.poll() is not None:
-                out.died_at[r] = time.monotonic()
+    w: World | None = None
 
     def wait_keys(keys: list[str], what: str) -> None:
+        assert w is not None
         while True:
             try:
-                store.wait(keys, timeout=0.02)
+                w.store.wait(keys, timeout=0.02)
                 return
             except Exception:
                 pass
-            reap()
-            early = [r for r in procs if r in out.died_at and not (r == VICTIM and cell.fault in DEAD)]
+            w.poll()
+            early = [r for r in w.procs if r in w.exited_at and not (r == VICTIM and cell.fault in DEAD)]
             if early:
-                raise _Abandon(f"ranks {early} exited ({[procs[r].returncode for r in early]}) before {what}")
+                raise _Abandon(f"ranks {early} exited ({[w.procs[r].returncode for r in early]}) before {what}")
             if stop.is_set() or time.monotonic() > deadline:
                 raise _Abandon(f"gave up waiting for {what}")
 
     try:
-        for r in range(N):
-            logs[r] = open(os.path.join(tmp, f"rank{r}.log"), "w+")
-            rank_env = {**env, "NCCL_HOSTID": f"rank{r}", **SAME_GPU_ENV} if cell.backend == "nccl" else env
-            if cell.backend == "simnccl":
-                tests = os.path.dirname(os.path.abspath(__file__))
-                rank_env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [tests, env.get("PYTHONPATH")]))}
-            procs[r] = subprocess.Popen(
-                [sys.executable, "-c", CHILD, str(store.port), str(r), cell.fault, cell.op, str(cell.mode),
-                 str(TIMEOUT), cell.backend], stdin=subprocess.DEVNULL, stdout=logs[r], stderr=subprocess.STDOUT,
-                env=rank_env)
+        w = World(N, fault_cell, tmp, args=args, env=env, rank_env=rank_env)
+        out.died_at = w.exited_at
         wait_keys([f"ready/{r}" for r in range(N)], "warm-up")
-        store.set("go", "1")
+        w.set("go")
         keys = [f"in_op/{r}/{cell.failing_op}" for r in SURVIVORS]
         wait_keys(keys, "the survivors issuing the op")
         for r in SURVIVORS:
-            out.issued_at[r] = float(store.get(f"in_op/{r}/{cell.failing_op}"))
+            out.issued_at[r] = float(w.store.get(f"in_op/{r}/{cell.failing_op}"))
         if cell.fault in DEAD:
             time.sleep(0.2)  # let the survivors get into wait() (a kill before that must work too; it is just less typical)
             if cell.fault == "kill":
-                procs[VICTIM].send_signal(signal.SIGKILL)
+                w.procs[VICTIM].send_signal(signal.SIGKILL)
             elif cell.fault == "term":
-                procs[VICTIM].send_signal(signal.SIGTERM)
+                w.procs[VICTIM].send_signal(signal.SIGTERM)
             else:
-                store.set("strike", "1")
+                w.set("strike")
         # The survivors must end on their own: after their error (modes 0, 2) or by SIGABRT (1, 3).
         limit = time.monotonic() + TIMEOUT + 15.0
         watch = [*SURVIVORS, VICTIM] if cell.fault in DEAD else list(SURVIVORS)
         while any(r not in out.died_at for r in watch) and time.monotonic() < limit and not stop.is_set():
             time.sleep(0.01)
-            reap()
+            w.poll()
         out.left_behind = [r for r in watch if r not in out.died_at]
         if cell.fault == "skip" and not out.left_behind:
-            store.set("exit", "1")  # the victim, alive and well, destroys its group and exits
+            w.set("exit")  # the victim, alive and well, destroys its group and exits
             limit = time.monotonic() + 10.0
             while VICTIM not in out.died_at and time.monotonic() < limit:
                 time.sleep(0.01)
-                reap()
+                w.poll()
             if VICTIM not in out.died_at:
                 out.left_behind.append(VICTIM)
         for r in SURVIVORS:
             key = f"result/{r}"
-            out.results[r] = json.loads(store.get(key)) if store.check([key]) else None
+            out.results[r] = json.loads(w.store.get(key)) if w.store.check([key]) else None
     except _Abandon as exc:
         out.problem = str(exc)
     except Exception as exc:  # report, never raise out of the pool
         out.problem = f"{type(exc).__name__}: {exc}"
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-        for r, p in procs.items():
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                out.left_behind.append(r)
-            out.rc[r] = p.returncode
-        for r, f in logs.items():
-            f.seek(0)
-            out.logs[r] = f.read()
-            f.close()
-        store.close()
+        if w is not None:
+            w.kill_all()
+            out.rc = {r: p.returncode for r, p in w.procs.items()}
+            out.left_behind += [r for r, p in w.procs.items() if p.returncode is None]
+            out.logs = {r: w.log(r) for r in w.procs}
+            w.close()
         shutil.rmtree(tmp, ignore_errors=True)
     return out
 

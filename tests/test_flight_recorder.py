@@ -2,7 +2,7 @@
 (test_c10d_nccl.py: NCCLTraceTestBase and its subclasses, NcclErrorDumpTest)
 ported, plus dump options (only_active, stack traces, JSON).
 
-Ranks are real processes: forked from a preloaded server (pg_harness) where a
+Ranks are real processes: forked from a preloaded server (harness.forked) where a
 rank returns its dump to the test, and started as plain interpreters where
 the seed checks exit codes (timeouts, stuck ranks, errors). The seed's
 "parent process" role (MAIN_PROCESS_RANK) is played by the test itself or by
@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from pg_harness import Rank, run_scripts, run_world
+from harness.forked import Rank, run_world
+from harness.procs import run_scripts
 
 import nccl_pg as dist
 from nccl_pg.flight_recorder import dump_flight_recorder, dump_flight_recorder_json

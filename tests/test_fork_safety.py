@@ -1,25 +1,15 @@
 """A process forked after init must not touch the parent's groups (issue 14
 item 13): its exit may not abort the inherited communicators (whose sockets
 it shares with the parent) nor unlink the parent's dump pipe. Real
-processes (tests/eh_harness.py), a real fork of a rank."""
+processes (tests/harness/procs.py), a real fork of a rank."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
-
-import eh_harness as H
 import pytest
-from host_harness import live_children
+from harness import fork_scenarios as S
+from harness.procs import World
 
-
-@pytest.fixture(autouse=True)
-def no_children_left() -> Iterator[None]:
-    yield
-    deadline = time.monotonic() + 5
-    while live_children() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert live_children() == []
+pytestmark = pytest.mark.usefixtures("no_children_left")  # every test ends with no child process of ours alive
 
 
 @pytest.mark.timeout(60)
@@ -29,7 +19,7 @@ def test_forked_child_leaves_the_parents_group_alone(tmp_path, how):
     the child; or a multiprocessing 'fork' data loader); afterwards both ranks' all_reduce works (on the
     default group and on a group made directly, which the loader's copy of a dataset drops) and rank 0's
     dump pipe is still there."""
-    with H.World(2, "fork_child", tmp_path, args={"timeout": 20.0, "how": how}) as w:
+    with World(2, S.fork_child, tmp_path, args={"timeout": 20.0, "how": how}) as w:
         res = w.results(timeout=45)
         logs = w.logs()
     assert res[0]["child"] == 0, res

@@ -1,7 +1,7 @@
 """Host backend faults with real processes, sockets and signals: a peer
 killed (SIGKILL) or frozen (SIGSTOP) mid-collective, abort() from another
 thread, abort during init, destroy() with work pending. The child side of
-each scenario is in host_harness.py (SCENARIOS); the parent synchronises on
+each scenario is in harness/comm_scenarios.py; the parent synchronises on
 store keys and measures against its own clock (CLOCK_MONOTONIC is shared by
 all processes of the machine)."""
 
@@ -11,29 +11,21 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 
-import host_harness as H
 import pytest
+from harness import comm_scenarios as S
+from harness.procs import World
+from harness.threads import destroy_all
 
 from nccl_pg.comm.base import CommConfig
 from nccl_pg.comm.host import HostCommunicator
 from nccl_pg.errors import DistBackendError
 from nccl_pg.store import PrefixStore
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_children_left")]
 
 BOUND = 1.0  # seconds: the contract's bound for failures to surface and for abort
 
-
-@pytest.fixture(autouse=True)
-def no_children_left() -> Iterator[None]:
-    """Every test ends with no child process of ours alive."""
-    yield
-    deadline = time.monotonic() + 5
-    while H.live_children() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert H.live_children() == []
 
 
 @pytest.mark.parametrize("n, victim", [(4, 1), (3, 0)])
@@ -42,14 +34,14 @@ def test_sigkill_during_all_reduce(n: int, victim: int) -> None:
     1 s of the kill, and names the killed rank; later ops raise at once;
     destroy() is prompt."""
     args = {"size": 1 << 21, "count": 400, "victim": victim}  # 8 MiB all_reduces: the ring path, many seconds' worth
-    with H.ProcWorld(n, "killed_peer", args) as w:
+    with World(n, S.killed_peer, args=args) as w:
         for r in range(n):
-            w.wait_key(f"progress/{r}")  # everyone is inside the stream of all_reduces
+            w.wait_key(f"progress/{r}", timeout=30)  # everyone is inside the stream of all_reduces
         t_kill = time.monotonic()
         os.kill(w.procs[victim].pid, signal.SIGKILL)
         w.procs[victim].wait(10)
         survivors = [r for r in range(n) if r != victim]
-        results = w.join(timeout=30, ranks=survivors)
+        results = w.results(timeout=30, ranks=survivors)
     assert w.procs[victim].returncode == -signal.SIGKILL
     for r in survivors:
         res = results[r]
@@ -70,13 +62,13 @@ def test_sigstop_peer_then_abort_unblocks_survivors() -> None:
     """A frozen peer gives no EOF: the survivors block (as NCCL would) until
     they abort; abort from another thread drains their streams within 1 s."""
     n, victim = 3, 2
-    with H.ProcWorld(n, "hung_peer", {"size": 1 << 21, "count": 400, "victim": victim}) as w:
+    with World(n, S.hung_peer, args={"size": 1 << 21, "count": 400, "victim": victim}) as w:
         for r in range(n):
-            w.wait_key(f"progress/{r}")
+            w.wait_key(f"progress/{r}", timeout=30)
         os.kill(w.procs[victim].pid, signal.SIGSTOP)
         w.store.set("stopped", b"1")
         try:
-            results = w.join(timeout=30, ranks=[0, 1])
+            results = w.results(timeout=30, ranks=[0, 1])
         finally:
             os.kill(w.procs[victim].pid, signal.SIGKILL)
             w.procs[victim].wait(10)
@@ -94,8 +86,8 @@ def test_abort_from_another_thread_unblocks_recv() -> None:
     """Rank 1's recv waits for a send that never comes; abort() from another
     thread ends it within 1 s; later ops fail with "aborted"; rank 0 sees
     the aborted peer as a lost connection."""
-    with H.ProcWorld(2, "abort_blocked_recv") as w:
-        results = w.join(timeout=30)
+    with World(2, S.abort_blocked_recv) as w:
+        results = w.results(timeout=30)
     res = results[1]
     assert res["blocked"], "the recv completed without a sender"
     assert res["abort_s"] < BOUND and res["drained"] and res["drain_s"] < BOUND, res
@@ -114,8 +106,8 @@ def test_abort_during_nonblocking_init(n: int, rank: int) -> None:
     """Only ``rank`` starts, so its nonblocking init can never finish: abort()
     returns within 1 s, wait_ready raises "aborted", no thread is left."""
     t0 = time.monotonic()
-    with H.ProcWorld(n, "abort_during_init", ranks=[rank]) as w:
-        results = w.join(timeout=20)
+    with World(n, S.abort_during_init, ranks=[rank]) as w:
+        results = w.results(timeout=20)
     res = results[rank]
     assert res["state0"] == "initializing", res
     assert res["abort_s"] < BOUND and res["wait_s"] < BOUND and res["destroy_s"] < BOUND, res
@@ -127,15 +119,15 @@ def test_abort_during_nonblocking_init(n: int, rank: int) -> None:
 def test_destroy_with_pending_ops() -> None:
     """destroy() with a recv that is never matched, collectives queued behind
     it and a second stream waiting on the first: prompt, and every stream drains."""
-    with H.ProcWorld(2, "destroy_pending") as w:
-        results = w.join(timeout=30)
+    with World(2, S.destroy_pending) as w:
+        results = w.results(timeout=30)
     res = results[0]
     assert res["pending"], res
     assert res["destroy_s"] < BOUND and res["drained"], res
     assert res["state"] == "destroyed" and "destroyed" in res["err"], res
 
 
-def _survivors(w: H.ProcWorld, n: int, ranks: list[int], timeout: float) -> dict[int, HostCommunicator]:
+def _survivors(w: World, n: int, ranks: list[int], timeout: float) -> dict[int, HostCommunicator]:
     cfg = CommConfig(timeout=timeout, blocking=False)
     return {r: HostCommunicator.create(PrefixStore("comm", w.store), n, r, cfg) for r in ranks}
 
@@ -147,11 +139,11 @@ def test_peer_frozen_in_init_fails_every_rank_at_the_deadline_naming_it() -> Non
     what it failed to do (before: rank 2 blocked in a post-connect exchange
     beyond the deadline and abort's reach; the message named nobody)."""
     n, victim, timeout = 3, 1, 3.0
-    with H.ProcWorld(n, "frozen_in_init", ranks=[victim]) as w:
+    with World(n, S.frozen_in_init, ranks=[victim]) as w:
         t0 = time.monotonic()
         comms = _survivors(w, n, [0, 2], timeout)
         try:
-            w.wait_key("frozen")
+            w.wait_key("frozen", timeout=30)
             for r in (2, 0):  # rank 2 first: it connected to the frozen rank (the case that hung before)
                 c = comms[r]
                 with pytest.raises(DistBackendError) as info:
@@ -164,7 +156,7 @@ def test_peer_frozen_in_init_fails_every_rank_at_the_deadline_naming_it() -> Non
                     "ranks [1] never connected to rank 0"
                 assert detail in text, text
         finally:
-            H.destroy_all(list(comms.values()))
+            destroy_all(list(comms.values()))
 
 
 def test_abort_releases_an_init_blocked_on_a_frozen_peer() -> None:
@@ -172,10 +164,10 @@ def test_abort_releases_an_init_blocked_on_a_frozen_peer() -> None:
     before the 30 s deadline): released within the abort bound, and their
     init threads end."""
     n, victim = 3, 1
-    with H.ProcWorld(n, "frozen_in_init", ranks=[victim]) as w:
+    with World(n, S.frozen_in_init, ranks=[victim]) as w:
         comms = _survivors(w, n, [0, 2], 30.0)
         try:
-            w.wait_key("frozen")
+            w.wait_key("frozen", timeout=30)
             time.sleep(0.3)  # let the survivors reach the handshake (an earlier abort passes too)
             for c in (comms[2], comms[0]):  # rank 2 first: its half-built mesh was beyond abort's reach
                 t0 = time.monotonic()
@@ -188,4 +180,4 @@ def test_abort_releases_an_init_blocked_on_a_frozen_peer() -> None:
                 assert time.monotonic() < deadline, [t.name for t in threading.enumerate()]
                 time.sleep(0.01)
         finally:
-            H.destroy_all(list(comms.values()))
+            destroy_all(list(comms.values()))

@@ -17,9 +17,9 @@ import threading
 import time
 from collections.abc import Sequence
 
-import host_harness as H
 import numpy as np
 import pytest
+from harness.threads import destroy_all, parallel, returns_within, unique
 
 from nccl_pg.comm.base import CommConfig, CommState
 from nccl_pg.comm.host import HostCommunicator
@@ -30,6 +30,8 @@ from nccl_pg.store.base import Value
 from nccl_pg.timeouts import Timeout
 
 pytestmark = pytest.mark.timeout(60)
+
+SUM = ReduceOp.SUM
 
 
 class CountingStore(Store):
@@ -93,22 +95,22 @@ def _requests(n: int) -> tuple[list[int], list[int], list[int]]:
     shrink of it (rank n-1 excluded)."""
     shared = HashStore(timeout=60)
     stores = [CountingStore(shared) for _ in range(n)]
-    comms = H.parallel(n, lambda r: HostCommunicator.create(PrefixStore("c", stores[r]), n, r,
+    comms = parallel(n, lambda r: HostCommunicator.create(PrefixStore("c", stores[r]), n, r,
                                                             CommConfig(timeout=50)), 55)
     try:
         init = [sum(s.calls.values()) for s in stores]
         for s in stores:
             s.calls.clear()
-        children = H.parallel(n, lambda r: comms[r].split(r % 2, r), 55)
-        H.destroy_all(children)
+        children = parallel(n, lambda r: comms[r].split(r % 2, r), 55)
+        destroy_all(children)
         split = [sum(s.calls.values()) for s in stores]
         for s in stores:
             s.calls.clear()
-        shrunk = H.parallel(n - 1, lambda r: comms[r].shrink([n - 1]), 55)
-        H.destroy_all(shrunk)
+        shrunk = parallel(n - 1, lambda r: comms[r].shrink([n - 1]), 55)
+        destroy_all(shrunk)
         shrink = [sum(s.calls.values()) for s in stores[:n - 1]]
     finally:
-        H.destroy_all(comms)
+        destroy_all(comms)
     return init, split, shrink
 
 
@@ -178,7 +180,7 @@ def test_strangers_and_silent_connections_do_not_delay_init() -> None:
     finally:
         for s in strangers:
             s.close()
-        H.destroy_all([c0, *locals().get("others", [])])
+        destroy_all([c0, *locals().get("others", [])])
 
 
 def test_init_timeout_says_timed_out_and_names_the_ranks_that_never_joined() -> None:
@@ -193,7 +195,7 @@ def test_init_timeout_says_timed_out_and_names_the_ranks_that_never_joined() -> 
             assert text.startswith("timeout") and "Timed out after 1 s" in text, text
             assert "2 of 4 joined; ranks [1, 3] never joined" in text, text
     finally:
-        H.destroy_all(comms)
+        destroy_all(comms)
 
 
 def test_a_listener_gone_before_the_deadline_surfaces_as_a_timeout() -> None:
@@ -217,7 +219,7 @@ def test_a_listener_gone_before_the_deadline_surfaces_as_a_timeout() -> None:
 
 def test_tiny_timeouts_say_timeout() -> None:
     for _ in range(5):
-        comms = H.parallel(2, lambda r: _try_create(r), 10)
+        comms = parallel(2, lambda r: _try_create(r), 10)
         for text in comms:
             assert text is None or (text.startswith("timeout") and "Timed out" in text), text
 
@@ -258,4 +260,93 @@ def test_abort_releases_an_init_waiting_on_the_store_for_every_rank() -> None:
         assert time.monotonic() - t0 < 2.0
         assert comms[1].state is CommState.ABORTED and comms[0].state is CommState.ERROR
     finally:
-        H.destroy_all(comms)
+        destroy_all(comms)
+
+
+# --- nonblocking init ----------------------------------------------------------------------------
+
+
+def test_nonblocking_init_ops_before_ready() -> None:
+    """create returns at once (INITIALIZING while peers are missing); ops
+    issued before READY run after init."""
+    n, store, name = 3, HashStore(), unique()
+    cfg = CommConfig(blocking=False, timeout=20)
+    comms: list[HostCommunicator] = []
+    try:
+        c0 = returns_within(1.0, lambda: HostCommunicator.create(PrefixStore(name, store), n, 0, cfg))
+        comms.append(c0)
+        assert c0.state is CommState.INITIALIZING
+        s0 = c0.new_stream()
+        x0 = np.full(100_000, 1, np.int64)
+        returns_within(1.0, lambda: c0.all_reduce(x0, x0, SUM, s0))
+        ev = s0.record()
+        assert not ev.synchronize(0.1) and c0.state is CommState.INITIALIZING
+        with pytest.raises(DistBackendError, match="timeout"):
+            c0.wait_ready(0.05)
+        for r in (1, 2):
+            comms.append(HostCommunicator.create(PrefixStore(name, store), n, r, cfg))
+        xs = [x0] + [np.full(100_000, r + 1, np.int64) for r in (1, 2)]
+        streams = [s0] + [c.new_stream() for c in comms[1:]]
+        for r in (1, 2):
+            comms[r].all_reduce(xs[r], xs[r], SUM, streams[r])
+        for c, s, x in zip(comms, streams, xs, strict=True):
+            c.wait_ready(20)
+            assert c.state is CommState.READY and s.synchronize(20) and (x == 6).all()
+    finally:
+        destroy_all(comms)
+
+
+def test_nonblocking_init_timeout_names_missing_ranks() -> None:
+    """Rank 1 of 3 never comes: ranks 0 and 2 reach ERROR with a "timeout"
+    DistBackendError naming rank 1, at the deadline."""
+    store, name, timeout = HashStore(), unique(), 1.0
+    cfg = CommConfig(blocking=False, timeout=timeout)
+    t0 = time.monotonic()
+    comms = {r: HostCommunicator.create(PrefixStore(name, store), 3, r, cfg) for r in (0, 2)}
+    try:
+        streams = {r: c.new_stream() for r, c in comms.items()}
+        for r, c in comms.items():
+            c.all_reduce(np.ones(4), np.ones(4), SUM, streams[r])  # enqueued before the failure
+        for r, c in comms.items():
+            with pytest.raises(DistBackendError, match="timeout") as info:
+                c.wait_ready(timeout + 5)
+            elapsed = time.monotonic() - t0
+            assert timeout * 0.9 <= elapsed < timeout + 1.5, elapsed
+            assert c.state is CommState.ERROR and c.async_error() is info.value
+            assert "1" in str(info.value)
+            assert streams[r].synchronize(timeout + 5)  # the pending op is dropped; the stream drains
+            with pytest.raises(DistBackendError, match="timeout"):
+                c.all_reduce(np.ones(4), np.ones(4), SUM, streams[r])
+        assert "[1]" in str(comms[2].async_error())  # rank 2 knows exactly who is missing
+    finally:
+        destroy_all(list(comms.values()))
+
+
+def test_blocking_init_timeout_raises() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(DistBackendError, match=r"timeout.*\[1\]"):
+        HostCommunicator.create(PrefixStore("x", HashStore()), 2, 0, CommConfig(timeout=0.5))
+    assert time.monotonic() - t0 < 2.0
+    with pytest.raises(DistBackendError, match=r"timeout.*\[0\]"):
+        HostCommunicator.create(PrefixStore("y", HashStore()), 2, 1, CommConfig(timeout=0.5))
+
+
+def test_abort_during_nonblocking_init_threads() -> None:
+    """Abort while the other ranks never came: waiters are released at once
+    and the init thread ends too (it must not wait for the missing ranks'
+    addresses after the abort woke the rendezvous)."""
+    before = set(threading.enumerate())
+    for n, rank in ((2, 0), (3, 2)):
+        c = HostCommunicator.create(PrefixStore(unique(), HashStore()), n, rank,
+                                    CommConfig(blocking=False, timeout=30))
+        s = c.new_stream()
+        c.all_reduce(np.ones(3), np.ones(3), SUM, s)
+        returns_within(1.0, c.abort)
+        with pytest.raises(DistBackendError, match="aborted"):
+            returns_within(1.0, lambda c=c: c.wait_ready(1.0))
+        assert c.state is CommState.ABORTED and s.synchronize(1.0)
+        returns_within(2.0, c.destroy)
+    for t in set(threading.enumerate()) - before:
+        if t.name.startswith("nccl_pg-init"):
+            t.join(2.0)
+            assert not t.is_alive(), f"{t.name} still running after abort"

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
-from pg_harness import Rank, run_world
+from harness.forked import Rank, run_world
 
 import nccl_pg as dist
 from nccl_pg.errors import DistBackendError

@@ -14,7 +14,7 @@ from datetime import timedelta
 
 import numpy as np
 import pytest
-from pg_harness import Rank, run_world
+from harness.forked import Rank, run_world
 
 import nccl_pg as dist
 from nccl_pg import backends
@@ -346,7 +346,7 @@ def test_events_and_priority_stream() -> None:
     comm.destroy()
 
 
-# --- several ranks on one GPU (pg_harness sets NCCL_HOSTID etc. for backend="nccl") ----------------
+# --- several ranks on one GPU (harness.forked sets NCCL_HOSTID etc. for backend="nccl") ----------------
 
 def _s_collectives(r: Rank) -> None:
     r.init(device_id=r.device)

@@ -1,9 +1,9 @@
 """The NCCL backend's scenarios on the simulated bindings, with real
-processes as ranks (pg_harness ``backend="simnccl"``: each rank installs
+processes as ranks (harness.forked ``backend="simnccl"``: each rank installs
 tests/simnccl, drives simulated GPU 1 and fails on any violation the
 simulation recorded).
 
-The seed scenarios of test_process_group.py that have an NCCL variant (split
+The seed scenarios of the test_pg_*.py files that have an NCCL variant (split
 counts, lazy and eager init, nonblocking init, coalescing, object
 collectives, completion hooks with timing), the GPU tests of
 test_nccl_backend.py (collectives and p2p on two ranks, abort of a stuck
@@ -22,15 +22,19 @@ from typing import Any
 import numpy as np
 import pytest
 import test_nccl_backend as gpu
-import test_process_group as seeds
+import test_pg_coalescing as pg_coalescing
+import test_pg_collectives as pg_collectives
+import test_pg_init as pg_init
+import test_pg_subgroups as pg_subgroups
+import test_pg_work_hooks as pg_hooks
 import test_shrink as shrink
-from pg_harness import Rank, run_world
+from harness.forked import Rank, run_world
 
 import nccl_pg as dist
 
 pytestmark = [pytest.mark.simnccl, pytest.mark.timeout(120)]
 SIM = "simnccl"
-TIMING = seeds.TIMING
+TIMING = pg_hooks.TIMING
 NONBLOCKING = {"NCCL_PG_USE_COMM_NONBLOCKING": "1"}
 
 
@@ -41,20 +45,20 @@ def world(scenario: Any, n: int, tmp_path: Any, env: dict[str, str] | None = Non
 # --- seed scenarios with an NCCL variant ------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("scenario", "n", "env", "kwargs"), [
-    (seeds._s_comm_split_optimization, 2, None, {}),
-    (seeds._s_comm_split_subgroup, 2, None, {}),
-    (seeds._s_non_blocking, 2, NONBLOCKING, {"eager": False}),
-    (seeds._s_non_blocking, 2, NONBLOCKING, {"eager": True}),
-    (seeds._s_broadcast_coalesced, 2, None, {}),
-    (seeds._s_all_reduce_coalesced, 2, None, {}),
-    (seeds._s_all_reduce_coalesced_manager, 2, None, {}),
-    (seeds._s_hook_broadcast, 2, TIMING, {}),
-    (seeds._s_hook_mixed_ops, 2, TIMING, {}),
-    (seeds._s_hook_all_gather_object, 2, TIMING, {}),
-    (seeds._s_nccl_barrier, 2, None, {}),
-    (seeds._s_sequence_num_set_new_group, 2, None, {}),
-    (seeds._s_gather_object_subgroup, 4, None, {}),
-    (seeds._s_broadcast_object_list_subgroup, 4, None, {}),
+    (pg_init._s_comm_split_optimization, 2, None, {}),
+    (pg_init._s_comm_split_subgroup, 2, None, {}),
+    (pg_init._s_non_blocking, 2, NONBLOCKING, {"eager": False}),
+    (pg_init._s_non_blocking, 2, NONBLOCKING, {"eager": True}),
+    (pg_coalescing._s_broadcast_coalesced, 2, None, {}),
+    (pg_coalescing._s_all_reduce_coalesced, 2, None, {}),
+    (pg_coalescing._s_all_reduce_coalesced_manager, 2, None, {}),
+    (pg_hooks._s_hook_broadcast, 2, TIMING, {}),
+    (pg_hooks._s_hook_mixed_ops, 2, TIMING, {}),
+    (pg_hooks._s_hook_all_gather_object, 2, TIMING, {}),
+    (pg_collectives._s_nccl_barrier, 2, None, {}),
+    (pg_collectives._s_sequence_num_set_new_group, 2, None, {}),
+    (pg_subgroups._s_gather_object_subgroup, 4, None, {}),
+    (pg_subgroups._s_broadcast_object_list_subgroup, 4, None, {}),
 ], ids=["split-lazy", "split-eager", "nonblocking-lazy", "nonblocking-eager", "broadcast-coalesced",
         "all-reduce-coalesced", "coalescing-manager", "hook-broadcast", "hook-mixed", "hook-objects", "barrier",
         "seq-new-group", "gather-object", "broadcast-object-list"])
@@ -151,7 +155,7 @@ def _s_side_threads(r: Rank) -> None:
 
 def test_defect6_side_threads_create_no_context_on_gpu0(tmp_path: Any) -> None:
     """The ranks drive simulated GPU 1; the init thread used to restore device 0 (a context there) and the
-    poller never chose a device (its event queries and frees made one). pg_harness fails on the context."""
+    poller never chose a device (its event queries and frees made one). harness.forked fails on the context."""
     world(_s_side_threads, 2, tmp_path, env={**NONBLOCKING, **TIMING})
 
 

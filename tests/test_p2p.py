@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from pg_harness import Rank, run_world
+from harness.forked import Rank, run_world
 
 import nccl_pg as dist
 from nccl_pg.errors import DistBackendError

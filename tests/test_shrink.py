@@ -12,21 +12,17 @@ is in error but alive: it shrinks itself).
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
-from host_harness import live_children
-from pg_harness import Rank, run_world
+from harness import pg_scenarios as S
+from harness.forked import Rank, run_world
+from harness.procs import World, live_children
 
 import nccl_pg as dist
 from nccl_pg.comm.base import check_exclude
-from nccl_pg.store import TCPStore
 
 BACKENDS = pytest.mark.parametrize("backend", ["host", pytest.param("nccl", marks=pytest.mark.gpu)])
 
@@ -214,73 +210,24 @@ def test_check_exclude_sorts():
 
 # --- recovery after a killed rank (real processes, a real SIGKILL) ---------------------------------------
 
-CHILD = r'''
-import json, os, signal, sys, time
-import numpy as np
-import nccl_pg as dist
-from nccl_pg.store import TCPStore
-
-port, rank = int(sys.argv[1]), int(sys.argv[2])
-store = TCPStore("127.0.0.1", port, is_master=False, timeout=30)
-dist.init_process_group("host", store=store, rank=rank, world_size=3, timeout=20)
-a = np.full(4, rank + 1.0, dtype=np.float32)
-dist.all_reduce(a)
-assert a[0] == 6.0
-store.add("ready", 1)
-if rank == 2:
-    store.wait(["survivors_in"], timeout=30)
-    time.sleep(0.3)  # the survivors are inside their all_reduce
-    os.kill(os.getpid(), signal.SIGKILL)
-store.add("in", 1)
-if store.add("in", 0) == 2:
-    store.set("survivors_in", b"1")
-t0 = time.monotonic()
-try:
-    dist.all_reduce(np.ones(4, dtype=np.float32))
-    failed = None
-except dist.DistBackendError as exc:
-    failed = str(exc)
-detect = time.monotonic() - t0
-old = dist._get_default_group()
-comm_state = old._comm.state.value
-new = dist.shrink_group([2], shrink_flags=dist.SHRINK_ABORT)
-b = np.full(4, rank + 1.0, dtype=np.float32)
-dist.all_reduce(b)
-print(json.dumps({"failed": failed, "detect": detect, "comm_state": comm_state, "sum": float(b[0]),
-                  "size": dist.get_world_size(), "rank": dist.get_rank(),
-                  "comm": new._comm.name}), flush=True)
-dist.destroy_process_group()
-'''
-
-
 @pytest.mark.parametrize("mode", [2, 0])
 def test_shrink_after_sigkill(tmp_path, mode):
     """Rank 2 is SIGKILLed inside an all_reduce: the survivors' all_reduce
     raises DistBackendError, shrink_group([2], SHRINK_ABORT) gives them a
     working group of two. Mode 2 aborted the communicator (a fresh one is
     built through the store); mode 0 left it in error (it shrinks itself)."""
-    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=30)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_PG_", "TORCH_NCCL_"))}
-    env["NCCL_PG_ASYNC_ERROR_HANDLING"] = str(mode)
-    env["NCCL_PG_DUMP_ON_TIMEOUT"] = "0"
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(server.port), str(rank)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(3)]
-    try:
-        outs = [p.communicate(timeout=60) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(5)
-        server.close()
-    assert procs[2].returncode == -signal.SIGKILL
-    for rank in (0, 1):
-        assert procs[rank].returncode == 0, outs[rank][1]
-        out = json.loads(outs[rank][0].strip().splitlines()[-1])
-        assert out["failed"] is not None and out["detect"] < 20.0, out
-        assert (out["sum"], out["size"], out["rank"]) == (3.0, 2, rank)
-        if mode == 2:
-            assert out["comm_state"] == "aborted" and ".shrink" not in out["comm"]
-        else:
-            assert out["comm_state"] == "error" and out["comm"].endswith(".shrink1")
+    env = {"NCCL_PG_ASYNC_ERROR_HANDLING": str(mode), "NCCL_PG_DUMP_ON_TIMEOUT": "0"}
+    with World(3, S.shrink_after_sigkill, tmp_path, env=env) as w:
+        rc = w.join(timeout=60)
+        assert rc[2] == -signal.SIGKILL
+        for rank in (0, 1):
+            assert rc[rank] == 0, w.log(rank)
+            out = w.result(rank)
+            assert out is not None
+            assert out["failed"] is not None and out["detect"] < 20.0, out
+            assert (out["sum"], out["size"], out["rank"]) == (3.0, 2, rank)
+            if mode == 2:
+                assert out["comm_state"] == "aborted" and ".shrink" not in out["comm"]
+            else:
+                assert out["comm_state"] == "error" and out["comm"].endswith(".shrink1")
     assert not live_children()

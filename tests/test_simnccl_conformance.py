@@ -25,16 +25,9 @@ import pytest
 import simnccl
 from simnccl import checks, cudart, ncclsim
 
-pytestmark = [pytest.mark.simnccl, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.simnccl, pytest.mark.timeout(120), pytest.mark.usefixtures("simnccl_installed")]
 
 real: Any = pytest.importorskip("nccl.bindings.nccl")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _installed():
-    simnccl.install()
-    yield
-    simnccl.uninstall()
 
 
 @pytest.fixture(autouse=True)

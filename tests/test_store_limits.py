@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+from harness.store_wire import hello, raw_connect, recv_frame
 
 from nccl_pg.store import TCPStore, TCPStoreServer
 from nccl_pg.store import protocol as P
@@ -93,34 +94,6 @@ def steady_rss(srv: ServerProcess) -> int:
         if abs(now - last) > 256 * 1024:
             last, stable_since = now, time.monotonic()
     return last
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = bytearray()
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        assert chunk, f"connection closed after {len(data)} of {n} bytes"
-        data += chunk
-    return bytes(data)
-
-
-def recv_frame(sock: socket.socket) -> bytes:
-    (n,) = struct.unpack("<I", recv_exact(sock, 4))
-    return recv_exact(sock, n)
-
-
-def hello(port: int) -> socket.socket:
-    sock = socket.create_connection((HOST, port), timeout=10)
-    sock.sendall(P.MAGIC + os.urandom(P.NONCE_SIZE))
-    recv_frame(sock)
-    return sock
-
-
-def raw_connect(port: int) -> socket.socket:
-    sock = hello(port)
-    sock.sendall(P.frame(b""))
-    assert recv_frame(sock) == P.answer(P.CONNECTION_TAG, P.Status.OK)[4:]
-    return sock
 
 
 def closed_by_server(sock: socket.socket) -> bool:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+from harness.store_wire import raw_connect, recv_frame
 
 from nccl_pg.errors import DistNetworkError, DistStoreError
 from nccl_pg.store import TCPStore, TCPStoreServer
@@ -66,36 +67,9 @@ def assert_works(client: TCPStore) -> None:
 # --- raw wire helpers ----------------------------------------------------------
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = bytearray()
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        assert chunk, f"connection closed after {len(data)} of {n} bytes"
-        data += chunk
-    return bytes(data)
-
-
-def recv_frame(sock: socket.socket) -> bytes:
-    (n,) = struct.unpack("<I", recv_exact(sock, 4))
-    return recv_exact(sock, n)
-
-
-def raw_connect(port: int, proof: bytes = b"") -> socket.socket:
-    """A hand-made client through the handshake; returns the ready socket."""
-    sock = socket.create_connection((HOST, port), timeout=10)
-    sock.sendall(P.MAGIC + os.urandom(P.NONCE_SIZE))
-    recv_frame(sock)
-    sock.sendall(P.frame(proof))
-    assert recv_frame(sock) == OK_ANSWER
-    return sock
-
-
 def body(op: int, fields: bytes = b"", tag: int = 1) -> bytes:
     """A request's frame body: op, tag, fields."""
     return P.request(op, tag, fields)[4:]  # type: ignore[arg-type]
-
-
-OK_ANSWER = P.answer(P.CONNECTION_TAG, P.Status.OK)[4:]
 
 
 def error_message(answer: bytes, status: P.Status = P.Status.ERROR, tag: int = 1) -> str:

@@ -4,8 +4,11 @@ nothing hangs, and no rank thread or process outlives the call."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import unittest
@@ -13,10 +16,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tomllib
 
 import nccl_pg as dist
-from nccl_pg import testing
-from nccl_pg.pytest_plugin import ProcessRanksFixture
 from nccl_pg.testing import (
     MultiThreadedTestCase,
     ProcessRanks,
@@ -25,6 +27,8 @@ from nccl_pg.testing import (
     run_threads,
     spawn_threads_and_init_comms,
 )
+from nccl_pg.testing import threads as thread_ranks_module
+from nccl_pg.testing.pytest_plugin import ProcessRanksFixture
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -142,24 +146,28 @@ def test_failure_releases_ranks_blocked_in_a_subgroup() -> None:
 
 
 @pytest.mark.timeout(40)
-def test_rank_stuck_outside_collectives_is_reported_with_its_stack() -> None:
+def test_rank_stuck_outside_collectives_is_reported_with_its_stack(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 0 never reaches the barrier; at the timeout the others are
-    released and rank 0's stack shows where it was."""
+    released and rank 0's stack shows where it was. The timeout leaves a
+    loaded machine time to get rank 0 through init_process_group (its stack
+    would show the rendezvous otherwise); no unwinding grace is waited for,
+    since nothing can release rank 0 but the test."""
+    monkeypatch.setattr(thread_ranks_module, "_UNWIND_GRACE", 0.5)
     release = threading.Event()
 
     def fn(rank: int, world_size: int) -> None:
         if rank == 0:
-            release.wait(3)  # longer than the timeout, bounded so the thread does end
+            release.wait(30)  # longer than the timeout, bounded so the thread does end
             return
         dist.barrier()
 
     try:
         with pytest.raises(RanksFailed) as caught:
-            run_threads(fn, 3, timeout=1)
+            run_threads(fn, 3, timeout=5)
     finally:
         release.set()
     message = str(caught.value)
-    assert "still running at the timeout of 1 s" in message
+    assert "still running at the timeout of 5 s" in message
     assert 0 in caught.value.ranks
     assert "release.wait" in caught.value.failures[0]
 
@@ -169,7 +177,7 @@ def test_rank_stuck_after_another_failed_is_reported_without_waiting_for_the_tim
     """Rank 1 fails; rank 0 is busy outside any collective, so aborting
     cannot release it: it is reported once the unwinding grace has passed,
     not at the (long) timeout, and both ranks are blamed."""
-    monkeypatch.setattr(testing, "_UNWIND_GRACE", 0.5)
+    monkeypatch.setattr(thread_ranks_module, "_UNWIND_GRACE", 0.5)
     release = threading.Event()
 
     def fn(rank: int, world_size: int) -> None:
@@ -373,3 +381,22 @@ def test_process_ranks_fixture_teardown_kills_leftovers(tmp_path: Path) -> None:
     pids = _pids(tmp_path, 2)
     fixture.close()  # what the fixture does at teardown
     assert all(_gone(p) for p in pids)
+
+
+def test_pytest_entry_point_names_the_plugin() -> None:
+    """pyproject.toml's ``pytest11`` entry point names the module that defines the fixtures."""
+    meta = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    plugin = importlib.import_module(meta["project"]["entry-points"]["pytest11"]["nccl_pg"])
+    assert {"thread_ranks", "process_ranks"} <= set(vars(plugin))
+
+
+def test_loading_the_plugin_imports_no_harness_code() -> None:
+    """pytest loads plugins before coverage starts: the plugin must not import
+    the harness modules (nccl_pg.testing exports its names on first use)."""
+    code = ("import sys, nccl_pg.testing.pytest_plugin; "
+            "print(sorted(m for m in sys.modules if m.startswith('nccl_pg.testing.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["['nccl_pg.testing.pytest_plugin']"]
+    from nccl_pg.testing import run_threads as exported  # noqa: PLC0415 - the lazy export itself
+
+    assert exported is run_threads

@@ -22,8 +22,8 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the torch backend tests need PyTorch (pip install torch)")
 import torch.distributed as tdist  # noqa: E402
-from pg_harness import Rank, run_world  # noqa: E402
-from torch_harness import DEVICES, _need_cuda, device, init  # noqa: E402, F401 - _need_cuda: autouse
+from harness.forked import Rank, run_world  # noqa: E402
+from harness.torch_ranks import DEVICES, _need_cuda, device, init  # noqa: E402, F401 - _need_cuda: autouse
 
 import nccl_pg.torch  # noqa: E402
 from nccl_pg import errors  # noqa: E402

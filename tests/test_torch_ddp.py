@@ -16,10 +16,10 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch backend tests need PyTorch (pip install torch)")
 import torch.distributed as tdist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from pg_harness import Rank, run_world  # noqa: E402
+from harness.forked import Rank, run_world  # noqa: E402
+from harness.torch_ranks import DEVICES, _need_cuda, device, device_ids, init  # noqa: E402, F401 - _need_cuda: autouse
 from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
-from torch_harness import DEVICES, _need_cuda, device, device_ids, init  # noqa: E402, F401 - _need_cuda: autouse
 
 pytestmark = pytest.mark.timeout(120)
 

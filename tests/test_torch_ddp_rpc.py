@@ -16,11 +16,11 @@ torch = pytest.importorskip("torch", reason="the torch backend tests need PyTorc
 import torch.distributed as tdist  # noqa: E402
 import torch.distributed.autograd as dist_autograd  # noqa: E402
 import torch.distributed.rpc as rpc  # noqa: E402
-from pg_harness import Rank, run_world  # noqa: E402
+from harness.forked import Rank, run_world  # noqa: E402
+from harness.torch_ranks import DEVICES, _need_cuda, device, init  # noqa: E402, F401 - _need_cuda: autouse
 from torch import nn  # noqa: E402
 from torch.distributed.nn import RemoteModule  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
-from torch_harness import DEVICES, _need_cuda, device, init  # noqa: E402, F401 - _need_cuda: autouse
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -29,10 +29,10 @@ torch = pytest.importorskip("torch", reason="the torch backend tests need PyTorc
 import torch.distributed as tdist  # noqa: E402
 import torch.distributed.autograd as dist_autograd  # noqa: E402
 import torch.distributed.rpc as rpc  # noqa: E402
-from pg_harness import Rank, run_world  # noqa: E402
+from harness.forked import Rank, run_world  # noqa: E402
+from harness.torch_ranks import init  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
-from torch_harness import init  # noqa: E402
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -16,9 +16,9 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the torch backend tests need PyTorch (pip install torch)")
 import torch.distributed as tdist  # noqa: E402
-from pg_harness import Rank, run_world  # noqa: E402
+from harness.forked import Rank, run_world  # noqa: E402
+from harness.torch_ranks import device, init  # noqa: E402
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook  # noqa: E402
-from torch_harness import device, init  # noqa: E402
 
 pytestmark = pytest.mark.timeout(90)
 DEVICES = pytest.mark.parametrize("backend", ["host", pytest.param("nccl", marks=pytest.mark.gpu)])

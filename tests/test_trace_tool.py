@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness.procs import run_scripts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pg_harness import run_scripts
 
 from nccl_pg import cli, trace
 

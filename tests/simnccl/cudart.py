@@ -448,6 +448,15 @@ def _real_check(s: Sim, name: str, args: tuple[Any, ...]) -> None:
         getattr(real_runtime, name)(*args)  # converts the arguments as the binding does; raises what it raises
 
 
+def _context_call(name: str, args: tuple[Any, ...]) -> Sim:
+    """A call that needs a context: counted, its arguments checked as the real binding would, the current
+    device's context created if needed."""
+    s = _count(name)
+    _real_check(s, name, args)
+    s.touch(name)
+    return s
+
+
 def cudaGetDeviceCount() -> Any:  # noqa: N802 - CUDA's names
     s = _count("cudaGetDeviceCount")
     return (OK, s.ndev)
@@ -539,9 +548,7 @@ def cudaStreamCreateWithPriority(flags: Any, priority: Any) -> Any:  # noqa: N80
 
 
 def cudaStreamDestroy(stream: Any) -> Any:  # noqa: N802
-    s = _count("cudaStreamDestroy")
-    _real_check(s, "cudaStreamDestroy", (stream,))
-    s.touch("cudaStreamDestroy")
+    s = _context_call("cudaStreamDestroy", (stream,))
     st = s.streams.get(int(stream))
     if st is None or st.destroyed:
         return (E.cudaErrorInvalidResourceHandle,)
@@ -558,9 +565,7 @@ def _stream_or_error(s: Sim, stream: Any) -> Stream | None:
 
 
 def cudaStreamSynchronize(stream: Any) -> Any:  # noqa: N802
-    s = _count("cudaStreamSynchronize")
-    _real_check(s, "cudaStreamSynchronize", (stream,))
-    s.touch("cudaStreamSynchronize")
+    s = _context_call("cudaStreamSynchronize", (stream,))
     st = _stream_or_error(s, stream)
     if st is None:
         return (E.cudaErrorInvalidResourceHandle,)
@@ -577,9 +582,7 @@ def cudaStreamSynchronize(stream: Any) -> Any:  # noqa: N802
 
 
 def cudaStreamQuery(stream: Any) -> Any:  # noqa: N802
-    s = _count("cudaStreamQuery")
-    _real_check(s, "cudaStreamQuery", (stream,))
-    s.touch("cudaStreamQuery")
+    s = _context_call("cudaStreamQuery", (stream,))
     st = _stream_or_error(s, stream)
     if st is None:
         return (E.cudaErrorInvalidResourceHandle,)
@@ -597,9 +600,7 @@ def cudaStreamQuery(stream: Any) -> Any:  # noqa: N802
 
 
 def cudaStreamIsCapturing(stream: Any) -> Any:  # noqa: N802
-    s = _count("cudaStreamIsCapturing")
-    _real_check(s, "cudaStreamIsCapturing", (stream,))
-    s.touch("cudaStreamIsCapturing")
+    s = _context_call("cudaStreamIsCapturing", (stream,))
     st = _stream_or_error(s, stream)
     if st is None:
         return (E.cudaErrorInvalidResourceHandle, None)
@@ -610,9 +611,7 @@ def cudaStreamIsCapturing(stream: Any) -> Any:  # noqa: N802
 
 
 def cudaStreamBeginCapture(stream: Any, mode: Any) -> Any:  # noqa: N802
-    s = _count("cudaStreamBeginCapture")
-    _real_check(s, "cudaStreamBeginCapture", (stream, mode))
-    s.touch("cudaStreamBeginCapture")
+    s = _context_call("cudaStreamBeginCapture", (stream, mode))
     st = _stream_or_error(s, stream)
     if st is None or st.legacy:  # the legacy stream cannot be captured
         return (E.cudaErrorStreamCaptureUnsupported,)
@@ -660,9 +659,7 @@ def cudaGraphInstantiate(graph: Any, flags: Any) -> Any:  # noqa: N802
 
 
 def cudaGraphLaunch(graphExec: Any, stream: Any) -> Any:  # noqa: N802, N803
-    s = _count("cudaGraphLaunch")
-    _real_check(s, "cudaGraphLaunch", (graphExec, stream))
-    s.touch("cudaGraphLaunch")
+    s = _context_call("cudaGraphLaunch", (graphExec, stream))
     g = s.execs.get(int(graphExec))
     st = _stream_or_error(s, stream)
     if g is None or st is None:
@@ -719,9 +716,7 @@ def _event(s: Sim, event: Any, call: str) -> Event | None:
 
 
 def cudaEventDestroy(event: Any) -> Any:  # noqa: N802
-    s = _count("cudaEventDestroy")
-    _real_check(s, "cudaEventDestroy", (event,))
-    s.touch("cudaEventDestroy")
+    s = _context_call("cudaEventDestroy", (event,))
     ev = _event(s, event, "cudaEventDestroy")
     if ev is None:
         return (E.cudaErrorInvalidResourceHandle,)
@@ -731,9 +726,7 @@ def cudaEventDestroy(event: Any) -> Any:  # noqa: N802
 
 
 def cudaEventRecord(event: Any, stream: Any) -> Any:  # noqa: N802
-    s = _count("cudaEventRecord")
-    _real_check(s, "cudaEventRecord", (event, stream))
-    s.touch("cudaEventRecord")
+    s = _context_call("cudaEventRecord", (event, stream))
     ev, st = _event(s, event, "cudaEventRecord"), _stream_or_error(s, stream)
     if ev is None or st is None:
         return (E.cudaErrorInvalidResourceHandle,)
@@ -754,9 +747,7 @@ def cudaEventRecord(event: Any, stream: Any) -> Any:  # noqa: N802
 
 
 def cudaStreamWaitEvent(stream: Any, event: Any, flags: Any) -> Any:  # noqa: N802
-    s = _count("cudaStreamWaitEvent")
-    _real_check(s, "cudaStreamWaitEvent", (stream, event, flags))
-    s.touch("cudaStreamWaitEvent")
+    s = _context_call("cudaStreamWaitEvent", (stream, event, flags))
     st, ev = _stream_or_error(s, stream), _event(s, event, "cudaStreamWaitEvent")
     if st is None or ev is None:
         return (E.cudaErrorInvalidResourceHandle,)
@@ -781,9 +772,7 @@ def cudaStreamWaitEvent(stream: Any, event: Any, flags: Any) -> Any:  # noqa: N8
 
 
 def cudaEventQuery(event: Any) -> Any:  # noqa: N802
-    s = _count("cudaEventQuery")
-    _real_check(s, "cudaEventQuery", (event,))
-    s.touch("cudaEventQuery")
+    s = _context_call("cudaEventQuery", (event,))
     ev = _event(s, event, "cudaEventQuery")
     if ev is None:
         return (E.cudaErrorInvalidResourceHandle,)
@@ -800,9 +789,7 @@ def cudaEventQuery(event: Any) -> Any:  # noqa: N802
 
 
 def cudaEventSynchronize(event: Any) -> Any:  # noqa: N802
-    s = _count("cudaEventSynchronize")
-    _real_check(s, "cudaEventSynchronize", (event,))
-    s.touch("cudaEventSynchronize")
+    s = _context_call("cudaEventSynchronize", (event,))
     ev = _event(s, event, "cudaEventSynchronize")
     if ev is None:
         return (E.cudaErrorInvalidResourceHandle,)
@@ -816,9 +803,7 @@ def cudaEventSynchronize(event: Any) -> Any:  # noqa: N802
 
 
 def cudaEventElapsedTime(start: Any, end: Any) -> Any:  # noqa: N802
-    s = _count("cudaEventElapsedTime")
-    _real_check(s, "cudaEventElapsedTime", (start, end))
-    s.touch("cudaEventElapsedTime")
+    s = _context_call("cudaEventElapsedTime", (start, end))
     a, b = _event(s, start, "cudaEventElapsedTime"), _event(s, end, "cudaEventElapsedTime")
     if a is None or b is None:
         return (E.cudaErrorInvalidResourceHandle, None)
@@ -886,9 +871,7 @@ def cudaFree(devPtr: Any) -> Any:  # noqa: N802, N803
 
 
 def cudaMallocAsync(size: Any, hStream: Any) -> Any:  # noqa: N802, N803
-    s = _count("cudaMallocAsync")
-    _real_check(s, "cudaMallocAsync", (size, hStream))
-    s.touch("cudaMallocAsync")
+    s = _context_call("cudaMallocAsync", (size, hStream))
     st = _stream_or_error(s, hStream)
     if st is None:
         return (E.cudaErrorInvalidResourceHandle, None)
@@ -904,9 +887,7 @@ def cudaMallocAsync(size: Any, hStream: Any) -> Any:  # noqa: N802, N803
 
 
 def cudaFreeAsync(devPtr: Any, hStream: Any) -> Any:  # noqa: N802, N803
-    s = _count("cudaFreeAsync")
-    _real_check(s, "cudaFreeAsync", (devPtr, hStream))
-    s.touch("cudaFreeAsync")
+    s = _context_call("cudaFreeAsync", (devPtr, hStream))
     st = _stream_or_error(s, hStream)
     a = s.memory.find(int(devPtr))
     if st is None or a is None or a.ptr != int(devPtr):
@@ -943,9 +924,7 @@ def cudaHostAlloc(size: Any, flags: Any) -> Any:  # noqa: N802
 
 
 def cudaFreeHost(ptr: Any) -> Any:  # noqa: N802
-    s = _count("cudaFreeHost")
-    _real_check(s, "cudaFreeHost", (ptr,))
-    s.touch("cudaFreeHost")
+    s = _context_call("cudaFreeHost", (ptr,))
     bad = s.prohibited("cudaFreeHost")
     if bad is not None:
         return (bad,)
@@ -957,9 +936,7 @@ def cudaFreeHost(ptr: Any) -> Any:  # noqa: N802
 
 
 def cudaPointerGetAttributes(ptr: Any) -> Any:  # noqa: N802
-    s = _count("cudaPointerGetAttributes")
-    _real_check(s, "cudaPointerGetAttributes", (ptr,))
-    s.touch("cudaPointerGetAttributes")
+    s = _context_call("cudaPointerGetAttributes", (ptr,))
     attrs = real_runtime.cudaPointerAttributes()
     a = s.memory.find(int(ptr))
     if a is None:
@@ -1045,9 +1022,7 @@ def _copy(s: Sim, dst: int, src: int, count: int, kind: int, st: Stream, call: s
 
 
 def cudaMemcpyAsync(dst: Any, src: Any, count: Any, kind: Any, stream: Any) -> Any:  # noqa: N802
-    s = _count("cudaMemcpyAsync")
-    _real_check(s, "cudaMemcpyAsync", (dst, src, count, kind, stream))
-    s.touch("cudaMemcpyAsync")
+    s = _context_call("cudaMemcpyAsync", (dst, src, count, kind, stream))
     st = _stream_or_error(s, stream)
     if st is None:
         return (E.cudaErrorInvalidResourceHandle,)
@@ -1062,9 +1037,7 @@ def cudaMemcpyAsync(dst: Any, src: Any, count: Any, kind: Any, stream: Any) -> A
 
 
 def cudaMemcpy(dst: Any, src: Any, count: Any, kind: Any) -> Any:  # noqa: N802
-    s = _count("cudaMemcpy")
-    _real_check(s, "cudaMemcpy", (dst, src, count, kind))
-    s.touch("cudaMemcpy")
+    s = _context_call("cudaMemcpy", (dst, src, count, kind))
     bad = s.prohibited("cudaMemcpy")
     if bad is not None:
         return (bad,)
@@ -1073,9 +1046,7 @@ def cudaMemcpy(dst: Any, src: Any, count: Any, kind: Any) -> Any:  # noqa: N802
 
 
 def cudaMemsetAsync(devPtr: Any, value: Any, count: Any, stream: Any) -> Any:  # noqa: N802, N803
-    s = _count("cudaMemsetAsync")
-    _real_check(s, "cudaMemsetAsync", (devPtr, value, count, stream))
-    s.touch("cudaMemsetAsync")
+    s = _context_call("cudaMemsetAsync", (devPtr, value, count, stream))
     st = _stream_or_error(s, stream)
     if st is None:
         return (E.cudaErrorInvalidResourceHandle,)

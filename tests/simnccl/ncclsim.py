@@ -285,6 +285,14 @@ def _comm(w: World, c: Any, call: str) -> SimComm | None:
     return None
 
 
+def _live_comm(w: World, c: Any, call: str) -> SimComm:
+    """``_comm`` for the calls that answer ncclInvalidArgument when the communicator is not live."""
+    sc = _comm(w, c, call)
+    if sc is None:
+        raise NCCLError(INVALID_ARGUMENT)
+    return sc
+
+
 def _ensure_ready(c: SimComm) -> int:
     """init.cc ncclCommEnsureReady."""
     if c.abort.set:
@@ -668,10 +676,7 @@ _BUILTIN = {0: "sum", 1: "prod", 2: "max", 3: "min", 4: "avg"}
 
 
 def _enqueue(w: World, name: str, comm: Any, task: _Task) -> None:
-    c = _comm(w, comm, name)
-    if c is None:
-        _raise(INVALID_ARGUMENT)
-        return
+    c = _live_comm(w, comm, name)
     with _Call(w, name, c):
         if c.revoked:  # "communicator was revoked"
             _raise(_group_err(w, INVALID_USAGE))
@@ -902,13 +907,7 @@ def _init(w: World, name: str, nranks: int, rank: int, ids: list[bytes], cfg_ptr
         return _finish_init(c, w.fail.pop(name, SUCCESS))
 
     with _Call(w, name, c):
-        _group_start(w)
-        _add_job(w, c, job)
-        ret = _group_end(w)
-        if c.blocking == 0:
-            ret = _async_error(c)
-        if ret not in (SUCCESS, IN_PROGRESS):
-            raise NCCLError(ret)
+        _run_job(w, c, job)
     return comm
 
 
@@ -917,6 +916,17 @@ def _finish_init(c: SimComm, ret: int) -> int:
     if ret == SUCCESS and c.abort.set:
         ret = INTERNAL
     return ret
+
+
+def _run_job(w: World, c: SimComm, job: Callable[[], int]) -> None:
+    """An init/split/finalize/revoke job in the call's implicit group; a nonblocking communicator answers with
+    its async error (ncclInProgress while the job runs)."""
+    _group_start(w)
+    _add_job(w, c, job)
+    ret = _group_end(w)
+    if c.blocking == 0:
+        ret = _async_error(c)
+    _raise(ret)
 
 
 def _add_job(w: World, c: SimComm, job: Callable[[], int]) -> None:
@@ -1070,20 +1080,14 @@ def comm_shrink(comm: Any, exclude_ranks_list: Any, exclude_ranks_count: Any, co
 
 def comm_get_async_error(comm: Any) -> Any:
     w, _ = _enter("ncclCommGetAsyncError", "comm_get_async_error", (comm,))
-    c = _comm(w, comm, "ncclCommGetAsyncError")
-    if c is None:
-        _raise(INVALID_ARGUMENT)
-    assert c is not None
+    c = _live_comm(w, comm, "ncclCommGetAsyncError")
     with _Call(w, "ncclCommGetAsyncError", c):
         return _async_error(c)
 
 
 def comm_user_rank(comm: Any) -> Any:
     w, _ = _enter("ncclCommUserRank", "comm_user_rank", (comm,))
-    c = _comm(w, comm, "ncclCommUserRank")
-    if c is None:
-        _raise(INVALID_ARGUMENT)
-    assert c is not None
+    c = _live_comm(w, comm, "ncclCommUserRank")
     with _Call(w, "ncclCommUserRank", c):
         _raise(_ensure_ready(c))
         return c.rank
@@ -1091,10 +1095,7 @@ def comm_user_rank(comm: Any) -> Any:
 
 def comm_count(comm: Any) -> Any:
     w, _ = _enter("ncclCommCount", "comm_count", (comm,))
-    c = _comm(w, comm, "ncclCommCount")
-    if c is None:
-        _raise(INVALID_ARGUMENT)
-    assert c is not None
+    c = _live_comm(w, comm, "ncclCommCount")
     with _Call(w, "ncclCommCount", c):
         _raise(_ensure_ready(c))
         return c.nranks
@@ -1128,10 +1129,7 @@ def _free(w: World, c: SimComm, why: str) -> None:
 
 def comm_finalize(comm: Any) -> Any:
     w, _ = _enter("ncclCommFinalize", "comm_finalize", (comm,))
-    c = _comm(w, comm, "ncclCommFinalize")
-    if c is None:
-        _raise(INVALID_ARGUMENT)
-    assert c is not None
+    c = _live_comm(w, comm, "ncclCommFinalize")
     with _Call(w, "ncclCommFinalize", c):
         ret = _ensure_ready(c)
         if ret == SUCCESS and c.finalize_called:  # "prevent double finalize"
@@ -1146,20 +1144,12 @@ def comm_finalize(comm: Any) -> Any:
             _wait_idle(c, None)
             return SUCCESS
 
-        _group_start(w)
-        _add_job(w, c, job)
-        ret = _group_end(w)
-        if c.blocking == 0:
-            ret = _async_error(c)
-        _raise(ret)
+        _run_job(w, c, job)
 
 
 def comm_destroy(comm: Any) -> Any:
     w, _ = _enter("ncclCommDestroy", "comm_destroy", (comm,))
-    c = _comm(w, comm, "ncclCommDestroy")
-    if c is None:
-        _raise(INVALID_ARGUMENT)  # "comm %p has already been destroyed"
-    assert c is not None
+    c = _live_comm(w, comm, "ncclCommDestroy")  # "comm %p has already been destroyed"
     with _Call(w, "ncclCommDestroy", c):
         c.destroy_flag = True
         _raise(_ensure_ready(c))
@@ -1170,10 +1160,7 @@ def comm_destroy(comm: Any) -> Any:
 
 def comm_abort(comm: Any) -> Any:
     w, _ = _enter("ncclCommAbort", "comm_abort", (comm,))
-    c = _comm(w, comm, "ncclCommAbort")
-    if c is None:
-        _raise(INVALID_ARGUMENT)
-    assert c is not None
+    c = _live_comm(w, comm, "ncclCommAbort")
     with _Call(w, "ncclCommAbort", c):
         c.abort.set = True
         if c.child_abort is not None:
@@ -1203,22 +1190,14 @@ def comm_revoke(comm: Any, revoke_flags: Any) -> Any:
             c.abort.set = False
             return SUCCESS
 
-        _group_start(w)
-        _add_job(w, c, job)
-        ret = _group_end(w)
-        if c.blocking == 0:
-            ret = _async_error(c)
-        _raise(ret)
+        _run_job(w, c, job)
 
 
 # --- user reduction ops ---------------------------------------------------------------------------------------
 
 def red_op_create_pre_mul_sum(scalar: Any, datatype: Any, residence: Any, comm: Any) -> Any:
     w, a = _enter("ncclRedOpCreatePreMulSum", "red_op_create_pre_mul_sum", (scalar, datatype, residence, comm))
-    c = _comm(w, comm, "ncclRedOpCreatePreMulSum")
-    if c is None:
-        _raise(INVALID_ARGUMENT)
-    assert c is not None
+    c = _live_comm(w, comm, "ncclRedOpCreatePreMulSum")
     with _Call(w, "ncclRedOpCreatePreMulSum", c):
         _raise(_ensure_ready(c))
         if a[1] not in _DTYPES:
@@ -1239,10 +1218,7 @@ def red_op_destroy(op: Any, comm: Any) -> Any:
     w, a = _enter("ncclRedOpDestroy", "red_op_destroy", (op, comm))
     if 0 <= a[0] < NUM_OPS:  # "operator is a NCCL builtin"
         _raise(INVALID_ARGUMENT)
-    c = _comm(w, comm, "ncclRedOpDestroy")
-    if c is None:
-        _raise(INVALID_ARGUMENT)
-    assert c is not None
+    c = _live_comm(w, comm, "ncclRedOpDestroy")
     with _Call(w, "ncclRedOpDestroy", c):
         if c.user_ops.pop(a[0], None) is None:  # "operator unknown to this communicator"
             _raise(INVALID_ARGUMENT)

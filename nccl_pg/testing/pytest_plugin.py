@@ -1,9 +1,11 @@
 """pytest fixtures over ``nccl_pg.testing``, registered through the
 ``pytest11`` entry point: any project with nccl_pg installed can use them.
 
-``nccl_pg.testing`` is imported inside the fixtures, not here: pytest loads
-plugins before coverage starts, and an import here would hide nccl_pg's
-module-level lines from coverage in every project that has it installed.
+The harness modules are imported inside the fixtures, not here (and the
+package ``nccl_pg.testing`` imports them only when a name is used): pytest
+loads plugins before coverage starts, and an import here would hide
+nccl_pg's module-level lines from coverage in every project that has it
+installed.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from .testing import ProcessRanks
+    from .processes import ProcessRanks
 
 
 @pytest.fixture
@@ -26,7 +28,7 @@ def thread_ranks() -> Iterator[Callable[..., list[Any]]]:
     results in rank order (``nccl_pg.testing.run_threads``). A rank thread
     the harness could not stop (stuck outside any collective) is reported
     at teardown, as a warning, since it keeps running in the background."""
-    from .testing import run_threads
+    from .threads import run_threads
 
     before = set(threading.enumerate())
     yield run_threads
@@ -46,7 +48,8 @@ class ProcessRanksFixture:
 
     def start(self, fn: Callable[..., Any], world_size: int, backend: str = "host", timeout: float | None = None,
               args: Sequence[Any] = ()) -> ProcessRanks:
-        from .testing import DEFAULT_TIMEOUT, ProcessRanks
+        from .failures import DEFAULT_TIMEOUT
+        from .processes import ProcessRanks
 
         ranks = ProcessRanks(fn, world_size, backend, DEFAULT_TIMEOUT if timeout is None else timeout, args)
         self._started.append(ranks)

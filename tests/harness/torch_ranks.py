@@ -1,4 +1,4 @@
-"""Scenario helpers for the torch backend tests (pg_harness worlds whose
+"""Scenario helpers for the torch backend tests (harness.forked worlds whose
 ranks call torch.distributed with backend "nccl_pg")."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch._dynamo  # noqa: F401 - DDP's constructor imports it (1.3 s): once in the forkserver, not in every rank
 import torch.distributed as tdist
-from pg_harness import Rank
 
 import nccl_pg.torch  # noqa: F401 - registers the "nccl_pg" backend
+from harness.forked import Rank
 
 BACKEND = nccl_pg.torch.BACKEND_NAME
 

@@ -19,8 +19,6 @@ import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import socket
-import subprocess
-import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -203,31 +201,3 @@ def run_world(scenario: Callable[..., Any], world_size: int, tmp_path: Any, back
             what += f"\nranks {missing} did not finish (killed; limit {timeout:.0f} s, 3 s after a failure)"
         raise AssertionError(f"{scenario.__name__} failed:\n{what}")
     return [results[r][1] for r in range(world_size)]
-
-
-def run_scripts(script: Any, world: int, env: Mapping[str, str],
-                rank_env: Mapping[int, Mapping[str, str]] | None = None,
-                timeout: float = 45.0) -> list[tuple[int, str]]:
-    """Run ``python script`` as ranks 0..world-1 (``RANK`` and ``WORLD_SIZE``
-    set; this process's NCCL_PG_/TORCH_ variables dropped, then ``env`` and
-    ``rank_env[rank]`` applied); each rank's (exit code, output). Ranks
-    still running at ``timeout`` are killed."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_PG_", "TORCH_NCCL_", "TORCH_FR_"))}
-    base.update(env, WORLD_SIZE=str(world))
-    procs: list[subprocess.Popen[str]] = []
-    try:
-        for rank in range(world):
-            e = {**base, "RANK": str(rank), **(rank_env or {}).get(rank, {})}
-            procs.append(subprocess.Popen([sys.executable, str(script)], env=e, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True))
-        deadline = time.monotonic() + timeout
-        results = []
-        for p in procs:
-            out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            results.append((p.returncode, out))
-        return results
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
