@@ -20,9 +20,9 @@ test-sim: install
 # No `install` prerequisite: lent GPU machines have no network; this checkout goes on PYTHONPATH.
 test-gpu:
 	@export PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}"; \
-	ngpu=$$($(PYTHON) -c 'from nccl_pg.backends import gpu_count; print(gpu_count())' 2>/dev/null || echo 0); \
+	ngpu=$$($(PYTHON) -c 'from nccl_pg.comm.backends import gpu_count; print(gpu_count())' 2>/dev/null || echo 0); \
 	if [ "$$ngpu" = 0 ]; then \
-		echo "test-gpu: no GPU on this machine (nccl_pg.backends.gpu_count() == 0); nothing to run."; \
+		echo "test-gpu: no GPU on this machine (nccl_pg.comm.backends.gpu_count() == 0); nothing to run."; \
 		echo "test-gpu: run it (or tools/gpu_check.sh) on a lent GPU machine, see ../shared/gpu/README.md"; \
 		exit 0; \
 	fi; \
@@ -31,7 +31,7 @@ test-gpu:
 	if [ $$rc -eq 5 ]; then echo "test-gpu: no gpu-marked tests collected"; exit 0; fi; exit $$rc
 
 demo: install
-	nccl-pg run --nproc $(NPROC) -m nccl_pg.demo
+	nccl-pg run --nproc $(NPROC) -m nccl_pg.cli.demo
 
 bench: install
 	$(PIP) install -q torch==2.13.0

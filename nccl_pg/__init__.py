@@ -52,6 +52,8 @@ from .distributed import (
 )
 from .errors import DistBackendError, DistError, DistNetworkError, DistStoreError, NanError
 from .group.options import NCCLConfig, Options
+from .group.process_group import SHRINK_ABORT, SHRINK_DEFAULT, ProcessGroup, ProcessGroupHost, ProcessGroupNCCL
+from .group.work import Future, OpType, Work, WorkInfo
 from .objects import (
     all_gather_object,
     broadcast_object_list,
@@ -60,17 +62,9 @@ from .objects import (
     scatter_object_list,
     send_object_list,
 )
-from .process_group import (
-    SHRINK_ABORT,
-    SHRINK_DEFAULT,
-    ProcessGroup,
-    ProcessGroupHost,
-    ProcessGroupNCCL,
-)
 from .reduce_op import ReduceOp, make_premul_sum
-from .rendezvous import Rendezvous, rendezvous
 from .store import FileStore, HashStore, PrefixStore, Store, TCPStore, TCPStoreServer
-from .work import Future, OpType, Work, WorkInfo
+from .store.rendezvous import Rendezvous, rendezvous
 
 __version__ = "0.1.0"
 

@@ -17,15 +17,16 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, overload
 
-from . import backends, env
+from . import env
 from .arrays import Array
+from .comm import backends
 from .group.options import DEFAULT_TIMEOUT, Options
-from .process_group import SHRINK_ABORT, SHRINK_DEFAULT, ProcessGroup
+from .group.process_group import SHRINK_ABORT, SHRINK_DEFAULT, ProcessGroup
+from .group.work import OpType, Work
 from .reduce_op import ReduceOp
-from .rendezvous import rendezvous
 from .store import PrefixStore, Store
+from .store.rendezvous import rendezvous
 from .timeouts import Timeout, to_seconds
-from .work import OpType, Work
 
 log = logging.getLogger(__name__)
 

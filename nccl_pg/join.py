@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 
 from .distributed import _get_default_group, all_reduce
-from .process_group import ProcessGroup
-from .work import Work
+from .group.process_group import ProcessGroup
+from .group.work import Work
 
 # Shadowed iterations after which a rank warns that the inputs are badly skewed.
 _SKEW_WARN_THRESHOLD = 1000

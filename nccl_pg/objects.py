@@ -32,7 +32,7 @@ import numpy as np
 from . import env
 from .distributed import Group, _finish, _global, _in_group, _resolve
 from .errors import DistBackendError
-from .process_group import ProcessGroup
+from .group.process_group import ProcessGroup
 
 
 class Serializer(Protocol):

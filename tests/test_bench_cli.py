@@ -14,7 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nccl_pg import backends, bench, cli, doctor
+from nccl_pg.cli import bench, doctor
+from nccl_pg.cli import main as cli
+from nccl_pg.comm import backends
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPARE = ROOT / "tools" / "bench_nccl_compare.py"
@@ -30,7 +32,7 @@ def _env() -> dict[str, str]:
 
 
 def run_cli(*argv: str, timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "nccl_pg.cli", *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "nccl_pg.cli.main", *argv], capture_output=True, text=True,
                           timeout=timeout, env=_env(), stdin=subprocess.DEVNULL, cwd=ROOT)
 
 

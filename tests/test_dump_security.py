@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from nccl_pg import cli, dump, trace
+from nccl_pg.cli import main as cli
+from nccl_pg.diagnostics import dump, trace
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="giving a file to another user needs root")

@@ -27,7 +27,8 @@ import pytest
 from harness import pg_scenarios as S
 from harness.procs import World
 
-from nccl_pg import HashStore, Options, ProcessGroupHost, dump, init_process_group
+from nccl_pg import HashStore, Options, ProcessGroupHost, init_process_group
+from nccl_pg.diagnostics import dump
 from nccl_pg.distributed import _set_thread_world, _World
 
 BOUND = 1.0  # the contract: failures surface within timeout + 1 s; abort releases waiters within 1 s

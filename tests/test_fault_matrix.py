@@ -62,7 +62,7 @@ from harness.fault_scenarios import fault_cell
 from harness.forked import nccl_unavailable_reason
 from harness.procs import World, live_children
 
-from nccl_pg.backends import SAME_GPU_ENV
+from nccl_pg.comm.backends import SAME_GPU_ENV
 
 N = 3
 VICTIM = 1

@@ -27,7 +27,7 @@ from harness.forked import Rank, run_world
 from harness.procs import run_scripts
 
 import nccl_pg as dist
-from nccl_pg.flight_recorder import dump_flight_recorder, dump_flight_recorder_json
+from nccl_pg.diagnostics.flight_recorder import dump_flight_recorder, dump_flight_recorder_json
 
 WORLD = 2
 THIS_FILE = os.path.basename(__file__)

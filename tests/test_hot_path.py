@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import nccl_pg as dist
-from nccl_pg import backends
+from nccl_pg.comm import backends
 from nccl_pg.comm.base import CommConfig, CommState
 from nccl_pg.comm.host.stream import HostStream
 from nccl_pg.comm.null import NULL, NullCommunicator, NullEvent, NullStream
@@ -111,7 +111,7 @@ def test_null_operations_complete_at_once_and_are_recorded(null_world: Any) -> N
     outs = [np.full(4, 7, np.float32), np.full(4, 7, np.float32)]
     dist.all_gather(outs, x)  # the layer's temporary buffer (zeros) is copied out: defined contents
     assert [o.tolist() for o in outs] == [[0.0] * 4, [0.0] * 4]
-    entries: list[Any] = dist.flight_recorder.get().entries()[-2:]
+    entries: list[Any] = dist.diagnostics.flight_recorder.get().entries()[-2:]
     assert [e.profiling_name for e in entries] == ["nccl:all_reduce", "nccl:all_gather"]
     assert [e.state for e in entries] == ["completed", "completed"] and all(e.retired for e in entries)
     assert null_world._get_sequence_number_for_group() == 2

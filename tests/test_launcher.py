@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from nccl_pg import backends
+from nccl_pg.comm import backends
 
 PRELUDE = '''\
 import os, pathlib, signal, subprocess, sys, time
@@ -54,7 +54,7 @@ def start(tmp_path: Path):
 
     def start(*args: str) -> subprocess.Popen[str]:
         env = {**os.environ, "TEST_DIR": str(tmp_path)}
-        proc = subprocess.Popen([sys.executable, "-m", "nccl_pg.cli", "run", *args], cwd=tmp_path, env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "nccl_pg.cli.main", "run", *args], cwd=tmp_path, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         procs.append(proc)
         return proc
@@ -171,7 +171,7 @@ def test_store_outlives_rank_0(tmp_path: Path, start) -> None:
         rank0 = pathlib.Path(f"/proc/{(DIR / 'ready.0').read_text()}")
         while rank0.exists():  # until the launcher has reaped rank 0
             time.sleep(0.01)
-        from nccl_pg.rendezvous import rendezvous
+        from nccl_pg.store.rendezvous import rendezvous
         store = rendezvous("env://", timeout=10).store
         store.set("k", "v")
         print(store.get("k").decode(), store.add("n", 2))
@@ -312,7 +312,7 @@ def test_the_ranks_own_children_die_with_a_sigkilled_launcher(tmp_path: Path, st
 
 def test_rank_guard_refuses_when_the_launcher_is_already_gone(tmp_path: Path) -> None:
     """The guard's own check covers the launcher dying before prctl takes effect."""
-    result = subprocess.run([sys.executable, "-m", "nccl_pg._rank_guard", "1", sys.executable, "-c", "print('ran')"],
+    result = subprocess.run([sys.executable, "-m", "nccl_pg.cli._rank_guard", "1", sys.executable, "-c", "print('ran')"],
                             capture_output=True, text=True, timeout=20)
     assert result.returncode == 1 and "ran" not in result.stdout
     assert "launcher exited before this rank started" in result.stderr
@@ -390,7 +390,7 @@ def test_bad_arguments_are_refused(tmp_path: Path, start, args: list[str], messa
 
 @pytest.mark.timeout(60)
 def test_demo_with_four_ranks(tmp_path: Path, start) -> None:
-    code, out, err = finish(start("--nproc", "4", "-m", "nccl_pg.demo"), timeout=50)
+    code, out, err = finish(start("--nproc", "4", "-m", "nccl_pg.cli.demo"), timeout=50)
     assert code == 0, err
     lines = rank_lines(out)
     assert sorted(lines) == [0, 1, 2, 3]
@@ -421,7 +421,7 @@ def test_demo_runs_on_nccl_where_there_is_a_gpu(tmp_path: Path, start) -> None:
     """The main job picks the NCCL backend (CuPy arrays) on a GPU machine;
     two ranks share GPU 0 when there is one GPU."""
     pytest.importorskip("cupy", reason="the demo runs on NCCL with CuPy arrays")
-    code, out, err = finish(start("--nproc", "2", "-m", "nccl_pg.demo"), timeout=220)
+    code, out, err = finish(start("--nproc", "2", "-m", "nccl_pg.cli.demo"), timeout=220)
     assert code == 0, err
     lines = rank_lines(out)
     for rank in (0, 1):
@@ -433,7 +433,7 @@ def test_demo_runs_on_nccl_where_there_is_a_gpu(tmp_path: Path, start) -> None:
 def test_store_command_reports_a_taken_port(tmp_path: Path) -> None:
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        result = subprocess.run([sys.executable, "-m", "nccl_pg.cli", "store", "--host", "127.0.0.1", "--port",
+        result = subprocess.run([sys.executable, "-m", "nccl_pg.cli.main", "store", "--host", "127.0.0.1", "--port",
                                  str(port)], cwd=tmp_path, capture_output=True, text=True, timeout=20)
     assert result.returncode == 1
     assert result.stderr.startswith("nccl-pg store: ") and f"127.0.0.1:{port}" in result.stderr
@@ -444,7 +444,7 @@ def test_store_command_serves_until_sigterm(tmp_path: Path) -> None:
     from nccl_pg.store import TCPStore
 
     env = {**os.environ, "NCCL_PG_STORE_SECRET": "s3cret"}
-    proc = subprocess.Popen([sys.executable, "-m", "nccl_pg.cli", "store", "--host", "127.0.0.1", "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "nccl_pg.cli.main", "store", "--host", "127.0.0.1", "--port", "0"],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None

@@ -36,8 +36,8 @@ import numpy as np
 import pytest
 
 import nccl_pg as dist
-from nccl_pg import watchdog
 from nccl_pg.distributed import _set_thread_world, _World
+from nccl_pg.group import watchdog
 from nccl_pg.store import HashStore
 
 SEQUENCES_PER_SEED = 50

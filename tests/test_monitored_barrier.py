@@ -16,7 +16,7 @@ from harness.forked import Rank, run_world
 
 import nccl_pg as dist
 from nccl_pg.errors import DistBackendError
-from nccl_pg.process_group import ProcessGroup
+from nccl_pg.group.process_group import ProcessGroup
 from nccl_pg.store import HashStore, Store
 
 pytestmark = pytest.mark.timeout(60)

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 import nccl_pg as dist
-from nccl_pg import backends, env
+from nccl_pg import env
+from nccl_pg.comm import backends
 from nccl_pg.comm.nan_scan import first_nan_of, lane_dtype
 from nccl_pg.errors import NanError
 from nccl_pg.group.options import Options
@@ -302,7 +303,7 @@ def test_a_dropped_group_with_a_check_is_freed_at_once() -> None:
     import time
     import weakref
 
-    from nccl_pg.process_group import ProcessGroup
+    from nccl_pg.group.process_group import ProcessGroup
 
     pg = ProcessGroup(dist.HashStore(), 0, 1, Options(nan_check="async"))
     pg.allreduce(np.ones(4, np.float32)).wait()

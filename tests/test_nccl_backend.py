@@ -17,7 +17,7 @@ import pytest
 from harness.forked import Rank, run_world
 
 import nccl_pg as dist
-from nccl_pg import backends
+from nccl_pg.comm import backends
 from nccl_pg.comm.base import CommConfig, CommState
 from nccl_pg.errors import DistBackendError
 from nccl_pg.reduce_op import ReduceOp
@@ -42,7 +42,7 @@ def libnccl() -> int:
 
 def test_import_loads_no_gpu_library() -> None:
     """Importing nccl_pg, and even the NCCL backend's package, loads no CUDA/NCCL module."""
-    code = ("import sys, nccl_pg, nccl_pg.backends, nccl_pg.comm.nccl\n"
+    code = ("import sys, nccl_pg, nccl_pg.comm.backends, nccl_pg.comm.nccl\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('cupy', 'cuda', 'nccl', 'torch', 'jax')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -467,7 +467,7 @@ def _s_graph_capture(r: Rank) -> dict:
     capture) replay correctly; they are not numbered, recorded or watched."""
     import cupy as cp
 
-    from nccl_pg import flight_recorder
+    from nccl_pg.diagnostics import flight_recorder
 
     pg = r.init(device_id=r.device)
     n = r.world_size

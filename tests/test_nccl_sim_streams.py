@@ -184,7 +184,7 @@ def test_defect11_list_collectives_and_barrier_in_a_global_capture() -> None:
     freed in the graph); a barrier's host data is copied outside the capture: a global-mode capture stays
     valid, with an un-waited operation pending so the watchdog polls during it. Captured operations are not
     numbered, recorded or watched; replays compute the right values."""
-    from nccl_pg import flight_recorder
+    from nccl_pg.diagnostics import flight_recorder
 
     pg = simnccl.start_world1(device=DEVICE)
     try:

@@ -173,7 +173,7 @@ def test_a_backend_without_wildcard_receive_refuses_it_at_the_call():
     communicator says what NCCL's says)."""
     from nccl_pg.comm.host.backend import HostBackend
     from nccl_pg.comm.host.communicator import HostCommunicator
-    from nccl_pg.process_group import ProcessGroup
+    from nccl_pg.group.process_group import ProcessGroup
     from nccl_pg.store import HashStore
 
     class NoWildcard(HostCommunicator):

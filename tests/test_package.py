@@ -11,7 +11,7 @@ import pytest
 
 def test_import_loads_no_gpu_library() -> None:
     code = (
-        "import sys, nccl_pg, nccl_pg.store, nccl_pg.rendezvous, nccl_pg.launcher, nccl_pg.cli\n"
+        "import sys, nccl_pg, nccl_pg.store, nccl_pg.store.rendezvous, nccl_pg.cli.launcher, nccl_pg.cli.main\n"
         "gpu = sorted(m for m in sys.modules if m.split('.')[0] in ('cupy', 'cuda', 'nccl', 'torch', 'jax', 'numba'))\n"
         "print(gpu)\n"
     )

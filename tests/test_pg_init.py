@@ -19,7 +19,8 @@ from harness.forked import Rank, free_port
 from harness.pg_seed import BACKENDS, NCCL_ONLY, NON_MEMBER, TEN_MINUTES, world
 
 import nccl_pg as dist
-from nccl_pg import ProcessGroupNCCL, backends
+from nccl_pg import ProcessGroupNCCL
+from nccl_pg.comm import backends
 from nccl_pg.distributed import _get_default_store, _set_thread_world, _World
 
 pytestmark = pytest.mark.timeout(60)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from nccl_pg import DistStoreError, Rendezvous, TCPStoreServer, rendezvous
-from nccl_pg.rendezvous import first_host
+from nccl_pg.store.rendezvous import first_host
 
 
 def free_port() -> int:

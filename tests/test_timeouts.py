@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 
 import nccl_pg as dist
-from nccl_pg import cli, env
+from nccl_pg import env
+from nccl_pg.cli import main as cli
 from nccl_pg.comm.base import CommConfig
 from nccl_pg.group.options import Options
-from nccl_pg.rendezvous import rendezvous
 from nccl_pg.store import FileStore, HashStore, PrefixStore, TCPStore, TCPStoreServer
+from nccl_pg.store.rendezvous import rendezvous
 from nccl_pg.timeouts import MAX_SECONDS, parse_seconds, to_seconds
 
 Policy = dict[str, bool]

@@ -1,4 +1,4 @@
-"""``nccl-pg trace`` (nccl_pg/trace.py) on the dumps of real runs.
+"""``nccl-pg trace`` (nccl_pg/diagnostics/trace.py) on the dumps of real runs.
 
 Faulty runs are real worlds of processes on the host backend (a rank that
 skips a collective, ranks that disagree on a size, a rank killed); the dumps
@@ -28,7 +28,8 @@ from harness.procs import run_scripts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nccl_pg import cli, trace
+from nccl_pg.cli import main as cli
+from nccl_pg.diagnostics import trace
 
 try:
     import torch  # noqa: F401
@@ -54,7 +55,7 @@ def wait_for(paths, timeout=30.0):
 
 _NCCL_PG = '''
 import nccl_pg as dist
-from nccl_pg.flight_recorder import dump_flight_recorder, dump_flight_recorder_json
+from nccl_pg.diagnostics.flight_recorder import dump_flight_recorder, dump_flight_recorder_json
 store = dist.FileStore(os.environ["TEST_STORE"], world)
 '''
 

@@ -136,7 +136,7 @@ class NcclPg(Runner):
         import numpy as np
 
         import nccl_pg as dist
-        from nccl_pg import flight_recorder
+        from nccl_pg.diagnostics import flight_recorder
         from nccl_pg.store import HashStore, TCPStore
 
         self.dist = dist
@@ -233,7 +233,7 @@ class Gpu(Runner):
     """World size 1 on GPU 0 through tools/bench_nccl_compare.py's peers (the same calls it measures)."""
 
     def __init__(self, cfg: dict[str, Any]) -> None:
-        from nccl_pg.backends import gpu_count
+        from nccl_pg.comm.backends import gpu_count
 
         if gpu_count() == 0:
             raise Unavailable("no GPU on this machine")

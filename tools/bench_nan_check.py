@@ -36,7 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import nccl_pg as dist  # noqa: E402
-from nccl_pg import backends  # noqa: E402
+from nccl_pg.comm import backends  # noqa: E402
 from nccl_pg.comm.nan_scan import first_nan_of  # noqa: E402
 from nccl_pg.group.options import Options  # noqa: E402
 

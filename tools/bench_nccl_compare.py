@@ -422,10 +422,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = json.loads(args._config)
         print(RESULT_TAG + json.dumps(run_peer(args._peer, cfg)), flush=True)
         return 0
-    from nccl_pg import backends
+    from nccl_pg.comm import backends
 
     if backends.gpu_count() == 0:
-        print("bench_nccl_compare: no GPU found (nccl_pg.backends.gpu_count() == 0); it compares NCCL paths on "
+        print("bench_nccl_compare: no GPU found (nccl_pg.comm.backends.gpu_count() == 0); it compares NCCL paths on "
               "one GPU and cannot run here", file=sys.stderr)
         return 2
     cfg = {"device": args.device, "iters": args.iters, "warmup": args.warmup, "rounds": args.rounds,

@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("NCCL_PG_ENABLE_MONITORING", "0")
     import nccl_pg as dist
-    from nccl_pg import flight_recorder
-    from nccl_pg.flight_recorder import FlightRecorder
+    from nccl_pg.diagnostics import flight_recorder
+    from nccl_pg.diagnostics.flight_recorder import FlightRecorder
     from nccl_pg.store import HashStore
 
     dist.init_process_group("host", store=HashStore(), rank=0, world_size=1, timeout=600)

@@ -326,7 +326,7 @@ def _rendezvous_torch(n: int, tag: str, env: dict[str, str]) -> float | str:
 
 async def _steady(server: Server, port: int, n: int, window: float) -> dict[str, Any]:
     """N ranks each park the signal listener's wait; the server's load over ``window``."""
-    from nccl_pg import diagnosis
+    from nccl_pg.diagnostics import diagnosis
 
     rss0 = server.rss_mb()
     ranks = await _connect_all(port, n)
@@ -345,7 +345,7 @@ async def _steady(server: Server, port: int, n: int, window: float) -> dict[str,
 
 
 async def _diagnosis_round(server: Server, port: int, n: int, timeout: float, silent_share: float) -> dict[str, Any]:
-    from nccl_pg import diagnosis, group_view, progress
+    from nccl_pg.diagnostics import diagnosis, group_view, progress
     from nccl_pg.store import TCPStore
 
     k = round(silent_share * n) if silent_share else 0
@@ -414,7 +414,7 @@ async def _diagnosis_round(server: Server, port: int, n: int, timeout: float, si
 
 def _comm_init(ks: list[int]) -> dict[int, dict[str, Any]]:
     """The host backend's real init for K thread-ranks; requests at the server, per rank."""
-    from nccl_pg.backends import get_backend
+    from nccl_pg.comm.backends import get_backend
     from nccl_pg.comm.base import CommConfig
     from nccl_pg.store import PrefixStore, TCPStore, TCPStoreServer
 

@@ -61,20 +61,20 @@ run_env() {
 run_bench() {  # checklist 2 (bench side): every op at world size 1, checked; overhead of a 1 KB all_reduce
     local rc=0
     for op in $SINGLE_OPS; do
-        python3 -m nccl_pg.cli bench --backend nccl --op "$op" -b 8 -e "$E" -f 4 -n "$N" --check \
+        python3 -m nccl_pg.cli.main bench --backend nccl --op "$op" -b 8 -e "$E" -f 4 -n "$N" --check \
             --json "$OUT/bench_1rank_$op.json" || rc=1
     done
-    python3 -m nccl_pg.cli bench --backend nccl --op all_reduce -b 1K -e 1K -w 200 -n "$OH" --overhead --check \
+    python3 -m nccl_pg.cli.main bench --backend nccl --op all_reduce -b 1K -e 1K -w 200 -n "$OH" --overhead --check \
         --json "$OUT/bench_overhead_1rank.json" || rc=1
     # checklist 8: the same ops captured into a CUDA graph and replayed
-    python3 -m nccl_pg.cli bench --backend nccl --op all_reduce -b 1K -e 64M -f 8 -n 20 --graph --check \
+    python3 -m nccl_pg.cli.main bench --backend nccl --op all_reduce -b 1K -e 64M -f 8 -n 20 --graph --check \
         --json "$OUT/bench_graph_1rank.json" || rc=1
     return $rc
 }
 run_multi() {  # checklist 3 (bench side): 2 ranks on the one GPU (NCCL_HOSTID + socket, set by bench itself)
     local rc=0
     for op in all_reduce all_gather reduce_scatter broadcast reduce all_to_all send_recv; do
-        python3 -m nccl_pg.cli bench --backend nccl --nproc 2 --op "$op" -b 8 -e 1M -f 16 -w 2 -n 5 --check \
+        python3 -m nccl_pg.cli.main bench --backend nccl --nproc 2 --op "$op" -b 8 -e 1M -f 16 -w 2 -n 5 --check \
             --timeout 120 --json "$OUT/bench_2ranks_$op.json" || rc=1
     done
     return $rc
@@ -87,7 +87,7 @@ stages=${*:-env doctor tests bench multi blocking nan compare}
 for s in $stages; do
     case $s in
         env) stage env run_env ;;
-        doctor) stage doctor python3 -m nccl_pg.cli doctor --json "$OUT/doctor.json" ;;
+        doctor) stage doctor python3 -m nccl_pg.cli.main doctor --json "$OUT/doctor.json" ;;
         tests) stage tests python3 -m pytest -m gpu -q -rA -p no:cacheprovider --junitxml "$OUT/pytest_gpu.xml" ;;
         bench) stage bench run_bench ;;
         multi) stage multi run_multi ;;

@@ -4,7 +4,7 @@ A lane holds a NaN iff its magnitude bits exceed those of infinity: the rules
 per lane dtype, the numpy scan the host backend runs, and the ``NanScan``
 protocol of a scan in flight. What a finding means for the caller (raise,
 fail the Work, end the process) is the group layer's policy
-(``nccl_pg/nan_check.py``).
+(``nccl_pg/group/nan_check.py``).
 
 Arrays are scanned in "lanes": their real scalars (a complex element is two
 lanes). A scan of several arrays reports the first NaN lane of their

@@ -14,13 +14,13 @@ import numpy as np
 from ..arrays import Array
 from ..comm.base import Communicator, Stream, check_dtype
 from ..errors import DistBackendError
-from ..fingerprint import Fingerprint
-from ..monitored_barrier import monitored_barrier
 from ..reduce_op import PremulSum, ReduceOp, resolve
 from ..store import PrefixStore
 from ..timeouts import Timeout, to_seconds
-from ..work import OpType, Work
+from .fingerprint import Fingerprint
 from .issuing import ANY_SOURCE, Issuing
+from .monitored_barrier import monitored_barrier
+from .work import OpType, Work
 
 Op = ReduceOp | PremulSum
 # An array, or torch's one-element list of it (one device per process).
@@ -347,7 +347,7 @@ class Collectives(Issuing):
     def monitored_barrier(self, timeout: Timeout | None = None, wait_all_ranks: bool = False) -> None:
         """A barrier over the group's store that names the ranks that did
         not arrive within ``timeout`` (default: the group's), as torch's;
-        see nccl_pg/monitored_barrier.py. Ranks other than 0 wait for rank
+        see nccl_pg/group/monitored_barrier.py. Ranks other than 0 wait for rank
         0's verdict up to the longer of ``timeout`` and the group timeout."""
         limit = self._timeout if timeout is None else to_seconds(timeout, "monitored_barrier timeout", zero=True)
         with self._lock:

@@ -21,19 +21,21 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from .. import diagnosis, dump, env, flight_recorder, forks, group_view, nan_check, watchdog
-from ..backends import get_backend
+from .. import env
+from ..comm.backends import get_backend
 from ..comm.base import WAIT_READY_GRACE, Backend, CommConfig, CommState, Communicator, Event, Stream
+from ..diagnostics import diagnosis, dump, flight_recorder, group_view
+from ..diagnostics.flight_recorder import Entry
+from ..diagnostics.group_view import Activity, GroupView, InFlight
 from ..errors import DistBackendError, NanError
-from ..flight_recorder import Entry
-from ..group_view import Activity, GroupView, InFlight
-from ..nan_check import NanCheck, Pending
 from ..store import PrefixStore, Store
 from ..timeouts import Timeout, to_seconds
-from ..work import Work, WorkInfo
+from . import forks, nan_check, watchdog
+from .nan_check import NanCheck, Pending
 from .options import Options
+from .work import Work, WorkInfo
 
-log = logging.getLogger("nccl_pg.process_group")
+log = logging.getLogger("nccl_pg.group.process_group")
 
 T = TypeVar("T")
 

@@ -9,16 +9,16 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .. import watchdog
 from ..comm.base import Communicator, Stream
+from ..diagnostics.flight_recorder import Entry
 from ..errors import DistBackendError
-from ..fingerprint import Fingerprint, mismatch
-from ..flight_recorder import Entry
-from ..nan_check import Pending
-from ..work import OpType, Work
+from . import watchdog
 from .core import OPEN, GroupCore
+from .fingerprint import Fingerprint, mismatch
+from .nan_check import Pending
+from .work import OpType, Work
 
-log = logging.getLogger("nccl_pg.process_group")
+log = logging.getLogger("nccl_pg.group.process_group")
 
 ANY_SOURCE = -1  # the peer of a receive from any source
 # The flight recorder's names for operations (PyTorch's, so its tools read our dumps).

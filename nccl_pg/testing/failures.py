@@ -9,7 +9,7 @@ import unittest
 from collections.abc import Sequence
 
 from ..distributed import _World
-from ..process_group import ProcessGroup
+from ..group.process_group import ProcessGroup
 
 DEFAULT_TIMEOUT = 60.0
 

@@ -9,7 +9,7 @@ def register_null_backend() -> str:
     (nccl_pg/comm/null.py), for measuring and counting what the layers above
     the Communicator contract cost per operation. Not a collective: outputs
     are left as they are."""
-    from .. import backends
+    from ..comm import backends
     from ..comm.null import NULL
 
     backends.register_backend(NULL.name, NULL)

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..distributed import _set_thread_world, _World, destroy_process_group, init_process_group, is_initialized
 from ..errors import DistBackendError, DistError
-from ..process_group import ProcessGroup
+from ..group.process_group import ProcessGroup
 from ..store import HashStore
 from ..store.base import timeout_error
 from ..timeouts import Timeout

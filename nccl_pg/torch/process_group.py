@@ -19,13 +19,13 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
+from ..group.monitored_barrier import monitored_barrier
 from ..group.options import Options
-from ..monitored_barrier import monitored_barrier
-from ..process_group import ProcessGroup, ProcessGroupHost, ProcessGroupNCCL
+from ..group.process_group import ProcessGroup, ProcessGroupHost, ProcessGroupNCCL
+from ..group.work import WorkInfo
 from ..reduce_op import ReduceOp
 from ..store import PrefixStore
 from ..timeouts import Timeout, to_seconds
-from ..work import WorkInfo
 from .sparse import all_reduce_sparse
 from .store import TorchStore
 from .tensors import as_array, device_type
@@ -269,7 +269,7 @@ class ProcessGroupTorch(tdist.ProcessGroup):
     def monitored_barrier(self, timeout: Timeout | None = None, wait_all_ranks: bool = False) -> None:
         """torch's monitored_barrier (Gloo's semantics and messages) over
         this group's store: independent of the CPU/CUDA communicators, so it
-        works while they are stuck (nccl_pg/monitored_barrier.py). Default
+        works while they are stuck (nccl_pg/group/monitored_barrier.py). Default
         timeout: the group's."""
         group_timeout = self._npg_options.timeout
         limit = group_timeout if timeout is None else to_seconds(timeout, "monitored_barrier timeout", zero=True)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from ..process_group import ProcessGroup
+from ..group.process_group import ProcessGroup
+from ..group.work import Work
 from ..reduce_op import ReduceOp
-from ..work import Work
 from .tensors import as_array
 
 

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as tdist
 
 from .. import errors
+from ..group.work import Work
 from ..timeouts import to_seconds
-from ..work import Work
 
 _THREADS = 16  # futures being waited for at once per group; more queue up
 _KEPT = 16  # latest TorchWorks of a group kept alive (see Completer)

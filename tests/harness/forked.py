@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 import nccl_pg as dist
-from nccl_pg import backends
+from nccl_pg.comm import backends
 
 _preloaded: set[str] = set()
 SIM_DEVICE = 1  # the simulated GPU a simnccl rank drives

@@ -36,7 +36,7 @@ def install(devices: int = 2, version: int = SIM_VERSION) -> None:
     simulated state lives as long as the process: installing again after
     ``uninstall()`` resumes it (threads keep their device and capture mode,
     as they would with one CUDA runtime)."""
-    from nccl_pg import backends  # noqa: PLC0415
+    from nccl_pg.comm import backends  # noqa: PLC0415
     from nccl_pg.comm.nccl import _lib  # noqa: PLC0415
 
     global _modules
@@ -56,7 +56,7 @@ _modules: tuple[Any, Any, Any] = (None, None, None)
 
 def uninstall() -> None:
     """Give nccl_pg the real bindings back (the simulated state stays for a later ``install()``)."""
-    from nccl_pg import backends  # noqa: PLC0415
+    from nccl_pg.comm import backends  # noqa: PLC0415
     from nccl_pg.comm.nccl import _lib  # noqa: PLC0415
 
     _lib.use_modules()

@@ -41,10 +41,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..store import FileStore, HashStore, Store
 from . import progress
 from .group_view import GroupView
 from .progress import Answer
-from .store import FileStore, HashStore, Store
 
 log = logging.getLogger(__name__)
 

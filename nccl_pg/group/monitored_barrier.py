@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import time
 
-from .errors import DistBackendError
-from .store import Store
+from ..errors import DistBackendError
+from ..store import Store
 
 _KEYS = ("arrived", "count", "all", "verdict")
 _OK = b"ok"

@@ -21,10 +21,10 @@ import time
 from dataclasses import dataclass
 from typing import IO, BinaryIO
 
-from . import env
-from .errors import DistError
-from .store import TCPStoreServer
-from .timeouts import option_seconds
+from .. import env
+from ..errors import DistError
+from ..store import TCPStoreServer
+from ..timeouts import option_seconds
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 EXIT_STATUS_HELP = ("exit status: 0 when every rank exits 0; otherwise that of the first rank to fail (128+N for "
@@ -273,7 +273,7 @@ class _Job:
 
     def _spawn(self, rank: int, rank_env: dict[str, str]) -> None:
         pipe = subprocess.PIPE if self.config.prefix else None
-        command = [sys.executable, "-m", "nccl_pg._rank_guard", str(os.getpid()), *self.config.command]
+        command = [sys.executable, "-m", "nccl_pg.cli._rank_guard", str(os.getpid()), *self.config.command]
         proc = subprocess.Popen(command, env=rank_env, stdin=subprocess.DEVNULL,
                                 stdout=pipe, stderr=pipe, start_new_session=True)
         self.ranks.append(_Rank(rank, proc))

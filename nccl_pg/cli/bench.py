@@ -47,8 +47,8 @@ from typing import Any
 
 import numpy as np
 
+from ..timeouts import option_seconds
 from . import launcher
-from .timeouts import option_seconds
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "send_recv")
 INPLACE, OUTOFPLACE = "in-place", "out-of-place"
@@ -184,7 +184,7 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.nproc is not None and args.root >= args.nproc:
         parser.error(f"--root {args.root} is not a rank of --nproc {args.nproc}")
     if args.backend == "nccl" and _local_job(args):
-        from . import backends
+        from ..comm import backends
 
         if backends.gpu_count() == 0:
             parser.error("--backend nccl needs an NVIDIA GPU, and none was found; use --backend host to run "
@@ -222,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc is None and "WORLD_SIZE" in os.environ:
         return run_rank(args)
     nproc = args.nproc or 1
-    command = [sys.executable, "-m", "nccl_pg.bench", *worker_argv(args)]
+    command = [sys.executable, "-m", "nccl_pg.cli.bench", *worker_argv(args)]
     config = launcher.LaunchConfig(nproc=nproc, command=command, prefix=False)
     return launcher.launch(config)
 
@@ -374,7 +374,7 @@ class Case:
 
 
 def _reduce_op(name: str) -> Any:
-    from .reduce_op import ReduceOp
+    from ..reduce_op import ReduceOp
 
     return {"sum": ReduceOp.SUM, "prod": ReduceOp.PRODUCT, "min": ReduceOp.MIN, "max": ReduceOp.MAX,
             "avg": ReduceOp.AVG}[name]
@@ -393,7 +393,7 @@ class _Device:
             self.xp = np
             self.sync: Callable[[], None] = lambda: None
             return
-        from . import backends
+        from ..comm import backends
 
         self.index = backends.pick_gpu(rank, local_rank, local_world)
         import cupy
@@ -494,8 +494,8 @@ def run_rank(args: argparse.Namespace) -> int:
     """One rank of the benchmark (env:// rendezvous); rank 0 reports."""
     import nccl_pg as dist
 
-    from .distributed import _get_default_store
-    from .store import PrefixStore
+    from ..distributed import _get_default_store
+    from ..store import PrefixStore
 
     rank, n = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
@@ -508,7 +508,7 @@ def run_rank(args: argparse.Namespace) -> int:
         return 2
     dev = _Device(args.backend, local_rank, local_world, rank)
     if "MASTER_ADDR" not in os.environ:  # one rank on its own
-        from .store import HashStore
+        from ..store import HashStore
 
         dist.init_process_group(args.backend, store=HashStore(), rank=0, world_size=1, timeout=args.timeout)
     else:
@@ -634,7 +634,7 @@ class _Report:
 
 
 def machine_info(backend: str, device: str) -> dict[str, Any]:
-    from . import __version__
+    from .. import __version__
 
     info: dict[str, Any] = {"nccl_pg": __version__, "python": platform.python_version(), "numpy": np.__version__,
                             "host": socket.gethostname(), "cpus": os.cpu_count(), "device": device,

@@ -7,7 +7,7 @@ import functools
 import os
 import socket
 
-from .comm.base import Backend
+from .base import Backend
 
 NO_GPU_MESSAGE = "ProcessGroupNCCL is only supported with GPUs, no GPUs found!"
 
@@ -15,7 +15,7 @@ NO_GPU_MESSAGE = "ProcessGroupNCCL is only supported with GPUs, no GPUs found!"
 @functools.cache
 def gpu_count() -> int:
     """GPUs visible to this process; 0 without a driver or CUDA bindings."""
-    from .comm.nccl import _lib  # noqa: PLC0415 - loads no CUDA library by itself
+    from .nccl import _lib  # noqa: PLC0415 - loads no CUDA library by itself
 
     try:
         driver = _lib.driver()
@@ -78,13 +78,13 @@ def get_backend(name: str) -> Backend:
     if name in _registered:
         return _registered[name]
     if name == "host":
-        from .comm.host.backend import HOST
+        from .host.backend import HOST
 
         return HOST
     if name == "nccl":
         if gpu_count() == 0:
             raise ValueError(NO_GPU_MESSAGE)
-        from .comm.nccl.backend import NCCL
+        from .nccl.backend import NCCL
 
         return NCCL
     extra = "".join(f", {n!r}" for n in sorted(_registered))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .reduce_op import ReduceOp
+from ..reduce_op import ReduceOp
 from .work import OpType
 
 FIELDS = ("operation", "dtype", "count", "reduction", "root")

@@ -1,7 +1,7 @@
 """The main job: rendezvous through env://, then every collective of the
 API on 4 ranks, each result checked, and a table of what ran.
 
-    nccl-pg run --nproc 4 -m nccl_pg.demo
+    nccl-pg run --nproc 4 -m nccl_pg.cli.demo
 
 Any launcher that sets the env:// variables works too (torchrun, srun,
 mpirun). It runs on the default backend: the host backend (CPUs) until the
@@ -23,12 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from . import distributed as dist
-from .objects import all_gather_object, broadcast_object_list
-from .reduce_op import ReduceOp
-from .rendezvous import Rendezvous, rendezvous
+from .. import distributed as dist
+from ..objects import all_gather_object, broadcast_object_list
+from ..reduce_op import ReduceOp
+from ..store.rendezvous import Rendezvous, rendezvous
 
-PREFIX = "nccl_pg.demo/"
+PREFIX = "nccl_pg.cli.demo/"
 xp: Any = np  # the array module of the backend in use (CuPy on NCCL)
 
 
@@ -74,7 +74,7 @@ def choose_backend(rdv: Rendezvous) -> tuple[str, int | None, str]:
     """(backend, device, why): NCCL with CuPy arrays where a GPU and CuPy
     are present, else the host backend with numpy arrays."""
     global xp
-    from . import backends
+    from ..comm import backends
 
     if backends.gpu_count() == 0:
         return "host", None, "no GPU here"

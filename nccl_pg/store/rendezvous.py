@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import parse_qs, unquote, urlparse
 
-from . import env
-from .store import FileStore, Store, TCPStore
-from .timeouts import Timeout, to_seconds
+from .. import env
+from ..timeouts import Timeout, to_seconds
+from . import FileStore, Store, TCPStore
 
 
 @dataclass

@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from . import env, group_view
+from .. import env
+from . import group_view
 from .group_view import GroupView
 
 VERSION = "2.10"

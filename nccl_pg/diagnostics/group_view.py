@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .store import PrefixStore, Store
+from ..store import PrefixStore, Store
 
 
 def root_of(store: Store) -> tuple[Store, str]:

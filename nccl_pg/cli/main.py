@@ -11,9 +11,11 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from . import bench, doctor, env, launcher, trace
-from .errors import DistError
-from .store import TCPStoreServer
+from .. import env
+from ..diagnostics import trace
+from ..errors import DistError
+from ..store import TCPStoreServer
+from . import bench, doctor, launcher
 
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 

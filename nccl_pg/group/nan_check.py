@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import env
-from .comm.nan_scan import NanScan, lane_dtype, locate
-from .errors import DistBackendError, NanError
+from .. import env
+from ..comm.nan_scan import NanScan, lane_dtype, locate
+from ..errors import DistBackendError, NanError
 
 if TYPE_CHECKING:
-    from .comm.base import Backend, Stream
-    from .group_view import GroupView
+    from ..comm.base import Backend, Stream
+    from ..diagnostics.group_view import GroupView
     from .work import OpType
 
 

@@ -38,7 +38,8 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from . import env, flight_recorder
+from .. import env
+from . import flight_recorder
 from .group_view import GroupView
 
 

@@ -13,13 +13,13 @@ import atexit
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+from ..comm.base import CommState, check_exclude
+from ..errors import DistBackendError
+from ..store import Store
 from . import watchdog
-from .comm.base import CommState, check_exclude
-from .errors import DistBackendError
-from .group.collectives import Collectives
-from .group.core import GroupState
-from .group.options import Options
-from .store import Store
+from .collectives import Collectives
+from .core import GroupState
+from .options import Options
 
 # shrink flags (torch's values): stop the parent's in-flight operations first, or not
 SHRINK_DEFAULT = 0x00

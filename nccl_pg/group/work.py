@@ -19,14 +19,14 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
-from . import diagnosis
-from .errors import DistBackendError, NanError
-from .timeouts import Timeout, to_seconds
+from ..diagnostics import diagnosis
+from ..errors import DistBackendError, NanError
+from ..timeouts import Timeout, to_seconds
 
 if TYPE_CHECKING:
-    from .comm.base import Event
-    from .flight_recorder import Entry
-    from .group_view import GroupView
+    from ..comm.base import Event
+    from ..diagnostics.flight_recorder import Entry
+    from ..diagnostics.group_view import GroupView
 
 # Longest slice wait() blocks on an event before re-checking errors and deadlines.
 _WAIT_SLICE = 0.05

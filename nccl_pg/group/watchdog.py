@@ -30,11 +30,13 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from . import diagnosis, dump, env, forks, group_view
+from .. import env
+from ..diagnostics import diagnosis, dump, group_view
+from . import forks
 
 if TYPE_CHECKING:
-    from .comm.base import Backend
-    from .group_view import GroupView
+    from ..comm.base import Backend
+    from ..diagnostics.group_view import GroupView
     from .work import Work
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Each rank's first program under `nccl-pg run`: ties the rank and
 everything it starts to the launcher's life.
 
-    python -m nccl_pg._rank_guard LAUNCHER_PID command [args...]
+    python -m nccl_pg.cli._rank_guard LAUNCHER_PID command [args...]
 
 The guard stays as the rank's parent: a small process that forks the rank's
 command and waits. It is done here rather than in a Popen preexec_fn because

@@ -86,9 +86,9 @@ class Doctor:
     # --- the probes ----------------------------------------------------------------
 
     def versions(self) -> Outcome:
-        from . import __version__
+        from .. import __version__
 
-        return OK, f"{__version__} ({Path(__file__).resolve().parent})"
+        return OK, f"{__version__} ({Path(__file__).resolve().parents[1]})"
 
     def python(self) -> Outcome:
         import numpy
@@ -268,7 +268,7 @@ class Doctor:
     def nccl_sanity(self, gpu: dict[str, Any]) -> Outcome:
         if not self.nccl_loaded:
             raise RuntimeError("NCCL library not loaded (see the nccl probe)")
-        cmd = [sys.executable, "-m", "nccl_pg.doctor", "--_sanity-device", str(gpu["index"])]
+        cmd = [sys.executable, "-m", "nccl_pg.cli.doctor", "--_sanity-device", str(gpu["index"])]
         t0 = time.monotonic()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.args.sanity_timeout,
@@ -349,7 +349,7 @@ def _check(err: Any, what: str) -> None:
 
 def _kernel_sources() -> list[Path]:
     """The .cu files of kernels/ (installed in the package as _kernels, or the checkout's top level)."""
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[1]
     for d in (here / "_kernels", here.parent / "kernels"):
         if d.is_dir():
             found = sorted(d.glob("*.cu"))

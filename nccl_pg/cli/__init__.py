@@ -1,0 +1,1 @@
+"""The commands: nccl-pg run|store|bench|trace|doctor, the launcher and the demo job."""
