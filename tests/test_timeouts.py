@@ -261,7 +261,7 @@ def test_command_line_options_refuse_as_the_normaliser(argv: list[str], option: 
 
 def test_torch_work_wait_goes_through_the_normaliser(tmp_path: Path) -> None:
     pytest.importorskip("torch", reason="the torch backend needs PyTorch")
-    from pg_harness import run_world  # noqa: PLC0415
+    from harness.forked import run_world  # noqa: PLC0415
 
     messages = run_world(_s_torch_wait, 2, tmp_path, timeout=60, env={"NCCL_PG_DUMP_ON_TIMEOUT": "0"})[0]
     refused, expired = messages
@@ -273,7 +273,7 @@ def test_torch_work_wait_goes_through_the_normaliser(tmp_path: Path) -> None:
 def _s_torch_wait(r: Any) -> tuple[str, str] | None:
     import torch  # noqa: PLC0415
     import torch.distributed as tdist  # noqa: PLC0415
-    from torch_harness import init  # noqa: PLC0415
+    from harness.torch_ranks import init  # noqa: PLC0415
 
     init(r, timeout=20)
     tdist.barrier()
