@@ -64,6 +64,8 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
+import numeric_getnameinfo  # tools/, beside this script
+
 HOST = "127.0.0.1"
 SILENT_SHARE = 0.01  # ranks dead or frozen in the diagnosis round
 BEHIND_SHARE = 0.001  # ranks alive that never issued the collective
@@ -282,28 +284,10 @@ for t in threads:
 print(time.perf_counter() - t0 if not errors else "failed: " + errors[0], flush=True)
 """
 
-# torch formats every peer address with getnameinfo(), a reverse DNS lookup per connect and accept (10 s for
-# 100 ranks with this machine's resolver): as tools/bench_store.py does, its processes preload a shim that
-# makes the lookups numeric, so that the resolver is not what is measured.
-_SHIM_C = r"""
-#define _GNU_SOURCE
-#include <dlfcn.h>
-#include <netdb.h>
-int getnameinfo(const struct sockaddr *sa, socklen_t salen, char *host, socklen_t hostlen,
-                char *serv, socklen_t servlen, int flags) {
-    static int (*real)(const struct sockaddr *, socklen_t, char *, socklen_t, char *, socklen_t, int);
-    if (!real) real = dlsym(RTLD_NEXT, "getnameinfo");
-    return real(sa, salen, host, hostlen, serv, servlen, flags | NI_NUMERICHOST);
-}
-"""
-
 
 def _torch_env(workdir: str) -> tuple[dict[str, str], str]:
-    src, lib = os.path.join(workdir, "numeric_getnameinfo.c"), os.path.join(workdir, "numeric_getnameinfo.so")
-    with open(src, "w") as f:
-        f.write(_SHIM_C)
     try:
-        subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", lib, src, "-ldl"], check=True, capture_output=True)
+        lib = numeric_getnameinfo.build(workdir)
     except (OSError, subprocess.CalledProcessError) as exc:
         return dict(os.environ), f"system resolver (no shim: {exc})"
     preload = " ".join(filter(None, [os.environ.get("LD_PRELOAD"), lib]))

@@ -46,6 +46,8 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
+import numeric_getnameinfo  # tools/, beside this script
+
 HOST = "127.0.0.1"
 VALUE = b"v" * 128  # about an NCCL unique id
 MULTI_KEYS = [f"bench/multi/{i}" for i in range(16)]
@@ -57,17 +59,6 @@ BIG_N = 2000
 STORE_TIMEOUT = 120.0
 BATCH = 50  # ops between clock reads
 
-_SHIM_C = r"""
-#define _GNU_SOURCE
-#include <dlfcn.h>
-#include <netdb.h>
-int getnameinfo(const struct sockaddr *sa, socklen_t salen, char *host, socklen_t hostlen,
-                char *serv, socklen_t servlen, int flags) {
-    static int (*real)(const struct sockaddr *, socklen_t, char *, socklen_t, char *, socklen_t, int);
-    if (!real) real = dlsym(RTLD_NEXT, "getnameinfo");
-    return real(sa, salen, host, hostlen, serv, servlen, flags | NI_NUMERICHOST);
-}
-"""
 
 
 # --- stores ----------------------------------------------------------------------
@@ -337,16 +328,12 @@ def _start_servers(ctx: Any, cpus: set[int] | None) -> dict[str, tuple[int, Conn
 
 
 def _build_shim(workdir: str) -> str | None:
-    src, lib = os.path.join(workdir, "numeric_getnameinfo.c"), os.path.join(workdir, "numeric_getnameinfo.so")
-    with open(src, "w") as f:
-        f.write(_SHIM_C)
     try:
-        subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", lib, src, "-ldl"], check=True, capture_output=True)
+        return numeric_getnameinfo.build(workdir)
     except (OSError, subprocess.CalledProcessError) as exc:
         print(f"warning: cannot build the getnameinfo shim ({exc}); torch keeps its reverse DNS lookups",
               file=sys.stderr)
         return None
-    return lib
 
 
 def _busy_cpu_s() -> float:

@@ -56,6 +56,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -115,9 +116,8 @@ def _detection(dist: Any, timeout: float) -> tuple[float, str]:
     raise RuntimeError("the all_reduce completed without rank 1")
 
 
-def _watchdog(dist: Any, timeout: float) -> tuple[float, str]:
-    dist.distributed._set_pg_timeout(timeout)
-    x = np.ones(1)
+def _failure_catcher() -> tuple[threading.Event, dict[str, Any], Callable[[Any], None]]:
+    """A future's done-callback that records when it ran and the error it carried, and an event it sets."""
     failed = threading.Event()
     got: dict[str, Any] = {}
 
@@ -128,6 +128,14 @@ def _watchdog(dist: Any, timeout: float) -> tuple[float, str]:
         except Exception as exc:
             got["msg"] = str(exc)
         failed.set()
+
+    return failed, got, done
+
+
+def _watchdog(dist: Any, timeout: float) -> tuple[float, str]:
+    dist.distributed._set_pg_timeout(timeout)
+    x = np.ones(1)
+    failed, got, done = _failure_catcher()
 
     t0 = time.monotonic()
     work = dist.all_reduce(x, async_op=True)
@@ -171,16 +179,7 @@ def _gloo(kind: str, timeout: float) -> tuple[float, str]:
     import torch
     import torch.distributed as tdist
 
-    failed = threading.Event()
-    got: dict[str, Any] = {}
-
-    def done(fut: Any) -> None:
-        got["t"] = time.monotonic()
-        try:
-            fut.value()
-        except Exception as exc:
-            got["msg"] = str(exc)
-        failed.set()
+    failed, got, done = _failure_catcher()
 
     t0 = time.monotonic()
     work = tdist.all_reduce(torch.ones(1), async_op=True)
