@@ -173,7 +173,7 @@ def test_dump_pipe_must_be_our_fifo(tmp_path: Path, planted: str) -> None:
 
 _KILLED_WRITER = textwrap.dedent('''
     import pickle, sys, time
-    from nccl_pg import dump
+    from nccl_pg.diagnostics import dump
 
     def slow(obj, f):  # half a dump, then the writer is killed
         f.write(pickle.dumps(obj)[:100]); f.flush()

@@ -50,6 +50,12 @@ BOUNDS = {
 }
 
 
+# A thread woken, or the caller blocked, once per op would count OPS (1000); a loaded machine adds a few
+# switches on its own (a GIL hand-off to another of the process's threads, seen up to 7 in a full suite run
+# beside other jobs), so the bound is 1% of the ops, far below one per op.
+SWITCH_NOISE = OPS // 100
+
+
 @pytest.mark.parametrize("backend", ["null", "host1"])
 def test_one_collective_does_no_more_than_counted(backend: str) -> None:
     """Sync all_reduce of 1 KB, 1000 times after a warm-up (null communicator
@@ -61,7 +67,7 @@ def test_one_collective_does_no_more_than_counted(backend: str) -> None:
     locks, calls, peak = BOUNDS[backend]
     assert c["store"] == 0, c
     if c["woken"] is not None:  # Linux: per-thread context switches
-        assert c["woken"] <= 2 and c["blocked"] <= 2, c
+        assert c["woken"] <= SWITCH_NOISE and c["blocked"] <= SWITCH_NOISE, c
     assert c["locks"] <= locks * OPS, c
     assert c["calls"] <= calls * OPS, c
     assert c["peak"] <= peak, c
