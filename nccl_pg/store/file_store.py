@@ -63,6 +63,21 @@ def record(kind: int, key: str, value: bytes = b"") -> bytes:
     return part + struct.pack("<I", zlib.crc32(part)) + k + value
 
 
+def _apply(state: KeyValueState, kind: int, key: str, value: bytes) -> bool:
+    """Apply one logged record to ``state``; False for a kind no writer makes (a damaged file)."""
+    if kind == _SET:
+        state.data[key] = value
+    elif kind == _DELETE:
+        state.delete(key)
+    elif kind == _PUSH:
+        state.queue_push(key, value)
+    elif kind == _POP:
+        state.queue_pop(key)
+    else:
+        return False
+    return True
+
+
 class FileStore(Store):
     def __init__(self, path: str | os.PathLike[str], world_size: int = -1, timeout: Timeout = 300.0) -> None:
         super().__init__(timeout)
@@ -193,15 +208,7 @@ class FileStore(Store):
                 key = key_bytes.decode()
             except UnicodeDecodeError:
                 raise self._corrupt(at, f"a key that is not UTF-8 ({key_bytes[:40]!r})") from None
-            if kind == _SET:
-                state.data[key] = value
-            elif kind == _DELETE:
-                state.delete(key)
-            elif kind == _PUSH:
-                state.queue_push(key, value)
-            elif kind == _POP:
-                state.queue_pop(key)
-            else:
+            if not _apply(state, kind, key, value):
                 raise self._corrupt(at, f"a record of unknown kind {kind}")
             pos = end
         self._offset += pos
@@ -215,14 +222,7 @@ class FileStore(Store):
             records = change()
             state = self._state
             for kind, key, value in records:
-                if kind == _SET:
-                    state.data[key] = value
-                elif kind == _DELETE:
-                    state.delete(key)
-                elif kind == _PUSH:
-                    state.queue_push(key, value)
-                else:
-                    state.queue_pop(key)
+                _apply(state, kind, key, value)
             log = b"".join([record(kind, key, value) for kind, key, value in records])
             if log:
                 os.write(fd, log)
