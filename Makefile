@@ -54,6 +54,6 @@ torch-suite: install
 # ruff (SLF001 included: no reaching into another module's private members), then mypy over the package
 # (configured in pyproject.toml); any finding fails. tests/test_layering.py checks the imports (`make test`).
 lint:
-	$(PIP) install -q -e '.[lint]'
+	$(PIP) install -q -e '.[test,lint]'
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m mypy
