@@ -150,6 +150,29 @@ def test_dump_pipe(tmp_path: Any) -> None:
     assert not os.path.exists(str(tmp_path / "trace_1"))  # only the rank asked through its pipe dumped
 
 
+def _signal_dump(r: Rank) -> bool:
+    from nccl_pg.group import watchdog
+
+    pg = r.init()
+    pg.allreduce(r.full((3, 4), 1.0)).wait()
+    found = True
+    if r.rank == 0:  # as FLIGHT_RECORDER.md documents: ask every other rank on pg's store for its dump
+        watchdog.get().signal_dump(pg, "asked by rank 0")
+        dump_file = os.environ["NCCL_PG_DEBUG_INFO_TEMP_FILE"] + "1"
+        _wait_until(lambda: os.path.exists(dump_file), "rank 1's dump")
+        with open(dump_file, "rb") as fh:
+            found = "all_reduce" in str(pickle.load(fh))
+    pg.barrier().wait()  # rank 1 stays in the group until rank 0 has read its dump
+    return found
+
+
+@pytest.mark.timeout(60)
+def test_signal_dump_makes_the_other_ranks_dump(tmp_path: Any) -> None:
+    """watchdog.get().signal_dump(pg, reason), as documented: every other rank sharing pg's store dumps."""
+    assert run_world(_signal_dump, WORLD, tmp_path, env=_env(tmp_path)) == [True, True]
+    assert not os.path.exists(str(tmp_path / "trace_0"))  # the asking rank writes its own only if it asks to
+
+
 def _long(r: Rank) -> list[dict[str, Any]]:
     pg = r.init()
     a = r.full((3, 4), float(r.rank))

@@ -246,11 +246,11 @@ class Watchdog:
             with contextlib.suppress(OSError):
                 os.unlink(path)
 
-    def signal_dump(self, view: GroupView, reason: str) -> int:
-        """Ask every other rank sharing the store of ``view``'s group to write
-        its dump (this one writes its own with ``write_dump``); returns the
-        incident's number."""
-        return self.diagnosis.watch(view).raise_signal(reason, answer=False, dump=True)
+    def signal_dump(self, group: Watched, reason: str) -> int:
+        """Ask every other rank sharing ``group``'s store to write its dump
+        (this one writes its own with ``write_dump``); returns the incident's
+        number."""
+        return self.diagnosis.watch(group.diag).raise_signal(reason, answer=False, dump=True)
 
     def write_dump(self, reason: str, rank: int) -> str | None:
         try:
