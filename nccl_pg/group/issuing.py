@@ -48,7 +48,8 @@ class Issuing(GroupCore):
         flight recorder; ``peer`` (group rank, or ``ANY_SOURCE``) makes it a
         send or recv of ``buf``, on the stream the backend gives it.
         ``check``: the arrays the NaN check scans; callers pass
-        ``self._nan and [...]``, so that no list is built when it is off.
+        ``[...] if self._nan is not None else None``, so that no list is built
+        when it is off.
         ``fingerprint``: what every rank's collective must agree on, checked
         in debug mode (callers pass ``self._detail and Fingerprint(...)``).
         ``source``: a receive from any source's enqueue appends who sent
