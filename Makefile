@@ -1,18 +1,28 @@
 PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 NPROC ?= 4
+# The CUDA major of the test install (13 or 12): NCCL's library, NVRTC and cuda-bindings all of that major.
+CUDA_MAJOR ?= 13
+# torch's CPU build for the torch-backend tests (a bare `torch` from PyPI is a multi-GB CUDA build).
+TORCH ?= torch==2.13.0
 
-.PHONY: install test test-sim test-gpu bench demo lint torch-suite
+.PHONY: install install-test test test-sim test-gpu bench demo lint torch-suite
 
+# What the demo needs: the package (its numpy host backend runs without a GPU).
 install:
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e .
 
-# The CPU suite: every test that does not need a GPU (gpu tests skip with a reason).
-test: install
-	$(PYTHON) -m pytest -q
+# Everything the CPU suite needs, so that only GPU tests skip: the test tools, NCCL's library and NVRTC of
+# one CUDA major, torch's CPU build.
+install-test:
+	$(PIP) install -q -e '.[test,test-cu$(CUDA_MAJOR),torch]' '$(TORCH)'
+
+# The CPU suite: every test that does not need a GPU. Tests that need one skip, saying so; any other skip fails.
+test: install-test
+	$(PYTHON) -m pytest -q --gpu-skips-only
 
 # The NCCL backend's logic on the simulated bindings (tests/simnccl; also part of `make test`): no GPU needed.
-test-sim: install
+test-sim: install-test
 	$(PYTHON) -m pytest -q -m simnccl
 
 # On a machine with a GPU: the gpu-marked tests only (the NCCL backend, bench and doctor on a GPU).
@@ -33,8 +43,7 @@ test-gpu:
 demo: install
 	nccl-pg run --nproc $(NPROC) -m nccl_pg.cli.demo
 
-bench: install
-	$(PIP) install -q torch==2.13.0
+bench: install-test
 	$(PYTHON) tools/bench_store.py
 	$(PYTHON) tools/bench_host.py
 	$(PYTHON) tools/bench_hot_path.py
@@ -47,13 +56,12 @@ bench: install
 
 # torch's own distributed suite (DistributedTest) on gloo and on nccl_pg, 2 and 3 ranks, compared
 # (about 10 min on 2 cores); exits 1 if a test passes on gloo and not on nccl_pg. Result in docs/TORCH.md.
-torch-suite: install
-	$(PIP) install -q torch==2.13.0
+torch-suite: install-test
 	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(PYTHON) tools/torch_suite.py --world-sizes 2 3 -q
 
 # ruff (SLF001 included: no reaching into another module's private members), then mypy over the package
 # (configured in pyproject.toml); any finding fails. tests/test_layering.py checks the imports (`make test`).
 lint:
-	$(PIP) install -q -e '.[test,lint]'
+	$(PIP) install -q -e '.[test,test-cu$(CUDA_MAJOR),torch,lint]' '$(TORCH)'
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m mypy

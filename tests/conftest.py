@@ -17,6 +17,42 @@ from nccl_pg.comm.host import HostCommunicator
 Spawn = Callable[..., subprocess.Popen]
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--gpu-skips-only", action="store_true",
+        help="fail every test (or module) that skips for a reason other than a missing GPU: `make test` "
+             "installs everything else the suite needs, so any other skip means a broken install",
+    )
+
+
+def _skip_reason(report: pytest.CollectReport | pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    return str(longrepr[2]) if isinstance(longrepr, tuple) else str(longrepr)
+
+
+def _fail_non_gpu_skip(config: pytest.Config, report: pytest.CollectReport | pytest.TestReport) -> None:
+    if report.skipped and config.getoption("--gpu-skips-only") and "GPU" not in _skip_reason(report):
+        if getattr(report, "wasxfail", None) is not None:
+            return
+        report.outcome = "failed"
+        report.longrepr = (f"skipped for a reason other than a missing GPU ({_skip_reason(report)}); "
+                           "`make test` installs everything else this test needs")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    report = yield
+    _fail_non_gpu_skip(item.config, report)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    report = yield
+    _fail_non_gpu_skip(collector.config, report)
+    return report
+
+
 @pytest.fixture(autouse=True)
 def _skip_unavailable_nccl(request: pytest.FixtureRequest) -> None:
     """A test parametrized with backend="nccl" skips, saying why, where it cannot run."""
