@@ -8,9 +8,14 @@ TORCH ?= torch==2.13.0
 
 .PHONY: install install-test test test-sim test-gpu bench demo lint torch-suite
 
-# What the demo needs: the package (its numpy host backend runs without a GPU).
+# The CUDA major of this machine's NVIDIA driver (empty without one): 12 for a 12.x driver, else 13.
+DRIVER_CUDA_MAJOR := $(shell nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9]*\).*/\1/p' | head -n 1 | \
+	awk '{ print ($$1 == "" ? "" : ($$1 <= 12 ? 12 : 13)) }')
+
+# What the demo needs: the package (its numpy host backend runs without a GPU), and on a machine with an NVIDIA
+# driver the CUDA extra of the driver's major (NCCL, CuPy, NVRTC), so that the demo runs on NCCL there.
 install:
-	$(PIP) install -q -e .
+	$(PIP) install -q -e '.$(if $(DRIVER_CUDA_MAJOR),[cu$(DRIVER_CUDA_MAJOR)])'
 
 # Everything the CPU suite needs, so that only GPU tests skip: the test tools, NCCL's library and NVRTC of
 # one CUDA major, torch's CPU build.
