@@ -152,7 +152,7 @@ def test_frozen_rank_is_named_as_not_answering(tmp_path, job_server):
 def test_torch_store_wait_blocks_only_its_thread():
     """The signal listener parks a wait on the torch backend's store too: torch's TCPStore client holds a lock
     for a whole wait, so our adapter waits on a per-thread clone; another thread's set() is not held up."""
-    tdist = pytest.importorskip("torch.distributed", reason="needs torch (pip install torch; CI has none)")
+    tdist = pytest.importorskip("torch.distributed", reason="needs torch (make install-test installs its CPU build)")
     import threading
     from datetime import timedelta
 

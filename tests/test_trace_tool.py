@@ -37,7 +37,7 @@ try:
     HAVE_TORCH = True
 except ImportError:
     HAVE_TORCH = False
-needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="needs torch (pip install torch==2.13.0; CI has none)")
+needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="needs torch (make install-test installs its CPU build)")
 
 _PRELUDE = '''
 import os, sys, time
