@@ -66,8 +66,6 @@ def install() -> None:
     """Answer the stub's calls from the simulation (loads the stub first)."""
     global _nccl, _registered
     _nccl = ncclsim.module()
-    with _unwritten_lock:
-        _unwritten.clear()
     if not _registered:
         for name, (argtypes, fn) in _handlers.items():
             stublib.register(name, ctypes.CFUNCTYPE(_I, *argtypes)(fn))
