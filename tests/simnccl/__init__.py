@@ -1,12 +1,24 @@
-"""simnccl: a simulation of the two binding modules nccl_pg's NCCL backend
-uses, ``nccl.bindings.nccl`` (nccl4py 0.6.0) and ``cuda.bindings.runtime``/
-``driver``, so that the backend's own code runs in CI without a GPU.
+"""simnccl: NCCL and the CUDA runtime/driver simulated, so that nccl_pg's
+NCCL backend runs in CI without a GPU.
+
+NCCL is reached through the REAL nccl4py 0.6.0 binding (``nccl.bindings.nccl``)
+over a stub libnccl.so.2 (stub/libnccl_stub.c, built with ``cc`` on first use
+and cached): nccl4py's own argument conversion and result handling run on every
+call the backend makes, and abi.py answers the C calls from the simulation
+(ncclsim.py). How nccl4py is made to load the stub: it binds libnccl at its
+first call, looking each function up in the process's global scope first
+(``dlsym(RTLD_DEFAULT, ...)``) and loading a library through cuda.pathfinder
+only for what it does not find there, after pathfinder's own check for a
+libnccl.so.2 already loaded; so the stub, loaded by absolute path with
+RTLD_GLOBAL before that first call (``install()``/``preload()``), is what it
+binds, in every process that installs the simulation (forked ranks inherit it,
+spawned ones load it from the cache). Details in stublib.py. The CUDA runtime
+and driver are Python stand-ins (cudart.py) with the real bindings' types.
 
 It proves our logic against NCCL's documented and implemented behaviour and
 CUDA's documented rules (each rule cites its source in ncclsim.py and
-cudart.py), with the real bindings' types and argument checks. It is never
-evidence of GPU behaviour: kernels are numpy, the transport is TCP between
-processes, timings mean nothing.
+cudart.py). It is never evidence of GPU behaviour: kernels are numpy, the
+transport is TCP between processes, timings mean nothing.
 
 Use::
 
@@ -25,7 +37,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from . import cudart, ncclsim, xp
+from . import abi, cudart, ncclsim, stublib, xp
 
 SIM_VERSION = 23203  # NCCL 2.32.3: what nccl4py 0.6.0 was generated for
 
@@ -40,25 +52,34 @@ def install(devices: int = 2, version: int = SIM_VERSION) -> None:
     from nccl_pg.comm.nccl import _lib  # noqa: PLC0415
 
     global _modules
+    preload()
     if cudart.SIM is None:
         s = cudart.install(devices)
         ncclsim.install(version, s.violations)
-        runtime, driver = cudart.modules()
-        _modules = (ncclsim.module(), runtime, driver)
+        _modules = cudart.modules()
     ncclsim.world().version = version
-    _lib.use_modules(*_modules)
+    abi.install()
+    _lib.use_modules(None, *_modules)  # NCCL: the real binding, now over the stub
     sys.modules["cupy"] = xp  # type: ignore[assignment]
     backends.gpu_count.cache_clear()
 
 
-_modules: tuple[Any, Any, Any] = (None, None, None)
+_modules: tuple[Any, Any] = (None, None)
+
+
+def preload() -> None:
+    """Load the stub libnccl.so.2 (building it if needed) before anything calls NCCL in this process; until
+    ``install()`` it passes calls on to the real libnccl. Raises StubBuildError if ``cc`` fails."""
+    stublib.load()
 
 
 def uninstall() -> None:
-    """Give nccl_pg the real bindings back (the simulated state stays for a later ``install()``)."""
+    """Give nccl_pg the real CUDA bindings back and let the stub pass NCCL calls on to the real libnccl (the
+    simulated state stays for a later ``install()``)."""
     from nccl_pg.comm import backends  # noqa: PLC0415
     from nccl_pg.comm.nccl import _lib  # noqa: PLC0415
 
+    abi.uninstall()
     _lib.use_modules()
     if sys.modules.get("cupy") is xp:
         del sys.modules["cupy"]
@@ -68,7 +89,7 @@ def uninstall() -> None:
 def installed() -> bool:
     from nccl_pg.comm.nccl import _lib  # noqa: PLC0415
 
-    return cudart.SIM is not None and _lib.cudart() is _modules[1]
+    return cudart.SIM is not None and _lib.cudart() is _modules[0]
 
 
 def select_device(device: int) -> None:
