@@ -151,7 +151,9 @@ def test_rank_stuck_outside_collectives_is_reported_with_its_stack(monkeypatch: 
     released and rank 0's stack shows where it was. The timeout leaves a
     loaded machine time to get rank 0 through init_process_group (its stack
     would show the rendezvous otherwise); no unwinding grace is waited for,
-    since nothing can release rank 0 but the test."""
+    since nothing can release rank 0 but the test. The collectives' timeout
+    is the whole test's here (by default it is shorter: see
+    test_thread_ranks_blame_the_rank_a_timeout_names)."""
     monkeypatch.setattr(thread_ranks_module, "_UNWIND_GRACE", 0.5)
     release = threading.Event()
 
@@ -163,7 +165,7 @@ def test_rank_stuck_outside_collectives_is_reported_with_its_stack(monkeypatch: 
 
     try:
         with pytest.raises(RanksFailed) as caught:
-            run_threads(fn, 3, timeout=5)
+            run_threads(fn, 3, timeout=5, op_timeout=5)
     finally:
         release.set()
     message = str(caught.value)
