@@ -260,6 +260,7 @@ def test_import_error_in_a_rank_shows_its_traceback(tmp_path: Path, monkeypatch:
     err = caught.value
     assert err.ranks == [1]
     assert "rank 1 failed (exit code 1): ModuleNotFoundError: No module named 'no_such_module_in_rank_1'" in str(err)
+    assert "ranks [0] were waiting for them to start and were killed" in str(err)  # at once, not after a grace
     assert "Traceback" in err.failures[1] and "flaky_module_for_ranks.py" in err.failures[1]
     assert "without a result or a traceback" not in err.failures[1]
 

@@ -32,6 +32,8 @@ T = TypeVar("T")
 # After one rank fails, how long the others get to exit on their own
 # (they usually fail at once, having lost a peer) before they are killed.
 _FAILURE_GRACE = 2.0
+# How long a rank that answered gets to exit before it counts as stuck (it is ending its descendants).
+_EXIT_WAIT = 1.0
 # How long a rank asked for its stacks gets to write them.
 _STACK_WAIT = 1.0
 # How long a killed rank gets to be reaped.
@@ -191,6 +193,14 @@ class RankProcesses:
                 if (message is not None and message[0] != "ok") or (exited and r.exitcode != 0) or \
                         (exited and r.rank not in answers):
                     failed_at = time.monotonic() if failed_at is None else failed_at
+                if message is not None and not getattr(message[1], "started", True):
+                    failed_at = time.monotonic() - _FAILURE_GRACE  # the others wait for it at the start: no grace
+        answered = [self._ranks[i] for i in sorted(pending) if i in answers]
+        end = time.monotonic() + _EXIT_WAIT
+        while answered and time.monotonic() < end:  # those that answered are leaving: let them
+            answered = [r for r in answered if not self._exited(r)]
+            multiprocessing.connection.wait([r.pidfd for r in answered if r.pidfd is not None], _POLL)
+        pending = {i for i in pending if not self._exited(self._ranks[i])}
         stuck = self.stacks([self._ranks[i] for i in sorted(pending)]) if pending else {}
         return verdict.Outcome(
             timeout=self.timeout if timeout is None else timeout, grace=_FAILURE_GRACE, failed_early=failed_at is not None, answers=answers,
@@ -316,6 +326,7 @@ class ProcessRanks:
         each failing rank's exit code and traceback, and the ranks killed;
         or skip the test (``unittest.SkipTest``) when a rank skipped and
         none failed on its own."""
+        __tracebackhide__ = True  # pytest shows the verdict, not the harness's frames
         try:
             outcome = self._ranks.gather(self._deadline, until_exit=True)
         finally:
@@ -347,5 +358,6 @@ def run_ranks(fn: Callable[..., T], world_size: int, backend: str = "host", time
     RanksFailed naming the culprits; see ProcessRanks for ``timeout`` (the
     deadline) and the ``options`` (op_timeout, gpus, devices, dump_dir, env,
     echo)."""
+    __tracebackhide__ = True
     with ProcessRanks(fn, world_size, backend, timeout, args, **options) as ranks:
         return ranks.join()

@@ -176,6 +176,7 @@ class ProcessRanksFixture:
     def __call__(self, fn: Callable[..., Any], world_size: int | None = None, backend: str | None = None,
                  timeout: float | None = None, args: Sequence[Any] = (), **options: Any) -> list[Any]:
         """``nccl_pg.testing.run_ranks``: the results in rank order."""
+        __tracebackhide__ = True
         return self.start(fn, world_size, backend, timeout, args, **options).join()
 
     def close(self) -> None:
@@ -238,6 +239,7 @@ def warm_ranks(request: pytest.FixtureRequest, tmp_path: Path,
 
     def run(fn: Callable[..., Any], world_size: int | None = None, args: Sequence[Any] = (),
             timeout: float | None = None, backend: str | None = None, op_timeout: float | None = None) -> list[Any]:
+        __tracebackhide__ = True
         size = world_size or spec.get("world_size")
         if size is None:
             raise TypeError("warm_ranks: give world_size, or mark the test with @pytest.mark.ranks(world_size)")

@@ -25,6 +25,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from .failures import culprits_of, is_skip
 
 STACK_SIGNAL = signal.SIGUSR2
 _READY, _GO = "nccl_pg/testing/ready", "nccl_pg/testing/go"
+_started = threading.Event()  # every rank is up: the test may have started on some
 _stack_file: IO[str] | None = None  # kept open: faulthandler writes to its descriptor
 
 
@@ -71,6 +73,7 @@ class Failure:
     trace: str
     culprits: tuple[Culprit, ...] = ()  # the ranks its timeout diagnosis blamed
     where: stacks.Frame | None = None  # where it was raised, in the test's code
+    started: bool = True  # False: before every rank was up (its peers are still waiting for it at the start)
 
 
 def failure(exc: BaseException) -> tuple[str, Failure]:
@@ -80,7 +83,7 @@ def failure(exc: BaseException) -> tuple[str, Failure]:
     while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) == stacks.ENTRY:
         tb = tb.tb_next  # the harness's frames that called the test's code
     trace = "".join(traceback.format_exception(type(exc), exc, tb))
-    return kind, Failure(summary, trace, culprits_of(exc), stacks.from_traceback(exc))
+    return kind, Failure(summary, trace, culprits_of(exc), stacks.from_traceback(exc), _started.is_set())
 
 
 def arm_stacks(path: str) -> None:
@@ -137,6 +140,7 @@ def _serve(conn: multiprocessing.connection.Connection, start: Start) -> int:
         if store.add(_READY, 1) == start.world_size:
             store.set(_GO, b"1")
         store.wait([_GO], start.store_timeout)
+        _started.set()
         device = backends.pick_gpu(start.rank, start.rank, start.world_size) if start.backend == "nccl" else None
         init_process_group(start.backend, store=store, rank=start.rank, world_size=start.world_size,
                            timeout=start.op_timeout, device_id=device)

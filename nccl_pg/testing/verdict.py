@@ -139,10 +139,13 @@ def judge(o: Outcome) -> list[Any] | RanksFailed | unittest.SkipTest:
     if echoes:
         lines.append(f"then ranks {echoes} failed with communication errors")
     others = [r for r in sorted(o.stuck) if r not in blamed]
+    early = any(not f.started for f in failure.values())
     if others:
-        lines.append(f"ranks {others} were still running {when} and were killed")
+        lines.append(f"ranks {others} were waiting for them to start and were killed" if early else
+                     f"ranks {others} were still running {when} and were killed")
 
-    failures = {r: _section(o, r, failure.get(r), r in blamed) for r in bad}
+    failures = {r: "killed: waiting at the start for the ranks that failed\n" if early and r in others else
+                _section(o, r, failure.get(r), r in blamed) for r in bad}
     message = "; ".join(lines) + f"\n(output and dumps in {o.dump_dir})\n" + report(failures, blamed)
     return RanksFailed(message, blamed, failures, culprits, o.dump_dir)
 

@@ -61,6 +61,7 @@ class WarmRanks:
             dump_dir: str | os.PathLike[str] | None = None, echo: bool = True) -> list[Any]:
         """Run ``fn`` on every rank (``timeout``: this run's deadline;
         ``dump_dir``: this run's dumps, by default the set's)."""
+        __tracebackhide__ = True
         if self.broken is not None:
             raise RuntimeError(f"this warm set of ranks can run nothing more: {self.broken}")
         folder = self.dump_dir if dump_dir is None else os.fspath(dump_dir)
@@ -70,6 +71,7 @@ class WarmRanks:
 
     def _call(self, fn: Callable[..., Any], args: Sequence[Any], timeout: float, folder: str,
               echo: bool = True) -> list[Any]:
+        __tracebackhide__ = True
         self._ranks.send(fn, args, folder)
         try:
             outcome = self._ranks.gather(time.monotonic() + timeout, until_exit=False, timeout=timeout,
