@@ -195,6 +195,28 @@ def test_timeout_error_carries_structured_culprits() -> None:
         assert f"culprits: rank 1 is pid {os.getpid()} on {socket.gethostname()}" in str(err)
 
 
+def test_point_to_point_timeout_names_the_peer() -> None:
+    """A receive that times out blames the peer that never sent."""
+    caught = threading.Event()
+
+    def fn(rank: int, world_size: int) -> object:
+        dist.barrier()
+        if rank == 1:
+            assert caught.wait(30)
+            return None
+        try:
+            dist.recv(np.zeros(2), src=1)
+        except DistBackendError as exc:
+            caught.set()
+            return exc
+        raise AssertionError("received from a rank that sent nothing")
+
+    err = run_threads(fn, 2, timeout=20, op_timeout=1)[0]
+    assert err.culprits == (Culprit(1, "did not complete its side of RECV seq 1 on group 0", socket.gethostname(),
+                                    os.getpid()),)
+    assert f"culprits: rank 1 is pid {os.getpid()} on {socket.gethostname()}" in str(err)
+
+
 def test_thread_ranks_blame_the_rank_a_timeout_names(monkeypatch: pytest.MonkeyPatch) -> None:
     """Thread ranks too: the rank the diagnosis names is blamed, with the
     line it is stuck at, not the ranks that timed out. (A thread cannot be

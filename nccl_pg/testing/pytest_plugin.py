@@ -64,7 +64,10 @@ def _spec(node: pytest.Item | None) -> dict[str, Any]:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    gpus = _spec(item).get("gpus") or 0
+    spec = _spec(item)
+    gpus = spec.get("gpus")
+    if gpus is None and spec.get("backend") == "nccl":
+        gpus = spec.get("world_size")  # one per rank, as ProcessRanks defaults to
     if gpus:
         from . import devices
 

@@ -92,10 +92,13 @@ class WarmRanks:
     def close(self) -> None:
         """Let the ranks destroy their group and leave (bounded), then kill
         whatever remains."""
-        if self.broken is None:
+        clean = self.broken is None
+        if clean:
             self.broken = "closed"
             self._ranks.stop(time.monotonic() + _STOP_GRACE)
         self._ranks.close()
+        if clean:
+            self._ranks.remove_dump_dir()  # a directory of its own only; a failed set's stays to be read
 
     def __enter__(self) -> WarmRanks:
         return self
