@@ -382,7 +382,7 @@ def test_warm_ranks_run_test_after_test(tmp_path: Path) -> None:
     """The same processes and default group run one job after another;
     module state persists (documented), a job's subgroups do not; a failed
     job ends the set."""
-    with WarmRanks(2, start_timeout=60) as ranks:
+    with WarmRanks(2, start_timeout=60, dump_dir=tmp_path / "set") as ranks:
         pids = ranks.pids
         first = ranks.run(count_calls, timeout=30, dump_dir=tmp_path / "a")
         second = ranks.run(count_calls, timeout=30, dump_dir=tmp_path / "b")

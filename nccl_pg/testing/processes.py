@@ -308,12 +308,12 @@ class ProcessRanks:
         self._ranks = RankProcesses(world_size, backend, timeout, op_timeout, gpus, devices, dump_dir, env)
         self.world_size, self.timeout, self.op_timeout = world_size, timeout, self._ranks.op_timeout
         self.dump_dir = self._ranks.dump_dir
+        self._joined = False
         try:
             self._ranks.send(fn, args, self.dump_dir)
         except BaseException:
-            self._ranks.close()
+            self.close()
             raise
-        self._joined = False
 
     @property
     def pids(self) -> list[int]:
@@ -330,19 +330,24 @@ class ProcessRanks:
         try:
             outcome = self._ranks.gather(self._deadline, until_exit=True)
         finally:
-            self.close()
+            self._ranks.close()
+        self._joined = True
         if self._echo:
             verdict.echo(outcome)
         result = verdict.judge(outcome)
-        if isinstance(result, unittest.SkipTest):
-            raise result
         if isinstance(result, BaseException):
-            raise result
+            if isinstance(result, unittest.SkipTest):
+                self._ranks.remove_dump_dir()
+            raise result  # a failure keeps the directory it names
         self._ranks.remove_dump_dir()
         return result
 
     def close(self) -> None:
+        """Kill whatever still runs; without a ``join()`` nothing will name
+        the directory made for these ranks, so it goes too."""
         self._ranks.close()
+        if not self._joined:
+            self._ranks.remove_dump_dir()
 
     def __enter__(self) -> ProcessRanks:
         return self
