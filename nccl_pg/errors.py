@@ -14,6 +14,7 @@ pickles as our class.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -27,8 +28,37 @@ class DistError(RuntimeError):
         return (_ours(type(self)), self.args, self.__dict__ or None)
 
 
+@dataclass(frozen=True)
+class Culprit:
+    """A rank to blame for a failure: its global ``rank``, ``reason`` (e.g.
+    "never issued ALLREDUCE seq 2 on group 0"), and where known its
+    ``host`` and ``pid``, and the source line it was at (``file``, ``line``,
+    ``function``: filled by the test harness from the rank's stack)."""
+
+    rank: int
+    reason: str
+    host: str | None = None
+    pid: int | None = None
+    file: str | None = None
+    line: int | None = None
+    function: str | None = None
+
+    @property
+    def where(self) -> str | None:
+        """``file:line in function``, when known."""
+        if self.file is None:
+            return None
+        return f"{self.file}:{self.line}" + (f" in {self.function}" if self.function else "")
+
+
 class DistBackendError(DistError):
-    """A communication operation failed, timed out or was aborted."""
+    """A communication operation failed, timed out or was aborted. A timeout
+    that could be diagnosed names in ``culprits`` the ranks to blame (those
+    that never issued the operation, or did not answer the diagnosis, or a
+    point-to-point operation's peers), with their host and pid; empty when
+    the diagnosis could not tell."""
+
+    culprits: tuple[Culprit, ...] = ()
 
 
 class DistStoreError(DistError):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -144,6 +145,8 @@ def test_frozen_rank_is_named_as_not_answering(tmp_path, job_server):
         msg = res[r]["default"]["msg"]
         assert "timeout" in msg and f"ranks [2] did not answer within {BUDGET:.2f} s (dead, frozen" in msg, msg
         assert "their last answers, to an earlier diagnosis, are old: rank 2: issued 1, completed 1" in msg, msg
+        # the culprit's host and pid, from its earlier answer (issue 24)
+        assert f"culprits: rank 2 is pid {w.procs[2].pid} on {socket.gethostname()}" in msg, msg
         assert "never issued" not in msg, msg
         assert T <= res[r]["default"]["t1"] - res[r]["default"]["t0"] < T + BOUND, res[r]
 

@@ -151,7 +151,9 @@ def test_rank_stuck_outside_collectives_is_reported_with_its_stack(monkeypatch: 
     released and rank 0's stack shows where it was. The timeout leaves a
     loaded machine time to get rank 0 through init_process_group (its stack
     would show the rendezvous otherwise); no unwinding grace is waited for,
-    since nothing can release rank 0 but the test."""
+    since nothing can release rank 0 but the test. The collectives' timeout
+    is the whole test's here (by default it is shorter: see
+    test_thread_ranks_blame_the_rank_a_timeout_names)."""
     monkeypatch.setattr(thread_ranks_module, "_UNWIND_GRACE", 0.5)
     release = threading.Event()
 
@@ -163,7 +165,7 @@ def test_rank_stuck_outside_collectives_is_reported_with_its_stack(monkeypatch: 
 
     try:
         with pytest.raises(RanksFailed) as caught:
-            run_threads(fn, 3, timeout=5)
+            run_threads(fn, 3, timeout=5, op_timeout=5)
     finally:
         release.set()
     message = str(caught.value)
@@ -307,25 +309,25 @@ def test_run_ranks_returns_results() -> None:
     assert all(_gone(r["pid"]) for r in results)
 
 
-def test_run_ranks_names_the_failing_rank_and_exit_code() -> None:
+def test_run_ranks_names_the_failing_rank_and_exit_code(tmp_path: Path) -> None:
     with pytest.raises(RanksFailed) as caught:
-        run_ranks(raise_after_first_collective, 2, args=(1,))
+        run_ranks(raise_after_first_collective, 2, args=(1,), dump_dir=tmp_path)
     message = str(caught.value)
     assert caught.value.ranks == [1] and "rank 1 failed (exit code 1)" in message
     assert "deliberate failure on rank 1" in caught.value.failures[1]
     assert "ValueError" in message
 
 
-def test_run_ranks_reports_an_exit_without_traceback() -> None:
+def test_run_ranks_reports_an_exit_without_traceback(tmp_path: Path) -> None:
     with pytest.raises(RanksFailed) as caught:
-        run_ranks(exit_with_code, 2, args=(3,))
+        run_ranks(exit_with_code, 2, args=(3,), dump_dir=tmp_path)
     assert "rank 1 failed (exit code 3)" in str(caught.value)
     assert "without a result or a traceback" in caught.value.failures[1]
 
 
-def test_run_ranks_unpicklable_result_is_a_failure() -> None:
+def test_run_ranks_unpicklable_result_is_a_failure(tmp_path: Path) -> None:
     with pytest.raises(RanksFailed) as caught:
-        run_ranks(unpicklable_result, 1)
+        run_ranks(unpicklable_result, 1, dump_dir=tmp_path)
     assert "rank 0 failed (exit code 1)" in str(caught.value)
     assert "lock" in caught.value.failures[0]
 
@@ -334,7 +336,7 @@ def test_hung_ranks_are_killed_at_the_timeout(tmp_path: Path) -> None:
     """``run_ranks`` is ``ProcessRanks(...).join()`` in a with block; used
     here directly for the pids (a rank may be killed before it could write
     its own: the timeout is short)."""
-    with ProcessRanks(write_pid_then_hang, 2, timeout=3, args=(str(tmp_path),)) as ranks:
+    with ProcessRanks(write_pid_then_hang, 2, timeout=3, args=(str(tmp_path),), dump_dir=tmp_path / "ranks") as ranks:
         pids = ranks.pids
         with pytest.raises(RanksFailed) as caught:
             ranks.join()

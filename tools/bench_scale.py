@@ -361,7 +361,7 @@ async def _diagnosis_round(server: Server, port: int, n: int, timeout: float, si
     done = threading.Event()
     got: dict[str, Any] = {}
 
-    def finish(why: str, path: str | None) -> None:
+    def finish(why: str, path: str | None, culprits: tuple) -> None:
         got["t"], got["why"] = time.perf_counter(), why
         done.set()
 

@@ -41,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import Culprit
 from ..store import FileStore, HashStore, Store
 from . import progress
 from .group_view import GroupView
@@ -104,7 +105,8 @@ def all_key(gen: int, ident: str) -> str:
 @dataclass
 class Timeout:
     """A timed-out operation, as the group hands it over: ``finish(why,
-    dump_path)`` fails it with the explanation."""
+    dump_path, culprits)`` fails it with the explanation and the ranks it
+    blames."""
 
     view: GroupView
     seq: int
@@ -113,7 +115,7 @@ class Timeout:
     deadline: float  # time.monotonic() at which it timed out
     what: str  # e.g. "ALLREDUCE seq 2 on group 1", for the other ranks' dumps
     text: str  # the error's first part ("timeout: process group ... ran for ...")
-    finish: Callable[[str, str | None], None]
+    finish: Callable[[str, str | None, tuple[Culprit, ...]], None]
 
     @property
     def key(self) -> tuple[str, str]:
@@ -323,7 +325,8 @@ class _Outcome:
     silent: dict[str, list[int]] = field(default_factory=dict)
     old: dict[tuple[str, int], Answer] = field(default_factory=dict)
     waited: float = 0.0
-    verdicts: dict[str, tuple[int, str]] = field(default_factory=dict)  # claim key -> (gen, why)
+    # claim key -> (gen, why, culprits)
+    verdicts: dict[str, tuple[int, str, tuple[Culprit, ...]]] = field(default_factory=dict)
     won: set[str] = field(default_factory=set)  # claim keys this rank raised
 
     def update(self, **kw: Any) -> None:
@@ -425,7 +428,7 @@ class _Incident:
         silent = {ident: [p for p in sorted(ranks) if (ident, p) not in answers] for ident, ranks in wanted.items()}
         old = self._lookback(gen, [(i, p) for i, ps in silent.items() for p in ps])
         out.update(answers=answers, silent=silent, waited=waited, old=old)
-        verdicts = {c.key: (gen, self._explain(c, c.seq)) for c in won}
+        verdicts = {c.key: (gen, *self._explain(c, c.seq)) for c in won}
         out.update(verdicts=verdicts)
         store.multi_set([f"{k}/verdict" for k in verdicts], [progress.encode_verdict(*v) for v in verdicts.values()])
 
@@ -461,18 +464,22 @@ class _Incident:
 
     # --- words (in the diagnosis thread, once the work is done or given up on) ---------------------
 
-    def _explain(self, c: _Claim, seq: int) -> str:
+    def _explain(self, c: _Claim, seq: int) -> tuple[str, tuple[Culprit, ...]]:
         out, v = self.out, c.view
         answers = {p: a for (i, p), a in out.answers.items() if i == v.ident}
         silent = [p for p in out.silent.get(v.ident, []) if c.peers is None or p in c.peers]
         old = {p: a for (i, p), a in out.old.items() if i == v.ident and p in silent}
         if c.peers is not None:
-            return progress.explain_p2p(v, c.peers, silent, out.waited, old)
-        answers[v.rank] = progress.snapshot(v)
-        return progress.explain(v, seq, answers, silent, out.waited, old)
+            why = progress.explain_p2p(v, c.peers, silent, out.waited, old)
+        else:
+            answers[v.rank] = progress.snapshot(v)
+            why = progress.explain(v, seq, answers, silent, out.waited, old)
+        found = tuple(progress.culprits(v, c.what, seq, answers, silent, old, c.peers))
+        where = progress.describe(found)
+        return (f"{why}; {where}" if where else why), found
 
-    def why(self, r: Timeout) -> str:
-        """``r``'s explanation from what was gathered."""
+    def why(self, r: Timeout) -> tuple[str, tuple[Culprit, ...]]:
+        """``r``'s explanation from what was gathered, and the ranks it blames."""
         out, c = self.out, self.claims.get(r.key)
         late = self.budget + _finish_time(self.budget)
         with out.cond:
@@ -480,23 +487,23 @@ class _Incident:
             if not out.answered:
                 if self.stuck:
                     return ("could not read the other ranks' progress from the store: it has not answered an "
-                            "earlier diagnosis either (unreachable or overloaded)")
+                            "earlier diagnosis either (unreachable or overloaded)"), ()
                 return (f"could not read the other ranks' progress from the store within {self.budget:.2f} s: "
-                        "the store did not answer (unreachable or overloaded)")
+                        "the store did not answer (unreachable or overloaded)"), ()
             if c.key in out.won:
                 if c.view.ident in out.silent:
                     return self._explain(c, r.seq)
                 if out.error is not None:
-                    return f"could not read the other ranks' progress from the store: {out.error}"
-                return f"could not read the other ranks' progress from the store within {late:.2f} s (too slow)"
+                    return f"could not read the other ranks' progress from the store: {out.error}", ()
+                return f"could not read the other ranks' progress from the store within {late:.2f} s (too slow)", ()
             verdict = out.verdicts.get(c.key)
         if verdict is None:
             why = (f"another rank is gathering the diagnosis of this operation; its verdict did not arrive "
                    f"within {late:.2f} s")
-            return why if out.error is None else f"{why} ({out.error})"
+            return (why if out.error is None else f"{why} ({out.error})"), ()
         if c.seq == r.seq:
-            return verdict[1]
-        return f"{verdict[1]} (said of seq {c.seq}, this group's first operation to time out here)"
+            return verdict[1], verdict[2]
+        return f"{verdict[1]} (said of seq {c.seq}, this group's first operation to time out here)", verdict[2]
 
 
 class Diagnosis:
@@ -579,7 +586,7 @@ class Diagnosis:
         for t in timeouts:
             last = self._last.get(t.view.ident)
             if last is not None and t.deadline <= last[0] + REUSE and t.key in last[1].claims:
-                self._finish(t, last[1].why(t), last[2])
+                self._finish(t, *last[1].why(t), last[2])
             else:
                 fresh[id(t.view.root)].append(t)
         for requests in fresh.values():
@@ -606,12 +613,12 @@ class Diagnosis:
         now = time.monotonic()
         for r in requests:
             self._last[r.view.ident] = (now, inc, path)
-        for r, why in zip(requests, whys, strict=True):
-            self._finish(r, why, path)
+        for r, (why, found) in zip(requests, whys, strict=True):
+            self._finish(r, why, found, path)
 
-    def _finish(self, r: Timeout, why: str, path: str | None) -> None:
+    def _finish(self, r: Timeout, why: str, found: tuple[Culprit, ...], path: str | None) -> None:
         try:
-            r.finish(why, path)
+            r.finish(why, path, found)
         except Exception:
             log.exception("nccl_pg: failing a timed-out operation raised")
 

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import Culprit
 from .group_view import GroupView
 
 
@@ -108,15 +109,40 @@ def explain_p2p(view: GroupView, peers: Sequence[int], silent: Sequence[int], wa
     return text
 
 
-def encode_verdict(gen: int, why: str) -> bytes:
-    return json.dumps({"gen": gen, "why": why}).encode()
+def culprits(view: GroupView, what: str, seq: int, answers: Mapping[int, Answer], silent: Sequence[int],
+             old: Mapping[int, Answer], peers: Sequence[int] | None = None) -> list[Culprit]:
+    """The ranks ``explain`` (or, with ``peers``, ``explain_p2p``) blames for
+    ``what`` (e.g. "ALLREDUCE seq 2 on group 0"), with the host and pid they
+    answered with (now, or at an earlier incident; unknown for a rank never
+    heard from)."""
+    def one(r: int, reason: str) -> Culprit:
+        a = answers.get(r) or old.get(r)
+        return Culprit(view.global_rank(r), reason, a.host if a else None, a.pid if a else None)
+
+    if peers is not None:
+        return [one(p, f"did not complete its side of {what}") for p in sorted(peers)]
+    behind = [one(r, f"never issued {what}") for r, a in sorted(answers.items()) if a.issued < seq]
+    return behind + [one(r, f"did not answer the diagnosis of {what}") for r in sorted(silent)]
 
 
-def decode_verdict(raw: bytes) -> tuple[int, str] | None:
+def describe(found: Sequence[Culprit]) -> str:
+    """Where the culprits run, for the error's text."""
+    where = [f"rank {c.rank} is pid {c.pid} on {c.host}" for c in found if c.pid is not None]
+    return f"culprits: {', '.join(where)}" if where else ""
+
+
+def encode_verdict(gen: int, why: str, found: Sequence[Culprit] = ()) -> bytes:
+    return json.dumps({"gen": gen, "why": why,
+                       "culprits": [[c.rank, c.reason, c.host, c.pid] for c in found]}).encode()
+
+
+def decode_verdict(raw: bytes) -> tuple[int, str, tuple[Culprit, ...]] | None:
     try:
         d: Any = json.loads(raw)
         if isinstance(d, dict) and isinstance(d.get("gen"), int) and isinstance(d.get("why"), str):
-            return d["gen"], d["why"]
-    except ValueError:
+            found = tuple(Culprit(int(r), str(why), None if h is None else str(h), None if p is None else int(p))
+                          for r, why, h, p in d.get("culprits", []))
+            return d["gen"], d["why"], found
+    except (ValueError, TypeError):
         pass
     return None

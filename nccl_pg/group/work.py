@@ -20,7 +20,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..diagnostics import diagnosis
-from ..errors import DistBackendError, NanError
+from ..errors import Culprit, DistBackendError, NanError
 from ..timeouts import Timeout, to_seconds
 
 if TYPE_CHECKING:
@@ -288,8 +288,10 @@ class Work:
         elapsed = time.monotonic() - self._issued_mono
         text = f"timeout: {self._where()} ran for {elapsed:.3f} s, past its timeout of {self._timeout:.3f} s"
 
-        def finish(why: str, path: str | None) -> None:
-            self._finish(DistBackendError(f"{text}; {why}" + (f"; debug dump: {path}" if path else "")))
+        def finish(why: str, path: str | None, culprits: tuple[Culprit, ...]) -> None:
+            error = DistBackendError(f"{text}; {why}" + (f"; debug dump: {path}" if path else ""))
+            error.culprits = culprits
+            self._finish(error)
 
         group = self._group
         self._group.diagnose_timeout(diagnosis.Timeout(

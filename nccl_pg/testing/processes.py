@@ -1,184 +1,353 @@
-"""Ranks as real processes (isolation, crashes and exit codes): ``run_ranks``
-and ``ProcessRanks``, over a TCPStore served by the calling process."""
+"""Ranks as real processes (isolation, crashes, exit codes, GPUs):
+``run_ranks`` and ``ProcessRanks``, over a TCPStore served by the calling
+process. The rank's side is rank_main.py; the verdict (who is to blame,
+where it is, what it printed) is verdict.py's."""
 
 from __future__ import annotations
 
-import ctypes
-import multiprocessing
+import contextlib
 import multiprocessing.connection
+import multiprocessing.spawn
 import os
-import signal
+import pickle
+import shutil
+import socket
+import stat
+import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+import unittest
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..distributed import _world, destroy_process_group, init_process_group, is_initialized
-from ..errors import DistError
-from ..store import TCPStore, TCPStoreServer
-from .failures import DEFAULT_TIMEOUT, RanksFailed, abort_groups, report, traceback_of
+from ..store import TCPStoreServer
+from . import devices, process_tree, verdict
+from .failures import DEFAULT_TIMEOUT, default_op_timeout
+from .rank_main import STACK_SIGNAL, Job, Start
 
 T = TypeVar("T")
 
 # After one rank fails, how long the others get to exit on their own
 # (they usually fail at once, having lost a peer) before they are killed.
 _FAILURE_GRACE = 2.0
+# How long a rank that answered gets to exit before it counts as stuck (it is ending its descendants).
+_EXIT_WAIT = 1.0
+# How long a rank asked for its stacks gets to write them.
+_STACK_WAIT = 1.0
 # How long a killed rank gets to be reaped.
 _REAP_GRACE = 10.0
+# Without pidfds (not Linux), how often a wait looks at the ranks' exits.
+_POLL = 0.05
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # where nccl_pg is
 
 
-def _die_with_parent(parent: int) -> None:
-    """A rank must not outlive a parent killed outright (SIGKILL on a CI
-    timeout): it would hold its CPU and ports. Linux only; elsewhere the
-    parent's kill at its own exit is the only guard."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
+@dataclass
+class _Rank:
+    rank: int
+    proc: subprocess.Popen[bytes]
+    conn: multiprocessing.connection.Connection
+    output: str
+    stacks: str
+    pidfd: int | None
+    exitcode: int | None = None
+    output_from: int = 0  # where the current job's output starts
 
 
-def _process_rank_main(fn: Callable[..., Any], rank: int, world_size: int, backend: str, address: tuple[str, int],
-                       timeout: float, args: Sequence[Any], conn: multiprocessing.connection.Connection,
-                       parent: int) -> None:
-    """A rank process: rendezvous, ``fn``, teardown; the result (or the
-    traceback) goes back through ``conn``, and the exit code says which."""
-    _die_with_parent(parent)
+def _exit_status(pid: int) -> int | None:
+    """The exit code of an ended child without reaping it (its pid, and its
+    process group's id, stay reserved until ``close``); None while it runs."""
     try:
-        store = TCPStore(*address, timeout=timeout)
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return None
+    if info is None or info.si_pid == 0:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+class RankProcesses:
+    """``world_size`` rank processes with a default group (see rank_main.py
+    for what a rank does), and the means to run jobs on them and to end
+    them. ``ProcessRanks`` runs one job; ``WarmRanks`` (warm.py) many."""
+
+    def __init__(self, world_size: int, backend: str = "host", timeout: float = DEFAULT_TIMEOUT,
+                 op_timeout: float | None = None, gpus: int | None = None, devices_: Sequence[str] | None = None,
+                 dump_dir: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None,
+                 warm: bool = False) -> None:
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        self.world_size, self.backend, self.timeout = world_size, backend, timeout
+        self.op_timeout = default_op_timeout(timeout) if op_timeout is None else op_timeout
+        needed = (world_size if backend == "nccl" else 0) if gpus is None else gpus
+        pool = list(devices_) if devices_ is not None else devices.available() if needed else []
+        devices.require(needed, pool)
+        self.gpus = pool[:needed]
+        self._own_dir = dump_dir is None
+        self.dump_dir = tempfile.mkdtemp(prefix="nccl_pg-ranks-") if dump_dir is None else os.fspath(dump_dir)
+        os.makedirs(self.dump_dir, exist_ok=True)
+        self._dump_dirs = {self.dump_dir}
+        self._closed = False
+        self._hint: str | None = None  # the test function's file: its frames are the test's code
+        self._ranks: list[_Rank] = []
+        self._server = TCPStoreServer("127.0.0.1", 0, idle_timeout=0).start()
         try:
-            init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-            try:
-                result = fn(rank, world_size, *args)
-            except BaseException:
-                # Abort rather than flush: peers blocked on this rank fail at once instead of at the timeout.
-                abort_groups([_world()], set())
-                raise
-            finally:
-                if is_initialized():
-                    destroy_process_group()
-        finally:
-            store.close()
-        conn.send(("ok", result))
-    except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
-        # A communication error may just be the echo of a peer's failure: the parent blames the others first.
-        conn.send(("comm_error" if isinstance(exc, DistError) else "error", traceback_of(exc)))
-        conn.close()
-        sys.exit(1)
-    conn.close()
+            for rank in range(world_size):
+                self._ranks.append(self._start(rank, env or {}, warm))
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, rank: int, env: Mapping[str, str], warm: bool) -> _Rank:
+        output = os.path.join(self.dump_dir, f"rank{rank}.out")
+        stacks = os.path.join(self.dump_dir, f"rank{rank}.stacks")
+        ours, theirs = socket.socketpair()
+        code = (f"import sys; sys.path.insert(0, {_ROOT!r}); from nccl_pg.testing.rank_main import main; "
+                f"main({theirs.fileno()}, {os.getpid()})")
+        full_env = {**os.environ, **devices.rank_env(rank, self.world_size, self.gpus), "PYTHONUNBUFFERED": "1",
+                    "NCCL_PG_DEBUG_INFO_TEMP_FILE": self.dump_prefix(self.dump_dir), **env}
+        with open(output, "ab") as out:
+            proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, env=full_env, pass_fds=[theirs.fileno()],
+                                    start_new_session=True)
+        theirs.close()
+        conn = multiprocessing.connection.Connection(ours.detach())
+        pidfd = os.pidfd_open(proc.pid) if hasattr(os, "pidfd_open") else None
+        r = _Rank(rank, proc, conn, output, stacks, pidfd)
+        preparation = multiprocessing.spawn.get_preparation_data(f"nccl_pg-rank-{rank}")
+        preparation["authkey"] = bytes(preparation["authkey"])  # spawn's own pickler sends it; ours must say so
+        conn.send(Start(preparation, ("127.0.0.1", self._server.port), rank, self.world_size, self.backend,
+                        self.op_timeout, self.timeout, len(self.gpus), stacks, warm))
+        return r
+
+    @staticmethod
+    def dump_prefix(folder: str) -> str:
+        return os.path.join(folder, "nccl_pg_trace_rank_")
+
+    @property
+    def pids(self) -> list[int]:
+        return [r.proc.pid for r in self._ranks]
+
+    def send(self, fn: Callable[..., Any], args: Sequence[Any], dump_dir: str) -> None:
+        """Give every rank a job (its output is counted from here)."""
+        self._dump_dirs.add(dump_dir)
+        payload = pickle.dumps(Job(fn, tuple(args), self.dump_prefix(dump_dir)))
+        code = getattr(fn, "__code__", None)
+        self._hint = code.co_filename if code is not None else None
+        for r in self._ranks:
+            r.output_from = os.path.getsize(r.output) if os.path.exists(r.output) else 0
+            if r.exitcode is None:
+                with contextlib.suppress(OSError):
+                    r.conn.send_bytes(payload)
+
+    def _exited(self, r: _Rank) -> bool:
+        if r.exitcode is None:
+            r.exitcode = _exit_status(r.proc.pid)
+        return r.exitcode is not None
+
+    def _receive(self, r: _Rank, wait: float = 0.0) -> tuple[Any, ...] | None:
+        try:
+            if r.conn.closed or not r.conn.poll(wait):
+                return None
+            raw = r.conn.recv_bytes()
+        except (EOFError, OSError):
+            r.conn.close()  # gone without a word: the exit code will tell
+            return None
+        try:
+            message = pickle.loads(raw)
+        except Exception as exc:  # noqa: BLE001 - e.g. a result whose class this process cannot import
+            return ("error", verdict.unreadable(exc))
+        return message if isinstance(message, tuple) else ("error", verdict.unreadable(TypeError(message)))
+
+    def gather(self, deadline: float, until_exit: bool, timeout: float | None = None,
+               dump_dir: str | None = None) -> verdict.Outcome:
+        """Every rank's answer to the current job, until each has answered
+        (and, ``until_exit``, exited), or the deadline (or ``_FAILURE_GRACE``
+        after the first failure): those still running then are asked for
+        their stacks. ``timeout`` and ``dump_dir``: the job's, for the
+        report (by default the ranks')."""
+        answers: dict[int, tuple[Any, ...]] = {}
+        pending = {r.rank for r in self._ranks}
+        failed_at: float | None = None
+        while pending:
+            limit = deadline if failed_at is None else min(deadline, failed_at + _FAILURE_GRACE)
+            left = limit - time.monotonic()
+            if left <= 0:
+                break
+            ranks = [self._ranks[i] for i in sorted(pending)]
+            waitables: list[Any] = [r.conn for r in ranks if not r.conn.closed]
+            waitables += [r.pidfd for r in ranks if r.pidfd is not None]
+            poll = left if all(r.pidfd is not None for r in ranks) else min(left, _POLL)
+            multiprocessing.connection.wait(waitables, poll)
+            for r in ranks:
+                message = self._receive(r) if r.rank not in answers else None
+                exited = self._exited(r)
+                if message is None and exited and r.rank not in answers:
+                    message = self._receive(r, 0.1)  # sent just before exiting
+                if message is not None:
+                    answers[r.rank] = message
+                if exited or (r.rank in answers and not until_exit):
+                    pending.discard(r.rank)
+                if (message is not None and message[0] != "ok") or (exited and r.exitcode != 0) or \
+                        (exited and r.rank not in answers):
+                    failed_at = time.monotonic() if failed_at is None else failed_at
+                if message is not None and not getattr(message[1], "started", True):
+                    failed_at = time.monotonic() - _FAILURE_GRACE  # the others wait for it at the start: no grace
+        answered = [self._ranks[i] for i in sorted(pending) if i in answers]
+        end = time.monotonic() + _EXIT_WAIT
+        while answered and time.monotonic() < end:  # those that answered are leaving: let them
+            answered = [r for r in answered if not self._exited(r)]
+            multiprocessing.connection.wait([r.pidfd for r in answered if r.pidfd is not None], _POLL)
+        pending = {i for i in pending if not self._exited(self._ranks[i])}
+        stuck = self.stacks([self._ranks[i] for i in sorted(pending)]) if pending else {}
+        return verdict.Outcome(
+            timeout=self.timeout if timeout is None else timeout, grace=_FAILURE_GRACE, failed_early=failed_at is not None, answers=answers,
+            stuck=stuck, exitcodes={r.rank: r.exitcode for r in self._ranks}, pids=self.pids,
+            host=socket.gethostname(), outputs={r.rank: verdict.read_from(r.output, r.output_from) for r in self._ranks},
+            output_files={r.rank: r.output for r in self._ranks}, stack_files={r.rank: r.stacks for r in self._ranks},
+            dump_dir=self.dump_dir if dump_dir is None else dump_dir, hint=self._hint)
+
+    def stacks(self, ranks: Sequence[_Rank]) -> dict[int, str]:
+        """Ask ranks for every thread's stack (faulthandler, by signal: also
+        a rank holding the GIL or blocked in C answers); what each wrote
+        within ``_STACK_WAIT``."""
+        start = {r.rank: os.path.getsize(r.stacks) if os.path.exists(r.stacks) else 0 for r in ranks}
+        for r in ranks:
+            if not self._exited(r):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(r.proc.pid, STACK_SIGNAL)
+        deadline = time.monotonic() + _STACK_WAIT
+        sizes: dict[int, int] = {}
+        while time.monotonic() < deadline:
+            now = {r.rank: os.path.getsize(r.stacks) if os.path.exists(r.stacks) else 0 for r in ranks}
+            if all(now[i] > start[i] for i in now) and now == sizes:  # all wrote, and stopped writing
+                break
+            sizes = now
+            time.sleep(0.02)
+        return {r.rank: verdict.read_from(r.stacks, start[r.rank]) for r in ranks}
+
+    def stop(self, deadline: float) -> None:
+        """Tell ranks waiting for a job to leave (their group destroyed), and
+        wait for them until ``deadline``."""
+        for r in self._ranks:
+            if not self._exited(r):
+                with contextlib.suppress(OSError):
+                    r.conn.send_bytes(pickle.dumps(None))
+        for r in self._ranks:
+            while not self._exited(r) and time.monotonic() < deadline:
+                multiprocessing.connection.wait([r.pidfd] if r.pidfd is not None else [],
+                                                min(_POLL, max(deadline - time.monotonic(), 0)))
+
+    def close(self) -> None:
+        """Kill every rank's process tree and reap the ranks (no zombies),
+        then stop the store and remove the ranks' dump pipes. Safe to call
+        again."""
+        if self._closed:
+            return
+        self._closed = True
+        for r in self._ranks:
+            process_tree.kill_tree(r.proc.pid)  # also a rank that ended: its children may not have
+        for r in self._ranks:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                r.exitcode = r.proc.wait(_REAP_GRACE) if r.exitcode is None else r.exitcode
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                r.proc.wait(_REAP_GRACE)
+            r.conn.close()
+            if r.pidfd is not None:
+                os.close(r.pidfd)
+        self._server.stop()
+        for folder in self._dump_dirs:
+            _remove_pipes(folder)
+
+    def remove_dump_dir(self) -> None:
+        """Remove the dump directory made for these ranks (not one given)."""
+        if self._own_dir:
+            shutil.rmtree(self.dump_dir, ignore_errors=True)
+
+
+def _remove_pipes(folder: str) -> None:
+    """The dump pipes a rank killed before its exit handlers ran leaves."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(folder):
+            path = os.path.join(folder, name)
+            with contextlib.suppress(OSError):
+                if name.endswith(".pipe") and stat.S_ISFIFO(os.lstat(path).st_mode):
+                    os.unlink(path)
 
 
 class ProcessRanks:
-    """``world_size`` processes (multiprocessing's "spawn"), each calling
-    ``fn(rank, world_size, *args)`` after ``init_process_group`` over a
-    TCPStore hosted here. ``fn`` and ``args`` must be picklable (a
-    module-level function), and so must ``fn``'s return value.
+    """``world_size`` processes, each calling ``fn(rank, world_size, *args)``
+    after ``init_process_group`` over a TCPStore hosted here. ``fn`` and
+    ``args`` must be picklable (a module-level function), and so must
+    ``fn``'s return value.
+
+    ``timeout`` is the test's deadline (from the start); each collective's
+    (the group's) is ``op_timeout``, by default shorter (see
+    ``failures.default_op_timeout``), so that a hang is diagnosed, and its
+    culprit named, before the deadline. ``gpus``: how many GPUs the test
+    needs (default: one per rank with backend "nccl", none otherwise); too
+    few on this machine (or this pytest-xdist worker's share) skips the
+    test. Each rank's output goes to ``<dump_dir>/rank<N>.out``, its dumps
+    to ``<dump_dir>/nccl_pg_trace_rank_<N>``; ``dump_dir`` defaults to a
+    new temporary directory, removed after a success. ``env`` adds to the
+    ranks' environment.
 
     Start with the constructor; ``pids`` lets a test signal ranks; ``join()``
     returns the results; leaving the ``with`` block, or ``close()``, kills
     whatever still runs, so no process outlives the test."""
 
     def __init__(self, fn: Callable[..., Any], world_size: int, backend: str = "host",
-                 timeout: float = DEFAULT_TIMEOUT, args: Sequence[Any] = ()) -> None:
-        if not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-        self.world_size, self.timeout = world_size, timeout
+                 timeout: float = DEFAULT_TIMEOUT, args: Sequence[Any] = (), *, op_timeout: float | None = None,
+                 gpus: int | None = None, devices: Sequence[str] | None = None,
+                 dump_dir: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None,
+                 echo: bool = True) -> None:
         self._deadline = time.monotonic() + timeout
-        self._closed = False
-        self._server = TCPStoreServer("127.0.0.1", 0).start()
-        ctx = multiprocessing.get_context("spawn")
-        self._procs: list[multiprocessing.process.BaseProcess] = []
-        self._conns: list[multiprocessing.connection.Connection] = []
+        self._echo = echo
+        self._ranks = RankProcesses(world_size, backend, timeout, op_timeout, gpus, devices, dump_dir, env)
+        self.world_size, self.timeout, self.op_timeout = world_size, timeout, self._ranks.op_timeout
+        self.dump_dir = self._ranks.dump_dir
+        self._joined = False
         try:
-            for rank in range(world_size):
-                reader, writer = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=_process_rank_main, name=f"nccl_pg-rank-{rank}",
-                                   args=(fn, rank, world_size, backend, ("127.0.0.1", self._server.port), timeout,
-                                         tuple(args), writer, os.getpid()))
-                self._procs.append(proc)
-                self._conns.append(reader)
-                proc.start()
-                writer.close()  # the child's copy stays open: EOF here means the child is gone
+            self._ranks.send(fn, args, self.dump_dir)
         except BaseException:
             self.close()
             raise
 
     @property
-    def pids(self) -> list[int | None]:
-        return [p.pid for p in self._procs]
+    def pids(self) -> list[int]:
+        return self._ranks.pids
 
     def join(self) -> list[Any]:
-        """Wait for every rank (bounded by the timeout given at start); return
-        the results in rank order, or raise RanksFailed with each failing
-        rank's exit code and traceback and the ranks killed."""
-        messages: dict[int, tuple[str, Any]] = {}
-        running = set(range(self.world_size))
-        failed_at: float | None = None
-        while running:
-            limit = self._deadline if failed_at is None else min(self._deadline, failed_at + _FAILURE_GRACE)
-            left = limit - time.monotonic()
-            if left <= 0:
-                break
-            waitables: list[Any] = [self._procs[r].sentinel for r in running]
-            waitables += [self._conns[r] for r in running if r not in messages and not self._conns[r].closed]
-            multiprocessing.connection.wait(waitables, left)
-            for r in sorted(running):
-                self._receive(r, messages)
-                if self._procs[r].exitcode is not None:
-                    self._receive(r, messages, last=True)  # a result sent just before exiting
-                    running.discard(r)
-                    if self._procs[r].exitcode != 0 and failed_at is None:
-                        failed_at = time.monotonic()
-        killed = sorted(running)
-        self.close()
-        failures = {r: self._failure(r, messages.get(r)) for r in range(self.world_size)
-                    if r not in killed and (self._procs[r].exitcode != 0 or messages.get(r, ("",))[0] != "ok")}
-        if not failures and not killed:
-            return [messages[r][1] for r in range(self.world_size)]
-        echoes = [r for r in failures if messages.get(r, ("",))[0] == "comm_error"]
-        blamed = [r for r in failures if r not in echoes] or list(failures) or killed
-        parts = [f"rank {r} failed (exit code {self._procs[r].exitcode})" for r in blamed if r in failures]
-        if echoes and blamed != echoes:
-            parts.append(f"then ranks {echoes} failed with communication errors")
-        if killed:
-            why = f"at the timeout of {self.timeout:g} s" if failed_at is None else \
-                f"{_FAILURE_GRACE:g} s after the first failure"
-            parts.append(f"ranks {killed} were still running {why} and were killed")
-            failures.update({r: "killed: still running\n" for r in killed})
-        raise RanksFailed(f"{'; '.join(parts)}\n{report(failures, blamed)}", blamed, failures)
-
-    def _receive(self, rank: int, messages: dict[int, tuple[str, Any]], last: bool = False) -> None:
-        conn = self._conns[rank]
-        if rank in messages or conn.closed:
-            return
+        """Wait for every rank (bounded by the deadline given at start);
+        return the results in rank order, or raise RanksFailed naming the
+        culprits (with where each is in its code, and its last output),
+        each failing rank's exit code and traceback, and the ranks killed;
+        or skip the test (``unittest.SkipTest``) when a rank skipped and
+        none failed on its own."""
+        __tracebackhide__ = True  # pytest shows the verdict, not the harness's frames
         try:
-            if conn.poll(0.1 if last else 0):
-                messages[rank] = conn.recv()
-        except (EOFError, OSError):
-            conn.close()  # gone without a word: the exit code will tell
-
-    def _failure(self, rank: int, message: tuple[str, Any] | None) -> str:
-        code = self._procs[rank].exitcode
-        if message is not None and message[0] != "ok":
-            return f"exit code {code}\n{message[1]}"
-        if code is not None and code < 0:
-            return f"exit code {code}: killed by signal {signal.Signals(-code).name}, no traceback\n"
-        return f"exit code {code}, without a result or a traceback\n"
+            outcome = self._ranks.gather(self._deadline, until_exit=True)
+        finally:
+            self._ranks.close()
+        self._joined = True
+        if self._echo:
+            verdict.echo(outcome)
+        result = verdict.judge(outcome)
+        if isinstance(result, BaseException):
+            if isinstance(result, unittest.SkipTest):
+                self._ranks.remove_dump_dir()
+            raise result  # a failure keeps the directory it names
+        self._ranks.remove_dump_dir()
+        return result
 
     def close(self) -> None:
-        """Kill every rank still running and reap them all (no zombies), then
-        stop the store. Safe to call again."""
-        if self._closed:
-            return
-        self._closed = True
-        for p in self._procs:
-            if p.exitcode is None and p.pid is not None:
-                p.kill()
-        for p in self._procs:
-            if p.pid is not None:
-                p.join(_REAP_GRACE)
-        for c in self._conns:
-            c.close()
-        self._server.stop()
+        """Kill whatever still runs; without a ``join()`` nothing will name
+        the directory made for these ranks, so it goes too."""
+        self._ranks.close()
+        if not self._joined:
+            self._ranks.remove_dump_dir()
 
     def __enter__(self) -> ProcessRanks:
         return self
@@ -188,10 +357,12 @@ class ProcessRanks:
 
 
 def run_ranks(fn: Callable[..., T], world_size: int, backend: str = "host", timeout: float = DEFAULT_TIMEOUT,
-              args: Sequence[Any] = ()) -> list[T]:
+              args: Sequence[Any] = (), **options: Any) -> list[T]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes with
     an initialized default group; return the results in rank order. Raise
-    RanksFailed with each failing rank's exit code and traceback; at the
-    timeout every rank still running is killed and named."""
-    with ProcessRanks(fn, world_size, backend, timeout, args) as ranks:
+    RanksFailed naming the culprits; see ProcessRanks for ``timeout`` (the
+    deadline) and the ``options`` (op_timeout, gpus, devices, dump_dir, env,
+    echo)."""
+    __tracebackhide__ = True
+    with ProcessRanks(fn, world_size, backend, timeout, args, **options) as ranks:
         return ranks.join()

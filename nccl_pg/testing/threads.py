@@ -6,7 +6,9 @@ an initialized default group over one in-process store."""
 from __future__ import annotations
 
 import functools
+import os
 import queue
+import socket
 import sys
 import threading
 import time
@@ -19,12 +21,22 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ..distributed import _set_thread_world, _World, destroy_process_group, init_process_group, is_initialized
-from ..errors import DistBackendError, DistError
+from ..errors import Culprit, DistBackendError, DistError
 from ..group.process_group import ProcessGroup
 from ..store import HashStore
 from ..store.base import timeout_error
 from ..timeouts import Timeout
-from .failures import DEFAULT_TIMEOUT, RanksFailed, abort_groups, is_skip, report, traceback_of
+from . import stacks
+from .failures import (
+    DEFAULT_TIMEOUT,
+    RanksFailed,
+    abort_groups,
+    culprits_of,
+    default_op_timeout,
+    is_skip,
+    report,
+    traceback_of,
+)
 
 T = TypeVar("T")
 
@@ -64,8 +76,10 @@ class _Outcome:
     value: Any = None
     error: BaseException | None = None
     trace: str = ""
-    # A communication error raised after another rank had failed: the harness's abort, or the lost peer.
+    # A communication error raised after another rank had failed (the harness's abort, or the lost peer), or a
+    # timeout whose diagnosis blamed other ranks.
     consequence: bool = False
+    named: tuple[Culprit, ...] = ()  # the culprits that diagnosis named
 
 
 def _abort_until(worlds: Sequence[_World], done: threading.Event) -> None:
@@ -78,9 +92,13 @@ def _abort_until(worlds: Sequence[_World], done: threading.Event) -> None:
             return
 
 
-def _run_thread_ranks(call: Callable[[int], T], world_size: int, backend: str, timeout: float) -> list[T]:
+def _run_thread_ranks(call: Callable[[int], T], world_size: int, backend: str, timeout: float,
+                      op_timeout: float | None = None) -> list[T]:
     """Run ``call(rank)`` on ``world_size`` threads, each with its own World
-    and an initialized default group; the results in rank order."""
+    and an initialized default group (operations time out after
+    ``op_timeout``, by default a share of ``timeout``); the results in rank
+    order."""
+    op_timeout = default_op_timeout(timeout) if op_timeout is None else op_timeout
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     store = _HarnessStore(timeout)
@@ -95,12 +113,13 @@ def _run_thread_ranks(call: Callable[[int], T], world_size: int, backend: str, t
         _set_thread_world(worlds[rank])
         out = outcomes[rank]
         try:
-            init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+            init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=op_timeout)
             out.value = call(rank)
         except BaseException as exc:  # noqa: BLE001 - pytest's outcomes are BaseExceptions too
-            out.error, out.trace = exc, traceback_of(exc)
+            out.error, out.trace, out.named = exc, traceback_of(exc), culprits_of(exc)
             with first_failure:  # decided before this rank's teardown can disturb its peers
-                out.consequence = stopping.is_set() and isinstance(exc, DistError)
+                out.consequence = (stopping.is_set() and isinstance(exc, DistError)) or \
+                    any(c.rank != rank for c in out.named)
                 stopping.set()
             events.put(("failed", rank))
         finally:
@@ -124,6 +143,7 @@ def _run_thread_ranks(call: Callable[[int], T], world_size: int, backend: str, t
     deadline = time.monotonic() + timeout
     exited: set[int] = set()
     stuck: dict[int, str] = {}
+    seen: dict[int, stacks.Frame | None] = {}
     released = ""  # why the ranks were released, once they were
     try:
         for t in threads:
@@ -135,7 +155,11 @@ def _run_thread_ranks(call: Callable[[int], T], world_size: int, backend: str, t
                 break
             if kind == "exited":
                 exited.add(rank)
-            elif not released:
+                continue
+            for c in outcomes[rank].named:  # where a culprit is when named, before it moves on
+                if 0 <= c.rank < world_size and c.rank not in exited and c.rank not in seen:
+                    seen[c.rank] = _where_now(threads[c.rank])
+            if not released:
                 released = f"{_UNWIND_GRACE:g} s after rank {rank} raised {type(outcomes[rank].error).__name__}"
                 release(f"rank {rank} raised {type(outcomes[rank].error).__name__}")
                 deadline = min(deadline, time.monotonic() + _UNWIND_GRACE)
@@ -151,9 +175,51 @@ def _run_thread_ranks(call: Callable[[int], T], world_size: int, backend: str, t
         failures = {**{r: o.trace for r, o in enumerate(outcomes) if o.error is not None}, **stuck}
         when = released or f"at the timeout of {timeout:g} s"
         causes = [r for r, o in enumerate(outcomes) if o.error is not None and not o.consequence]
-        raise RanksFailed(f"ranks {sorted(stuck)} were still running {when} (their stacks, and any rank's error, "
-                          f"follow)\n{report(failures, causes + list(stuck))}", causes + list(stuck), failures)
-    return _outcome(outcomes)
+        named = _named(outcomes)
+        blamed = sorted(set(causes) | set(named) | set(stuck))
+        said = "".join(f"rank {r} is to blame: it {c.reason} (named by the timeout diagnosis on ranks {by}); "
+                       for r, (c, by) in named.items())
+        raise RanksFailed(f"{said}ranks {sorted(stuck)} were still running {when} (their stacks, and any rank's "
+                          f"error, follow)\n{report(failures, blamed)}", blamed, failures,
+                          _culprits(blamed, outcomes, named, threads, exited, seen))
+    return _outcome(outcomes, threads, seen)
+
+
+def _named(outcomes: Sequence[_Outcome]) -> dict[int, tuple[Culprit, list[int]]]:
+    """The ranks diagnosed timeouts blamed: the culprit, and who named it."""
+    named: dict[int, tuple[Culprit, list[int]]] = {}
+    for r, o in enumerate(outcomes):
+        for c in o.named:
+            named.setdefault(c.rank, (c, []))[1].append(r)
+    return named
+
+
+def _where_now(thread: threading.Thread) -> stacks.Frame | None:
+    """The line of the test's code a rank's thread is at."""
+    frame = sys._current_frames().get(thread.ident) if thread.ident is not None else None  # noqa: SLF001
+    if frame is None:
+        return None
+    found = traceback.extract_stack(frame)[::-1]
+    return stacks.innermost_user_frame([stacks.Frame(f.filename, f.lineno or 0, f.name) for f in found])
+
+
+def _culprits(blamed: Sequence[int], outcomes: Sequence[_Outcome], named: dict[int, tuple[Culprit, list[int]]],
+              threads: Sequence[threading.Thread], exited: set[int],
+              seen: dict[int, stacks.Frame | None]) -> list[Culprit]:
+    """The blamed ranks, with the line of the test's code each was at (where
+    it was when a timeout named it, where it raised, or where it is still
+    running)."""
+    out = []
+    for r in blamed:
+        o, where = outcomes[r], seen.get(r)
+        if where is None and r not in exited:
+            where = _where_now(threads[r])
+        if where is None and o.error is not None:
+            where = stacks.from_traceback(o.error)
+        reason = named[r][0].reason if r in named else _one_line(o.error) if o.error is not None else "still running"
+        out.append(Culprit(r, reason, socket.gethostname(), os.getpid(), where.file if where else None,
+                           where.line if where else None, where.function if where else None))
+    return out
 
 
 def _stacks(threads: Sequence[threading.Thread], exited: set[int]) -> dict[int, str]:
@@ -174,24 +240,31 @@ def _join(threads: Sequence[threading.Thread], timeout: float) -> None:
         t.join(max(deadline - time.monotonic(), 0.0))
 
 
-def _outcome(outcomes: list[_Outcome]) -> list[Any]:
-    """The results, or the error that names the failing ranks (a skip on a
-    rank, with no rank failing on its own, skips the whole test)."""
+def _outcome(outcomes: list[_Outcome], threads: Sequence[threading.Thread],
+             seen: dict[int, stacks.Frame | None]) -> list[Any]:
+    """The results, or the error that names the failing ranks and those a
+    diagnosed timeout blamed (a skip on a rank, with no rank failing on its
+    own, skips the whole test)."""
     errors = {r: o.error for r, o in enumerate(outcomes) if o.error is not None}
     causes = {r: e for r, e in errors.items() if not outcomes[r].consequence}
     failed = {r: e for r, e in causes.items() if not is_skip(e)}
+    named = _named(outcomes)
     if not failed and causes:
         raise next(iter(causes.values()))
-    if not failed:
+    if not failed and not errors:
         return [o.value for o in outcomes]
-    later = {r: e for r, e in errors.items() if outcomes[r].consequence}
-    lines = [f"rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} failed:"]
+    blamed = sorted(set(failed) | set(named)) or sorted(errors)
+    later = {r: e for r, e in errors.items() if r not in failed}
+    lines = [f"rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} failed:"] if failed else []
     lines += [f"  rank {r}: {_one_line(e)}" for r, e in failed.items()]
+    lines += [f"rank {r} is to blame: it {c.reason} (named by the timeout diagnosis on ranks {by})"
+              for r, (c, by) in named.items() if r not in failed]
     if later:  # their tracebacks only show where they waited; RanksFailed.failures has them
         lines.append(f"then ranks {sorted(later)} failed as a consequence (released by the harness or lost a peer):")
         lines += [f"  rank {r}: {_one_line(e)}" for r, e in later.items()]
-    lines.append(report({r: outcomes[r].trace for r in failed}))
-    raise RanksFailed("\n".join(lines), list(failed), {r: outcomes[r].trace for r in errors})
+    lines.append(report({r: outcomes[r].trace for r in failed or later}))
+    raise RanksFailed("\n".join(lines), blamed, {r: outcomes[r].trace for r in errors},
+                      _culprits(blamed, outcomes, named, threads, set(range(len(outcomes))), seen))
 
 
 def _one_line(exc: BaseException) -> str:
@@ -199,28 +272,30 @@ def _one_line(exc: BaseException) -> str:
 
 
 def run_threads(fn: Callable[..., T], world_size: int = 4, backend: str = "host", timeout: float = DEFAULT_TIMEOUT,
-                args: Sequence[Any] = ()) -> list[T]:
+                args: Sequence[Any] = (), op_timeout: float | None = None) -> list[T]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` thread ranks of
     this process (default group initialized over a shared in-process store,
     destroyed afterwards); return the results in rank order. Raise
-    RanksFailed naming the failing or stuck ranks; ``timeout`` bounds the
-    whole run and each collective."""
-    return _run_thread_ranks(lambda rank: fn(rank, world_size, *args), world_size, backend, timeout)
+    RanksFailed naming the failing, blamed or stuck ranks; ``timeout``
+    bounds the whole run, ``op_timeout`` each collective (by default a share
+    of ``timeout``, leaving time for the timeout's diagnosis)."""
+    return _run_thread_ranks(lambda rank: fn(rank, world_size, *args), world_size, backend, timeout, op_timeout)
 
 
 def spawn_threads_and_init_comms(func: Callable[..., Any] | None = None, *, world_size: int = 4,
-                                 backend: str = "host", timeout: float = DEFAULT_TIMEOUT) -> Any:
+                                 backend: str = "host", timeout: float = DEFAULT_TIMEOUT,
+                                 op_timeout: float | None = None) -> Any:
     """Decorator (bare or with arguments): calling the decorated function runs
     it with the same arguments on ``world_size`` thread ranks, each with an
     initialized default group; ``nccl_pg.get_rank()`` tells them apart. Made
     for test methods and nested functions in tests, like torch's."""
     if func is None:
         return functools.partial(spawn_threads_and_init_comms, world_size=world_size, backend=backend,
-                                 timeout=timeout)
+                                 timeout=timeout, op_timeout=op_timeout)
 
     @functools.wraps(func)
     def on_every_rank(*args: Any, **kwargs: Any) -> None:
-        _run_thread_ranks(lambda rank: func(*args, **kwargs), world_size, backend, timeout)
+        _run_thread_ranks(lambda rank: func(*args, **kwargs), world_size, backend, timeout, op_timeout)
 
     return on_every_rank
 
@@ -245,12 +320,14 @@ class MultiThreadedTestCase(unittest.TestCase):
     tearDown run once, on the calling thread. A failure on any rank fails the
     test with the rank named; a skip on a rank skips it.
 
-    Class attributes ``backend`` and ``timeout`` (seconds, for the whole
-    method on every rank) can be overridden, like the ``world_size`` property.
+    Class attributes ``backend``, ``timeout`` (seconds, for the whole
+    method on every rank) and ``op_timeout`` (each collective's; None: a
+    share of ``timeout``) can be overridden, like the ``world_size`` property.
     """
 
     backend = "host"
     timeout = DEFAULT_TIMEOUT
+    op_timeout: float | None = None
 
     @property
     def world_size(self) -> int:
@@ -270,7 +347,7 @@ class MultiThreadedTestCase(unittest.TestCase):
                 self._thread_rank.value = rank
                 return method()
 
-            _run_thread_ranks(call, self.world_size, self.backend, self.timeout)
+            _run_thread_ranks(call, self.world_size, self.backend, self.timeout, self.op_timeout)
 
         return run
 

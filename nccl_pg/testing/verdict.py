@@ -1,0 +1,168 @@
+"""The verdict on a run of process ranks: the results, a skip, or
+``RanksFailed`` naming the culprits (the ranks that failed on their own,
+and those a diagnosed timeout blamed, rather than the ranks that timed out
+waiting for them), where each is in its code, and what it printed."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import traceback
+import unittest
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import Culprit
+from . import stacks
+from .failures import RanksFailed, report
+from .rank_main import Failure
+
+# Lines of a rank's output shown in the error (all of it is in its file).
+TAIL_LINES = 20
+# Lines of each rank's output echoed to this process's stdout after a run.
+ECHO_LINES = 1000
+
+
+@dataclass
+class Outcome:
+    """What the harness saw of one job on every rank."""
+
+    timeout: float
+    grace: float
+    failed_early: bool  # the wait ended a grace after a failure, not at the deadline
+    answers: dict[int, tuple[Any, ...]]  # ("ok", result) or (kind, Failure)
+    stuck: dict[int, str]  # ranks still running when the harness gave up: their faulthandler stacks
+    exitcodes: dict[int, int | None]
+    pids: list[int]
+    host: str
+    outputs: dict[int, str]
+    output_files: dict[int, str]
+    stack_files: dict[int, str]
+    dump_dir: str
+    hint: str | None  # the test function's file
+
+
+def read_from(path: str, offset: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def unreadable(exc: BaseException) -> Failure:
+    """A rank's answer that this process could not unpickle."""
+    return Failure(f"its answer could not be read here: {type(exc).__name__}: {exc}",
+                   "".join(traceback.format_exception(exc)))
+
+
+def prefixed(rank: int, text: str, last: int | None = None) -> str:
+    lines = text.splitlines()
+    cut = lines[-last:] if last is not None else lines
+    return "".join(f"[rank {rank}] {line}\n" for line in cut)
+
+
+def echo(outcome: Outcome) -> None:
+    """Every rank's output of this run, prefixed with its rank, to this
+    process's stdout (which pytest captures and shows with a failure)."""
+    for r in sorted(outcome.outputs):
+        text = outcome.outputs[r]
+        if text:
+            lines = text.count("\n") + (not text.endswith("\n"))
+            if lines > ECHO_LINES:
+                sys.stdout.write(f"[rank {r}] ... ({lines - ECHO_LINES} earlier lines in {outcome.output_files[r]})\n")
+            sys.stdout.write(prefixed(r, text, ECHO_LINES))
+    sys.stdout.flush()
+
+
+def _exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        return f"exit code {code}: killed by signal {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+def judge(o: Outcome) -> list[Any] | RanksFailed | unittest.SkipTest:
+    n = len(o.pids)
+    kind = {r: m[0] for r, m in o.answers.items()}
+    failure = {r: m[1] for r, m in o.answers.items() if m[0] != "ok" and isinstance(m[1], Failure)}
+    bad = [r for r in range(n) if r in o.stuck or kind.get(r) != "ok" or o.exitcodes[r] not in (0, None)]
+    if not bad:
+        return [o.answers[r][1] for r in range(n)]
+    own = [r for r in bad if r not in o.stuck and kind.get(r) not in ("comm_error", "skip")]
+    named: dict[int, tuple[Culprit, list[int]]] = {}
+    for r, f in sorted(failure.items()):
+        for c in f.culprits if kind[r] == "comm_error" else ():
+            named.setdefault(c.rank, (c, []))[1].append(r)
+    skips = [r for r in bad if kind.get(r) == "skip"]
+    if skips and not own:
+        return unittest.SkipTest(f"{failure[skips[0]].summary} (rank {skips[0]})")
+    comm = [r for r in bad if kind.get(r) == "comm_error"]
+    blamed = sorted(set(own) | set(named)) or sorted(o.stuck) or comm
+    when = f"{o.grace:g} s after the first failure" if o.failed_early else f"at the timeout of {o.timeout:g} s"
+
+    culprits, lines = [], []
+    for r in blamed:
+        where = failure[r].where if r in failure else None
+        if r in o.stuck:
+            where = stacks.innermost_user_frame(stacks.main_thread(o.stuck[r], o.hint)) or where
+        reasons = []
+        if r in own:
+            reasons.append(f"raised {failure[r].summary}" if r in failure else
+                           f"ended ({_exit(o.exitcodes[r])}) without a result or a traceback")
+        if r in named:
+            c, by = named[r]
+            reasons.append(f"{c.reason} (named by the timeout diagnosis on ranks {by})")
+        if r in o.stuck:
+            reasons.append(f"still running {when}, killed")
+        culprit = Culprit(r, "; ".join(reasons), o.host, o.pids[r], where.file if where else None,
+                          where.line if where else None, where.function if where else None)
+        culprits.append(culprit)
+        if r in own:
+            code = o.exitcodes[r]
+            head = f"rank {r} failed (exit code {code})" + \
+                (f": killed by signal {signal.Signals(-code).name}" if code is not None and code < 0 else "") + \
+                (f": {failure[r].summary}" if r in failure else "")
+        elif r in named:
+            head = f"rank {r} is to blame: {reasons[0]}"
+        else:
+            continue  # stuck ranks are named together below
+        lines.append(head + (f"; at {culprit.where}" if culprit.where else "") +
+                     f" (pid {o.pids[r]} on {o.host})" + (f"; still running {when}, killed" if r in o.stuck else ""))
+    stuck_only = [r for r in blamed if r not in own and r not in named]
+    if stuck_only:
+        at = "; ".join(f"rank {c.rank} at {c.where}" for c in culprits if c.rank in stuck_only and c.where)
+        lines.append(f"ranks {stuck_only} were still running {when} and were killed" + (f" ({at})" if at else ""))
+    echoes = [r for r in comm if r not in blamed]
+    if echoes:
+        lines.append(f"then ranks {echoes} failed with communication errors")
+    others = [r for r in sorted(o.stuck) if r not in blamed]
+    early = any(not f.started for f in failure.values())
+    if others:
+        lines.append(f"ranks {others} were waiting for them to start and were killed" if early else
+                     f"ranks {others} were still running {when} and were killed")
+
+    failures = {r: "killed: waiting at the start for the ranks that failed\n" if early and r in others else
+                _section(o, r, failure.get(r), r in blamed) for r in bad}
+    message = "; ".join(lines) + f"\n(output and dumps in {o.dump_dir})\n" + report(failures, blamed)
+    return RanksFailed(message, blamed, failures, culprits, o.dump_dir)
+
+
+def _section(o: Outcome, r: int, f: Failure | None, blamed: bool) -> str:
+    """Rank ``r``'s part of the report: how it ended, its stack or traceback,
+    its last output."""
+    out = []
+    if r in o.stuck:
+        main = stacks.main_thread(o.stuck[r], o.hint)
+        out.append("killed: still running; its main thread "
+                   f"(faulthandler, innermost first; every thread in {o.stack_files[r]}):\n"
+                   + (stacks.format_frames(main) if main else "  (no stack written)\n"))
+    else:
+        out.append(_exit(o.exitcodes[r]) + ("" if f is not None else ", without a result or a traceback") + "\n")
+    if f is not None:
+        out.append(f.trace)
+    if o.outputs.get(r) and (blamed or f is None):
+        out.append(f"its last output (all of it in {o.output_files[r]}):\n" + prefixed(r, o.outputs[r], TAIL_LINES))
+    return "".join(out)
