@@ -1,4 +1,4 @@
-"""``nccl-pg trace`` (nccl_pg/diagnostics/trace.py) on the dumps of real runs.
+"""``nccl-pg trace`` (nccl_pg/diagnostics/trace/) on the dumps of real runs.
 
 Faulty runs are real worlds of processes on the host backend (a rank that
 skips a collective, ranks that disagree on a size, a rank killed); the dumps

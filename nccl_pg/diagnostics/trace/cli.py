@@ -1,0 +1,69 @@
+"""The ``nccl-pg trace`` command line (also ``python -m
+nccl_pg.diagnostics.trace``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from .analysis import analyze
+from .loading import find_dumps, load
+from .report import format_text
+from .timeline import chrome_trace
+
+EXIT_OK, EXIT_PROBLEMS, EXIT_NO_DUMPS = 0, 1, 2
+DESCRIPTION = "nccl-pg trace: who is where, and who is missing, from the flight-recorder dumps of every rank."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("trace_dir", metavar="DIR", help="directory holding one dump per rank")
+    parser.add_argument("-p", "--prefix", default=None,
+                        help="file-name prefix of the dumps, before the rank number (default: inferred; ours "
+                             "are named after NCCL_PG_DEBUG_INFO_TEMP_FILE)")
+    parser.add_argument("-j", "--json", action="store_true", help="print the report as JSON instead of words")
+    parser.add_argument("--chrome-trace", metavar="OUT.json", default=None,
+                        help="also write a Chrome trace-event timeline (one process per rank) for Perfetto")
+    parser.add_argument("--allow-incomplete-ranks", action="store_true",
+                        help="ranks without a dump are a note, not a problem")
+
+
+EXIT_STATUS_HELP = ("exit status: 0 all consistent and complete, 1 problems found, 2 no readable dump "
+                    "(or bad arguments)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not os.path.isdir(args.trace_dir):
+        print(f"nccl-pg trace: {args.trace_dir}: not a directory", file=sys.stderr)
+        return EXIT_NO_DUMPS
+    paths, prefix, notes = find_dumps(args.trace_dir, args.prefix)
+    dumps, unreadable = load(paths)
+    if not dumps:
+        what = f"with prefix {args.prefix!r} " if args.prefix else ""
+        print(f"nccl-pg trace: no readable dump {what}in {args.trace_dir}", file=sys.stderr)
+        for p in unreadable:
+            print(f"  {p['message']}", file=sys.stderr)
+        return EXIT_NO_DUMPS
+    report = analyze(dumps, args.allow_incomplete_ranks, unreadable)
+    report["dir"], report["prefix"] = args.trace_dir, prefix
+    report["notes"][:0] = notes
+    if args.chrome_trace:
+        with open(args.chrome_trace, "w") as f:
+            json.dump(chrome_trace(dumps), f)
+    try:
+        print(json.dumps(report, indent=1, default=str) if args.json else format_text(report))
+        if args.chrome_trace and not args.json:
+            print(f"timeline: {args.chrome_trace} (open it in https://ui.perfetto.dev or chrome://tracing)")
+        sys.stdout.flush()
+    except BrokenPipeError:  # e.g. piped into head: the verdict is the exit status
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return EXIT_PROBLEMS if report["problems"] else EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="nccl-pg trace", description=DESCRIPTION, epilog=EXIT_STATUS_HELP)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+

@@ -1,0 +1,67 @@
+"""The analysis's report in plain words: the verdict line (whom to look at
+first, and the first thing stuck) and the text ``nccl-pg trace`` prints."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+def verdict(problems: Sequence[Mapping[str, Any]], n_dumps: int, first: Mapping[str, Any] | None) -> str:
+    """One line: whom to look at first, and the first thing stuck."""
+    if not problems:
+        return "consistent: nothing missing, nothing mismatched, everything completed"
+    blame: dict[int, list[str]] = collections.defaultdict(list)
+    why = {"no_dump": "no dump", "ranks_missing": "missing from {op} #{seq} on group {group!r}",
+           "op_mismatch": "different op at #{seq} on group {group!r}",
+           "size_mismatch": "sizes of {op} #{seq} on group {group!r}",
+           "dtype_mismatch": "dtypes of {op} #{seq} on group {group!r}",
+           "p2p_unmatched": "no {op} partner on group {group!r}", "p2p_mismatch": "send/recv sizes",
+           "membership_mismatch": "group membership", "unreadable": "unreadable dump"}
+    for p in problems:
+        if p["kind"] in why and (p["kind"] != "size_mismatch" or len(p["ranks"]) < n_dumps):
+            for r in p["ranks"]:
+                reason = why[p["kind"]].format(**{k: p.get(k) for k in ("op", "seq", "group")})
+                if reason not in blame[r]:
+                    blame[r].append(reason)
+    parts = [f"rank {r}: {', '.join(rs[:3])}" for r, rs in sorted(blame.items())]
+    text = ("look at " + "; ".join(parts)) if parts else f"{len(problems)} problem(s)"
+    if first is not None:
+        where = f"{first['op']} #{first['seq']}" if first.get("seq") is not None else first["op"]
+        text += f"; first stuck: {where} on group {first['group']!r}"
+    return text
+
+
+def format_text(report: Mapping[str, Any]) -> str:
+    """The report in plain words."""
+    lines = [f"nccl-pg trace: {len(report['ranks'])} dump(s) in {report.get('dir', '?')} "
+             f"(prefix {report.get('prefix', '')!r}), ranks {_span(report['ranks'])}"
+             + (f" of {_span(report['expected_ranks'])} expected" if report["ranks_without_dump"] else "")]
+    for g in report["groups"]:
+        last = g.get("last_collective_seq") or {}
+        tail = ", ".join(f"{r}:{s}" for r, s in last.items())
+        lines.append(f"  group {g['name']!r} ({g['desc'] or '?'}): ranks {g['ranks']}"
+                     + (f"; last collective per rank {tail}" if tail else ""))
+    problems = report["problems"]
+    if not problems:
+        lines.append("OK: every collective and send/recv lines up across the ranks, and every one completed.")
+    else:
+        lines.append(f"{len(problems)} problem(s):")
+        first = report.get("first_incomplete")
+        for i, p in enumerate(problems, 1):
+            mark = "  <- first collective that did not complete anywhere" if p is first or p.get("first") else ""
+            lines.append(f"  {i}. [{p['kind']}] {p['message']}{mark}")
+            for w in p.get("where") or ():
+                if p["kind"] == "ranks_missing":
+                    lines.append(f"       {w['text']}")
+    for n in report["notes"]:
+        lines.append(f"  note: {n}")
+    if problems:
+        lines.append(f"verdict: {report['verdict']}")
+    return "\n".join(lines)
+
+
+def _span(ranks: Sequence[int]) -> str:
+    return "[" + ", ".join(map(str, ranks)) + "]"
+
