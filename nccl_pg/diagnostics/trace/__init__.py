@@ -35,9 +35,10 @@ from __future__ import annotations
 
 from .analysis import Analysis, analyze, analyze_dir
 from .cli import EXIT_NO_DUMPS, EXIT_OK, EXIT_PROBLEMS, EXIT_STATUS_HELP, add_arguments, main, run
-from .loading import Dump, find_dumps, load
+from .loading import Dump, Limits, find_dumps, load, load_bytes
 from .report import format_text
 from .timeline import chrome_trace
 
-__all__ = ["EXIT_NO_DUMPS", "EXIT_OK", "EXIT_PROBLEMS", "EXIT_STATUS_HELP", "Analysis", "Dump", "add_arguments",
-           "analyze", "analyze_dir", "chrome_trace", "find_dumps", "format_text", "load", "main", "run"]
+__all__ = ["EXIT_NO_DUMPS", "EXIT_OK", "EXIT_PROBLEMS", "EXIT_STATUS_HELP", "Analysis", "Dump", "Limits",
+           "add_arguments", "analyze", "analyze_dir", "chrome_trace", "find_dumps", "format_text", "load",
+           "load_bytes", "main", "run"]

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import collections
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from . import report as _report
-from . import rules
-from .loading import Dump, find_dumps, load, outcome
+from . import rules, stragglers, whereabouts
+from .loading import Dump, Limits, find_dumps, load, outcome
 from .rules import Group, Op, describe, fmt_ranks
 
 MISMATCH_CAP = 10  # size/dtype mismatches reported per group before the rest are only counted
@@ -123,7 +123,9 @@ class Analysis:
         its last one on ``g``."""
         d = self.dumps[rank]
         last = ops[max(ops)] if ops else None
-        info: dict[str, Any] = {"rank": rank, "last_on_group": None, "current": None}
+        info: dict[str, Any] = {"rank": rank, "host": d.host, "pid": d.pid, "at": whereabouts.locate(d, g.name),
+                                "last_on_group": None, "current": None}
+        who, at = whereabouts.who(d), info["at"]
         if last is not None:
             info["last_on_group"] = {"op": last.kind, "seq": last.seq, "state": last.outcome}
             on_group = f"its last operation on group {g.name!r} is {last.kind} #{last.seq} ({last.outcome})"
@@ -133,7 +135,8 @@ class Analysis:
         pending = [e for e in d.entries if outcome(e, d.tracks_states) != "completed"]
         now = pending[-1] if pending else (d.entries[-1] if d.entries else None)
         if now is None:
-            info["text"] = f"rank {rank}: its dump has no entries; {on_group}"
+            info["text"] = f"{who}: its dump has no entries; " + (
+                f"it is {at['text']}; " if at["source"] in ("python", "c") else "") + on_group
             return info
         seq = now["p2p_seq_id"] if now["_p2p"] else now["collective_seq_id"]
         gname = now["process_group"][0]
@@ -145,9 +148,12 @@ class Analysis:
                 + f" on group {gname!r}" + (f" ({grp.desc})" if grp and grp.desc else ""))
         same = last is not None and not now["_p2p"] and gname == g.name and seq == last.seq
         if pending:
-            text = f"rank {rank} is in {what} ({state})"
+            text = f"{who} is in {what} ({state})" + (f", {at['text']}" if at["source"] else "")
+        elif at["source"] in ("python", "c"):
+            text = f"{who} is in no operation: it is {at['text']}; its newest operation is {what} (completed)"
         else:
-            text = f"rank {rank} has nothing pending; its newest operation is {what} (completed)"
+            text = f"{who} has nothing pending; its newest operation is {what} (completed)" + (
+                f"; it {at['text']}" if at["source"] else "")
         info["text"] = text if same else f"{text}; {on_group}"
         return info
 
@@ -359,19 +365,61 @@ def _group_order(name: str) -> tuple[int, Any]:
 
 
 def analyze(dumps: dict[int, Dump], allow_incomplete_ranks: bool = False,
-            extra_problems: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
-    """The report (a JSON-ready dict) for loaded dumps."""
+            extra_problems: Sequence[dict[str, Any]] = (), *, stacks: bool = False,
+            ranks: Sequence[int] | None = None, groups: Sequence[str] | None = None,
+            straggler_ms: float = stragglers.THRESHOLD_MS) -> dict[str, Any]:
+    """The report (a JSON-ready dict) for loaded dumps. Besides the problems:
+    ``rank_details``, who and where each culprit is (every rank of ``ranks``
+    when given), with its threads' stacks when ``stacks``; ``stragglers``
+    (``stragglers.find``). ``ranks`` and ``groups`` (names or descriptions)
+    keep only the problems that name one of those ranks, or are on one of
+    those groups; the analysis itself always uses every dump."""
     a = Analysis(dumps, allow_incomplete_ranks)
     a.problems.extend(extra_problems)
     a.run()
-    return a.report()
+    report = a.report()
+    report["notes"] += [n for d in dumps.values() for n in d.notes]
+    if groups is not None or ranks is not None:
+        _select(report, a, ranks, groups)
+    blamed = _report.blame(report["problems"], len(dumps))
+    shown = sorted(set(ranks) & set(dumps)) if ranks is not None else [r for r in blamed if r in dumps]
+    first_group = {r: p.get("group") for p in reversed(report["problems"]) for r in p["ranks"]}
+    report["rank_details"] = [{**whereabouts.summary(dumps[r], first_group.get(r), stacks), "culprit": r in blamed,
+                               "blame": blamed.get(r, [])} for r in shown]
+    found = stragglers.find(dumps, straggler_ms)
+    report["stragglers"] = {**found.as_dict(), "summary": found.text()}
+    return report
 
 
-def analyze_dir(directory: str, prefix: str | None = None, allow_incomplete_ranks: bool = False) -> dict[str, Any]:
+def _select(report: dict[str, Any], a: Analysis, ranks: Sequence[int] | None, groups: Sequence[str] | None) -> None:
+    """Keep the problems and groups that the filters name (see ``analyze``)."""
+    names = {g.name for g in a.groups.values() if groups is None or g.name in groups or (g.desc and g.desc in groups)}
+    members = {r for g in a.groups.values() if g.name in names for r in g.members}
+
+    def wanted(p: Mapping[str, Any]) -> bool:
+        if groups is not None and (p["group"] not in names if p.get("group") is not None
+                                   else not set(p["ranks"]) & members):
+            return False
+        named = set(p["ranks"]) | set(p.get("present") or ()) | {int(r) for r in p.get("states") or {}}
+        return ranks is None or bool(named & set(ranks))
+
+    report["problems"] = [p for p in report["problems"] if wanted(p)]
+    report["groups"] = [g for g in report["groups"] if g["name"] in names]
+    first = report["first_incomplete"]
+    report["first_incomplete"] = first if first is not None and any(p is first for p in report["problems"]) else None
+    report["ok"] = not report["problems"]
+    report["verdict"] = _report.verdict(report["problems"], len(a.dumps), report["first_incomplete"])
+    report["filters"] = {"ranks": sorted(ranks) if ranks is not None else None,
+                         "groups": list(groups) if groups is not None else None}
+
+
+def analyze_dir(directory: str, prefix: str | None = None, allow_incomplete_ranks: bool = False,
+                limits: Limits | None = None, **options: Any) -> dict[str, Any]:
+    """``analyze`` on the dumps in ``directory`` (``find_dumps``, ``load``);
+    ``options`` are ``analyze``'s keyword arguments."""
     paths, prefix, notes = find_dumps(directory, prefix)
-    dumps, unreadable = load(paths)
-    report = analyze(dumps, allow_incomplete_ranks, unreadable)
+    dumps, unreadable = load(paths, limits)
+    report = analyze(dumps, allow_incomplete_ranks, unreadable, **options)
     report["dir"], report["prefix"] = directory, prefix
     report["notes"][:0] = notes
     return report
-

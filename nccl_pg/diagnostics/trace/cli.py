@@ -9,8 +9,9 @@ import os
 import sys
 from collections.abc import Sequence
 
+from . import stragglers
 from .analysis import analyze
-from .loading import find_dumps, load
+from .loading import Limits, find_dumps, load
 from .report import format_text
 from .timeline import chrome_trace
 
@@ -28,6 +29,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also write a Chrome trace-event timeline (one process per rank) for Perfetto")
     parser.add_argument("--allow-incomplete-ranks", action="store_true",
                         help="ranks without a dump are a note, not a problem")
+    parser.add_argument("--ranks", type=int, nargs="+", metavar="R", default=None,
+                        help="show only the problems that name one of these ranks, and who and where each of "
+                             "them is (the analysis still reads every dump)")
+    parser.add_argument("--groups", nargs="+", metavar="G", default=None,
+                        help="show only the problems of these process groups (by name or description)")
+    parser.add_argument("--stacks", action="store_true",
+                        help="show the stacks of every thread of each rank shown (culprits, or --ranks)")
+    parser.add_argument("--straggler-ms", type=_non_negative, default=stragglers.THRESHOLD_MS, metavar="MS",
+                        help="name a rank a straggler when it is last at most collectives and at least this "
+                             f"late, median (default {stragglers.THRESHOLD_MS:g})")
+    parser.add_argument("--max-entries", type=_positive, default=Limits.max_entries, metavar="N",
+                        help="read dumps until they hold this many entries in all (about 2 KiB of memory each; "
+                             f"default {Limits.max_entries}); the rest are reported as not read")
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 0")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer > 0")
+    return value
 
 
 EXIT_STATUS_HELP = ("exit status: 0 all consistent and complete, 1 problems found, 2 no readable dump "
@@ -39,14 +67,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"nccl-pg trace: {args.trace_dir}: not a directory", file=sys.stderr)
         return EXIT_NO_DUMPS
     paths, prefix, notes = find_dumps(args.trace_dir, args.prefix)
-    dumps, unreadable = load(paths)
+    dumps, unreadable = load(paths, Limits(max_entries=args.max_entries))
     if not dumps:
         what = f"with prefix {args.prefix!r} " if args.prefix else ""
         print(f"nccl-pg trace: no readable dump {what}in {args.trace_dir}", file=sys.stderr)
         for p in unreadable:
             print(f"  {p['message']}", file=sys.stderr)
         return EXIT_NO_DUMPS
-    report = analyze(dumps, args.allow_incomplete_ranks, unreadable)
+    report = analyze(dumps, args.allow_incomplete_ranks, unreadable, stacks=args.stacks, ranks=args.ranks,
+                     groups=args.groups, straggler_ms=args.straggler_ms)
     report["dir"], report["prefix"] = args.trace_dir, prefix
     report["notes"][:0] = notes
     if args.chrome_trace:

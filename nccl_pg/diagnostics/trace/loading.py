@@ -1,13 +1,14 @@
 """Reading a folder of dumps for ``nccl-pg trace``: which file is which rank,
-and each file decoded (``dump.read``: no code runs from its bytes) and
-checked against the layout the analysis reads, into plain values of known
-types. A file that fails is a problem saying why ("not a readable dump"),
-never the end of the run."""
+and each file decoded (``dump.read_decoded``: no code runs from its bytes,
+and what decoding may cost is bounded) and checked against the layout the
+analysis reads (``layout``), into plain values of known types. A file that
+fails is a problem saying why ("not a readable dump"), never the end of the
+run. A folder is read within ``Limits``: past them, the remaining files are
+reported as not read."""
 
 from __future__ import annotations
 
 import collections
-import json
 import os
 import re
 import stat
@@ -16,6 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import dump as _dump
+from .. import untrusted
+from ..untrusted import NotADump
+from . import layout
+from .stacks import Thread
 
 _FILE = re.compile(r"^(.*?)(\d+)(\.json)?$")
 P2P_TYPES = ("send", "recv")
@@ -29,6 +34,19 @@ class Dump:
     entries: list[dict[str, Any]] = field(default_factory=list)
     truncated: bool = False  # entries are missing at its start (ring wrap, only_active, or dropped here)
     tracks_states: bool = True  # False for recorders that never move entries past "scheduled" (Gloo's)
+    host: str | None = None
+    pid: int | None = None
+    threads: list[Thread] = field(default_factory=list)  # Python stacks of every thread (our dumps)
+    c_threads: list[Thread] = field(default_factory=list)  # faulthandler's stacks, if the dump has them
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Limits:
+    """What reading one folder may cost: bytes read and entries kept, in all."""
+
+    max_bytes: int = 1 << 31
+    max_entries: int = 2_000_000  # about 1 KiB of memory each once checked
 
 
 def find_dumps(directory: str, prefix: str | None = None) -> tuple[dict[int, str], str, list[str]]:
@@ -77,17 +95,30 @@ def _file_or_link(path: str) -> bool:
     return stat.S_ISREG(mode) or stat.S_ISLNK(mode)
 
 
-def load(paths: Mapping[int, str]) -> tuple[dict[int, Dump], list[dict[str, Any]]]:
+def load(paths: Mapping[int, str], limits: Limits | None = None) -> tuple[dict[int, Dump], list[dict[str, Any]]]:
     """Read and check the dumps; a file that is not a readable dump becomes a
-    problem saying why, and the rest are read. A dump that names its own
-    rank (ours do) wins over the rank in its file name."""
+    problem saying why, and the rest are read, within ``limits`` in all. A
+    dump that names its own rank (ours do) wins over the rank in its file
+    name."""
+    limits = limits or Limits()
     dumps: dict[int, Dump] = {}
     problems: list[dict[str, Any]] = []
+    read_bytes = entries = 0
     for rank, path in paths.items():
         try:
-            d = _checked(rank, path, _dump.read(path))
+            if read_bytes >= limits.max_bytes:
+                raise NotADump(f"not read: this folder's limit of {limits.max_bytes} bytes read in all was reached")
+            if entries >= limits.max_entries:
+                raise NotADump(f"not read: this folder's limit of {limits.max_entries} entries in all was reached")
+            decoded = _dump.read_decoded(path)
+            read_bytes += decoded.size
+            d = check(rank, path, decoded.value, decoded.values, os.path.dirname(path) or ".")
+            if entries + len(d.entries) > limits.max_entries:
+                raise NotADump(f"its {len(d.entries)} entries would pass this folder's limit of "
+                               f"{limits.max_entries} entries in all")
+            entries += len(d.entries)
         except Exception as exc:  # NotADump, or anything the layout check missed: never the whole run
-            why = str(exc) if isinstance(exc, _dump.NotADump) else f"{type(exc).__name__}: {exc}"
+            why = str(exc) if isinstance(exc, NotADump) else f"{type(exc).__name__}: {exc}"
             problems.append({"kind": "unreadable", "ranks": [rank], "path": path,
                              "message": f"{path}: not a readable dump ({why})"})
             continue
@@ -100,141 +131,55 @@ def load(paths: Mapping[int, str]) -> tuple[dict[int, Dump], list[dict[str, Any]
     return dumps, problems
 
 
-# Values checked per file at most: a small pickle can share one list many times over (its memo), and
-# walking what it expands to must not run away.
-_CHECK_BUDGET = 50_000_000
+def load_bytes(rank: int, data: bytes, source: str) -> Dump:
+    """A dump that came as bytes rather than as a file (e.g. a rank's answer
+    through the store), decoded and checked as a file's would be; NotADump
+    saying why it is not one. ``source`` names it in the report."""
+    decoded = untrusted.decode(data)
+    return check(rank, source, decoded.value, decoded.values)
 
 
-class _Checker:
-    """Checks a dump's decoded data against the layout this tool reads, into
-    plain values of known types (NotADump naming the first field that is not)."""
-
-    def __init__(self) -> None:
-        self.left = _CHECK_BUDGET
-
-    def _spend(self, n: int = 1) -> None:
-        self.left -= n
-        if self.left < 0:
-            raise _dump.NotADump(f"more than {_CHECK_BUDGET} values to check")
-
-    def int_(self, v: Any, what: str, default: int | None = 0) -> int:
-        self._spend()
-        if v is None and default is not None:
-            return default
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise _dump.NotADump(f"{what} is {_kind(v)}, not an integer")
-        return v
-
-    def opt_int(self, v: Any, what: str) -> int | None:
-        return None if v is None else self.int_(v, what)
-
-    def number(self, v: Any, what: str) -> float | None:
-        self._spend()
-        if v is None:
-            return None
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise _dump.NotADump(f"{what} is {_kind(v)}, not a number")
-        return float(v)
-
-    def str_(self, v: Any, what: str, default: str | None = None) -> str:
-        self._spend()
-        if v is None and default is not None:
-            return default
-        if not isinstance(v, str):
-            raise _dump.NotADump(f"{what} is {_kind(v)}, not a string")
-        return v
-
-    def list_(self, v: Any, what: str) -> list[Any]:
-        self._spend()
-        if v is None:
-            return []
-        if not isinstance(v, (list, tuple)):
-            raise _dump.NotADump(f"{what} is {_kind(v)}, not a list")
-        self._spend(len(v))
-        return list(v)
-
-    def sizes(self, v: Any, what: str) -> list[Any]:
-        out: list[Any] = []
-        for i, s in enumerate(self.list_(v, what)):
-            if isinstance(s, (list, tuple)):
-                out.append([self.int_(d, f"{what}[{i}]", None) for d in self.list_(s, f"{what}[{i}]")])
-            else:
-                out.append(self.int_(s, f"{what}[{i}]", None))
-        return out
-
-    def entry(self, e: Any, i: int) -> dict[str, Any]:
-        what = f"entries[{i}]"
-        if not isinstance(e, dict):
-            raise _dump.NotADump(f"{what} is {_kind(e)}, not a dict")
-        pg = self.list_(e.get("process_group") or ["?", "?"], f"{what}.process_group")
-        out: dict[str, Any] = {
-            "record_id": self.int_(e.get("record_id"), f"{what}.record_id"),
-            "process_group": (self.str_(pg[0] if pg else "?", f"{what}.process_group[0]"),
-                              self.str_(pg[1] if len(pg) > 1 else "", f"{what}.process_group[1]")),
-            "profiling_name": self.str_(e.get("profiling_name"), f"{what}.profiling_name", "?"),
-            "state": self.str_(e.get("state"), f"{what}.state", "scheduled"),
-            "retired": bool(e.get("retired")),
-            "is_p2p": bool(e.get("is_p2p")),
-            "time_created_ns": self.int_(e.get("time_created_ns"), f"{what}.time_created_ns"),
-            "time_discovered_completed_ns": self.opt_int(e.get("time_discovered_completed_ns"),
-                                                         f"{what}.time_discovered_completed_ns"),
-            "duration_ms": self.number(e.get("duration_ms"), f"{what}.duration_ms"),
-        }
-        for k in ("collective_seq_id", "p2p_seq_id", "op_id"):
-            out[k] = self.int_(e.get(k), f"{what}.{k}")
-        for k in ("input_sizes", "output_sizes"):
-            out[k] = self.sizes(e.get(k), f"{what}.{k}")
-        for k in ("input_dtypes", "output_dtypes"):
-            out[k] = [self.str_(x, f"{what}.{k}") for x in self.list_(e.get(k), f"{what}.{k}")]
-        return out
-
-    def pg_config(self, v: Any) -> dict[str, dict[str, Any]]:
-        if v is None:
-            return {}
-        if not isinstance(v, dict):
-            raise _dump.NotADump(f"pg_config is {_kind(v)}, not a dict")
-        self._spend(len(v))
-        out: dict[str, dict[str, Any]] = {}
-        for k, cfg in v.items():
-            name = cfg.get("name", k) if isinstance(cfg, dict) else k
-            if isinstance(name, bool) or not isinstance(name, (str, int)):
-                raise _dump.NotADump(f"pg_config has a group named by {_kind(name)}")
-            name = str(name)
-            if not isinstance(cfg, dict):
-                out[name] = {"desc": "", "ranks": None}
-                continue
-            out[name] = {"desc": self.str_(cfg.get("desc"), f"pg_config[{name!r}].desc", ""),
-                         "ranks": self.ranks(cfg.get("ranks"), f"pg_config[{name!r}].ranks")}
-        return out
-
-    def ranks(self, v: Any, what: str) -> list[int] | None:
-        """Members as torch writes them (a string of a list, e.g. "[0, 1]") or a list; None if neither."""
-        if isinstance(v, str):
-            self._spend(len(v))
-            if not re.fullmatch(r"\s*\[[\d,\s]*\]\s*", v):
-                return None
-            v = json.loads(v)
-        if isinstance(v, (list, tuple)):
-            return [self.int_(r, what, None) for r in self.list_(v, what)]
-        return None
-
-
-def _kind(v: Any) -> str:
-    return "missing" if v is None else f"a {type(v).__name__}"
-
-
-def _checked(rank: int, path: str, data: dict[str, Any]) -> Dump:
-    c = _Checker()
+def check(rank: int, path: str, data: dict[str, Any], values_built: int, folder: str | None = None) -> Dump:
+    """A decoded dump (``values_built``: what decoding built, ``untrusted.Decoded.values``)
+    checked into a Dump; NotADump saying why it is not one. ``path`` names
+    where it came from; a ``c_stacks_file`` it names is read from ``folder``
+    only (none: not read)."""
+    c = layout.Checker(values_built)
     r = data.get("rank", rank)
     r = r if isinstance(r, int) and not isinstance(r, bool) and r >= 0 else rank
     raw = c.list_(data.get("entries"), "entries")
+    if len(raw) > layout.MAX_ENTRIES:
+        raise NotADump(f"entries: {len(raw)} of them, over the limit of {layout.MAX_ENTRIES} a dump")
     entries = [_normal(c.entry(e, i)) for i, e in enumerate(raw)]
     entries.sort(key=lambda e: e["record_id"])
+    for i, e in enumerate(entries):  # the issue-time stacks "where" may show; the others are let go
+        keep = i >= len(entries) - layout.FRAMES_KEPT or (e["state"] != "completed" and not e["retired"])
+        e["frames"] = c.frames(e["frames"], f"entries[{i}].frames") if keep else []
     plain = {"version": c.str_(data.get("version"), "version", "?"),
              "reason": data.get("reason") if isinstance(data.get("reason"), str) else None,
              "time": c.number(data.get("time"), "time"),
              "pg_config": c.pg_config(data.get("pg_config"))}
-    return Dump(r, path, plain, entries)
+    d = Dump(r, path, plain, entries, host=c.opt_str(data.get("host"), "host"),
+             pid=c.opt_int(data.get("pid"), "pid"), threads=c.threads(data.get("threads")),
+             c_threads=c.c_stacks(data.get("c_stacks")))
+    name = c.opt_str(data.get("c_stacks_file"), "c_stacks_file")
+    if name and not d.c_threads:
+        d.c_threads = _c_stacks_file(d, folder, name) if folder is not None else []
+    return d
+
+
+def _c_stacks_file(d: Dump, folder: str, name: str) -> list[Thread]:
+    """faulthandler's text in the file a dump names: only a file of this
+    user's in the dump's own folder (the name is taken as a base name), read
+    as untrusted like a dump; a note says why it was not."""
+    path = os.path.join(folder, os.path.basename(name))
+    try:
+        data = _dump.read_bytes(path, layout.MAX_C_STACKS)
+    except NotADump as exc:
+        d.notes.append(f"rank {d.rank}: its C-level stacks {path}: not read ({exc})")
+        return []
+    text = data.decode("utf-8", "replace")
+    return layout.Checker(len(text)).c_stacks(text)
 
 
 def _normal(e: dict[str, Any]) -> dict[str, Any]:
