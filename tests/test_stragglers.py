@@ -67,13 +67,13 @@ def test_delayed_rank_is_named(jobs: dict[str, Path], capsys: pytest.CaptureFixt
     found = _find(jobs["late"])
     assert found.method == "issue times" and found.collectives == _STEPS + 1  # the barrier too
     (late,) = found.stragglers
-    assert late.rank == 1 and late.host == socket.gethostname()
+    assert late.rank == 1 and late.host == socket.gethostname() and late.pid is not None
     assert late.last >= _STEPS - 1 and 0.8 * _DELAY_S * 1e3 <= late.median_ms <= 4 * _DELAY_S * 1e3, late
     assert found.clock_offsets_ms == {socket.gethostname(): 0.0}  # one host: one clock, nothing taken out
     code, out = run_trace(jobs["late"], capsys=capsys)
     assert code == 0  # a straggler is not (yet) a problem: the job is consistent
-    assert f"  rank 1 on {socket.gethostname()} arrived last at {late.last} of {late.collectives} collectives " \
-           f"(group '0'), {late.median_ms:.1f} ms after the first rank" in out, out
+    assert f"  rank 1 (host {socket.gethostname()}, pid {late.pid}) arrived last at {late.last} of " \
+           f"{late.collectives} collectives (group '0'), {late.median_ms:.1f} ms after the first rank" in out, out
 
 
 @pytest.mark.timeout(120)

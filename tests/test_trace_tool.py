@@ -177,7 +177,8 @@ def test_rank_skipping_a_collective(runs: Any, capsys: pytest.CaptureFixture[str
     assert (where["at"]["file"], where["at"]["line"], where["at"]["source"]) == (str(script), line, "python")
     assert f"at {script}:{line} in <module>: w.wait()" in out
     assert "first collective that did not complete anywhere" in out
-    assert "rank 2: missing from all_reduce #2 on group '0'" in report["verdict"]
+    assert f"rank 2 (host {socket.gethostname()}, pid {where['pid']}, at {script}:{line} in <module>): missing " \
+           f"from all_reduce #2 on group '0'" in report["verdict"], report["verdict"]
 
 
 @pytest.mark.timeout(90)
@@ -426,8 +427,10 @@ def _dump_file(draw: Any) -> bytes:
                for i in range(draw(st.integers(0, 4)))]
     d: dict[str, Any] = torch_dump(entries, ranks=draw(st.sampled_from(["[0, 1]", "[0, 1, 2]", "[0,", "[]", "x"])))
     d["entries"] = [_mangled(draw, e) for e in entries]
-    for k in draw(st.lists(st.sampled_from(["pg_config", "entries", "version", "rank", "reason", "time"]),
-                           max_size=2)):
+    d.update(host="h", pid=1, threads={"MainThread (1)": ['  File "/u/t.py", line 3, in f\n    x()\n']},
+             c_stacks='Current thread 0x1 (most recent call first):\n  File "/u/t.py", line 3 in f\n')
+    for k in draw(st.lists(st.sampled_from(["pg_config", "entries", "version", "rank", "reason", "time", "host",
+                                            "pid", "threads", "c_stacks", "c_stacks_file"]), max_size=2)):
         d[k] = draw(_values)
     if kind == "json":
         return json.dumps(d, default=repr).encode()
@@ -450,7 +453,7 @@ def test_trace_survives_malformed_dumps(files: list[bytes]) -> None:
             (Path(tmp) / f"trace_{r}").write_bytes(data)
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = cli.main(["trace", tmp, "--json", "--chrome-trace", os.path.join(tmp, "timeline.json")])
+            code = cli.main(["trace", tmp, "--json", "--stacks", "--chrome-trace", os.path.join(tmp, "timeline.json")])
         assert code in (trace.EXIT_OK, trace.EXIT_PROBLEMS, trace.EXIT_NO_DUMPS)
         if code == trace.EXIT_NO_DUMPS:
             assert err.getvalue().count("not a readable dump") == len(files), err.getvalue()

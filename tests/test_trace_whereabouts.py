@@ -75,6 +75,8 @@ def test_culprit_busy_in_user_code_is_located(sleeper: tuple[Path, dict[int, int
     assert {k: culprit["at"][k] for k in ("file", "line", "function", "thread", "source")} == {
         "file": str(script), "line": line, "function": "<module>", "thread": "MainThread", "source": "python"}
     assert "stacks" not in culprit  # only on demand
+    assert report["verdict"].startswith(f"look at rank 1 (host {host}, pid {pids[1]}, at {script}:{line} in "
+                                        f"<module>): missing from all_reduce #2 on group '0'"), report["verdict"]
 
 
 @pytest.mark.timeout(90)

@@ -12,7 +12,11 @@ receive at b from a), and reports:
 - operation, size and dtype mismatches between the ranks of a collective, and
   send/recv pairs that disagree or have no partner;
 - the first collective that did not complete anywhere (a hang or a failure);
-- ranks expected by a group's membership that left no dump.
+- ranks expected by a group's membership that left no dump;
+- who and where each culprit is: host, pid, and the top of its stack
+  (file:line in function) from the stacks its dump holds (``stacks``,
+  ``whereabouts``), every thread's stack on demand;
+- ranks consistently last at collectives, and by how much (``stragglers``).
 
 Ring-buffer wrap: entries with a ``record_id`` below the largest first
 ``record_id`` of any rank are dropped (as PyTorch's analyzer does), and within
@@ -21,14 +25,17 @@ compared. Exit status: 0 when everything is consistent, 1 when a problem was
 found, 2 when no dump could be read.
 
 Every file is untrusted input (a dump folder may be writable by others):
-``dump.read`` runs no code from its bytes and refuses links and files of
-other users, and each dump is checked against the layout before analysis;
-a file that fails is reported as not a readable dump, saying why, and the
-others are analyzed.
+``dump.read_decoded`` runs no code from its bytes, refuses links and files
+of other users and bounds what decoding may cost (``untrusted``), and each
+dump is checked against the layout before analysis (``layout``), within
+bounds per dump and per folder; a file that fails is reported as not a
+readable dump, saying why, and the others are analyzed.
 
-Modules: ``loading`` (finding and checking the dumps), ``rules`` (what the
-ranks of one collective must agree on), ``analysis`` (the cross-rank
-analysis), ``report`` (the words), ``timeline`` (the Chrome trace), ``cli``.
+Modules: ``loading`` (finding and reading the dumps), ``layout`` (checking
+one), ``stacks`` and ``whereabouts`` (who and where a rank is), ``rules``
+(what the ranks of one collective must agree on), ``analysis`` (the
+cross-rank analysis), ``stragglers``, ``report`` (the words), ``timeline``
+(the Chrome trace), ``cli``.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="name a rank a straggler when it is last at most collectives and at least this "
                              f"late, median (default {stragglers.THRESHOLD_MS:g})")
     parser.add_argument("--max-entries", type=_positive, default=Limits.max_entries, metavar="N",
-                        help="read dumps until they hold this many entries in all (about 2 KiB of memory each; "
+                        help="read dumps until they hold this many entries in all (about 1.8 KiB of memory each; "
                              f"default {Limits.max_entries}); the rest are reported as not read")
 
 

@@ -45,8 +45,8 @@ class Dump:
 class Limits:
     """What reading one folder may cost: bytes read and entries kept, in all."""
 
-    max_bytes: int = 1 << 31
-    max_entries: int = 2_000_000  # about 1 KiB of memory each once checked
+    max_bytes: int = 1 << 30
+    max_entries: int = 1_000_000  # about 1.8 KiB of memory each once checked: under 2 GiB
 
 
 def find_dumps(directory: str, prefix: str | None = None) -> tuple[dict[int, str], str, list[str]]:

@@ -34,12 +34,25 @@ def verdict(problems: Sequence[Mapping[str, Any]], n_dumps: int, first: Mapping[
     """One line: whom to look at first, and the first thing stuck."""
     if not problems:
         return "consistent: nothing missing, nothing mismatched, everything completed"
-    parts = [f"rank {r}: {', '.join(rs[:3])}" for r, rs in blame(problems, n_dumps).items()]
+    located = {w["rank"]: w for p in problems for w in p.get("where") or ()}
+    parts = [f"rank {r}{_whereabouts(located.get(r))}: {', '.join(rs[:3])}"
+             for r, rs in blame(problems, n_dumps).items()]
     text = ("look at " + "; ".join(parts)) if parts else f"{len(problems)} problem(s)"
     if first is not None:
         where = f"{first['op']} #{first['seq']}" if first.get("seq") is not None else first["op"]
         text += f"; first stuck: {where} on group {first['group']!r}"
     return text
+
+
+def _whereabouts(w: Mapping[str, Any] | None) -> str:
+    """" (host vm, pid 12, at train.py:10 in eval_step)" from a problem's "where" of the rank; "" if unknown."""
+    if not w:
+        return ""
+    at = w.get("at") or {}
+    parts = [f"host {w['host']}" if w.get("host") else "", f"pid {w['pid']}" if w.get("pid") is not None else "",
+             f"at {at['file']}:{at['line']} in {at['function']}" if at.get("source") in ("python", "c") else ""]
+    parts = [p for p in parts if p]
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def format_text(report: Mapping[str, Any]) -> str:

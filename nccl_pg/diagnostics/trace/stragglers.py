@@ -52,6 +52,7 @@ MIN_COLLECTIVES = 5
 class RankLateness:
     rank: int
     host: str | None
+    pid: int | None
     collectives: int  # compared collectives it took part in
     last: int  # of which it arrived last
     median_ms: float  # lateness behind the first arrival
@@ -60,7 +61,7 @@ class RankLateness:
     groups: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "host": self.host, "collectives": self.collectives, "last": self.last,
+        return {"rank": self.rank, "host": self.host, "pid": self.pid, "collectives": self.collectives, "last": self.last,
                 "median_ms": round(self.median_ms, 3), "max_ms": round(self.max_ms, 3),
                 "margin_ms": round(self.margin_ms, 3), "groups": self.groups}
 
@@ -90,8 +91,8 @@ class Stragglers:
                 f"{MIN_SHARE:.0%} or more and {self.threshold_ms:g} ms or more late, median):")
         lines = [head]
         for s in self.stragglers:
-            where = f" on {s.host}" if s.host else ""
-            lines.append(f"  rank {s.rank}{where} arrived last at {s.last} of {s.collectives} collectives "
+            who = ", ".join(p for p in (f"host {s.host}" if s.host else "", f"pid {s.pid}" if s.pid else "") if p)
+            lines.append(f"  rank {s.rank}{f' ({who})' if who else ''} arrived last at {s.last} of {s.collectives} collectives "
                          f"(group {', '.join(map(repr, s.groups))}), {s.median_ms:.1f} ms after the first rank "
                          f"(median; at most {s.max_ms:.1f} ms), {s.margin_ms:.1f} ms after the next-latest")
         if not self.stragglers:
@@ -146,7 +147,7 @@ def find(dumps: Mapping[int, Dump], threshold_ms: float = THRESHOLD_MS) -> Strag
         margins[latest].append(lateness[latest] - lateness[runner_up])
         for r, v in lateness.items():
             late[r].append(v)
-    ranks = {r: RankLateness(r, dumps[r].host, len(v), last[r], statistics.median(v), max(v),
+    ranks = {r: RankLateness(r, dumps[r].host, dumps[r].pid, len(v), last[r], statistics.median(v), max(v),
                              statistics.median(margins[r]) if margins[r] else 0.0, sorted(groups[r]))
              for r, v in late.items()}
     named = [s for s in ranks.values() if s.collectives >= MIN_COLLECTIVES
