@@ -427,10 +427,9 @@ def _dump_file(draw: Any) -> bytes:
                for i in range(draw(st.integers(0, 4)))]
     d: dict[str, Any] = torch_dump(entries, ranks=draw(st.sampled_from(["[0, 1]", "[0, 1, 2]", "[0,", "[]", "x"])))
     d["entries"] = [_mangled(draw, e) for e in entries]
-    d.update(host="h", pid=1, threads={"MainThread (1)": ['  File "/u/t.py", line 3, in f\n    x()\n']},
-             c_stacks='Current thread 0x1 (most recent call first):\n  File "/u/t.py", line 3 in f\n')
+    d.update(host="h", pid=1, threads={"MainThread (1)": ['  File "/u/t.py", line 3, in f\n    x()\n']})
     for k in draw(st.lists(st.sampled_from(["pg_config", "entries", "version", "rank", "reason", "time", "host",
-                                            "pid", "threads", "c_stacks", "c_stacks_file"]), max_size=2)):
+                                            "pid", "threads"]), max_size=2)):
         d[k] = draw(_values)
     if kind == "json":
         return json.dumps(d, default=repr).encode()
@@ -438,12 +437,20 @@ def _dump_file(draw: Any) -> bytes:
     return raw[:draw(st.integers(0, len(raw)))] if kind == "truncated" else raw
 
 
+_STACKS_HEAD = (b"# nccl_pg C-level stacks: rank 0, pid 2, host h, main thread 0x1\n"
+                b"Current thread 0x0000000000000001 (most recent call first):\n")
+
+
 @pytest.mark.timeout(120)
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(files=st.lists(_dump_file(), min_size=1, max_size=4))
-def test_trace_survives_malformed_dumps(files: list[bytes]) -> None:
-    """``nccl-pg trace`` on folders of mangled dumps: never a traceback; each file is either read or reported
-    as not a readable dump (naming it), the others analyzed; the exit status is 0, 1 or 2."""
+@given(files=st.lists(_dump_file(), min_size=1, max_size=4),
+       stacks=st.lists(st.one_of(st.none(), st.binary(max_size=200), st.binary(max_size=200).map(_STACKS_HEAD.__add__),
+                                 st.text(max_size=200).map(lambda t: _STACKS_HEAD + f'  File "{t}", line 1 in f\n'
+                                                           .encode())), min_size=5, max_size=5))
+def test_trace_survives_malformed_dumps(files: list[bytes], stacks: list[bytes | None]) -> None:
+    """``nccl-pg trace`` on folders of mangled dumps (and C-level stacks files, also of ranks without a
+    dump): never a traceback; each file is either read or reported as not a readable dump (naming it), the
+    others analyzed; the exit status is 0, 1 or 2."""
     import contextlib
     import io
     import tempfile
@@ -451,6 +458,9 @@ def test_trace_survives_malformed_dumps(files: list[bytes]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for r, data in enumerate(files):
             (Path(tmp) / f"trace_{r}").write_bytes(data)
+        for r, data in enumerate(stacks):
+            if data is not None:
+                (Path(tmp) / f"trace_{r}.stacks").write_bytes(data)
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = cli.main(["trace", tmp, "--json", "--stacks", "--chrome-trace", os.path.join(tmp, "timeline.json")])

@@ -104,52 +104,67 @@ def test_stacks_and_filters(sleeper: tuple[Path, dict[int, int], int], capsys: p
     assert code == 1 and {p["kind"] for p in report["problems"]} == {"ranks_missing", "not_completed"}
 
 
-# A rank holding the GIL in C: its Python threads cannot answer, faulthandler's C-level handler can. Its dump
-# (written before, torch's layout: no thread stacks) names the file faulthandler writes to on SIGUSR1.
+# A rank holding the GIL in C: its Python threads cannot answer, faulthandler's C-level handler can. It keeps
+# its C-level stacks where nccl_pg's ranks keep them (<dump prefix><rank>.stacks, a header line naming rank,
+# pid, host and main thread, then what faulthandler appends on SIGUSR1), and writes its flight recorder first
+# (torch's layout: no thread stacks) unless told not to.
 _SPINNER = '''
-import faulthandler, os, pickle, re, signal, sys
+import faulthandler, os, pickle, re, signal, sys, threading
 import numpy as np
 import nccl_pg as dist
 from nccl_pg.diagnostics.flight_recorder import dump_flight_recorder
-prefix = sys.argv[1]
+prefix, rank, write_dump = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "dump"
 dist.init_process_group("host", store=dist.HashStore(), rank=0, world_size=1, timeout=30)
 dist.all_reduce(np.ones(2))
-stacks = open(prefix + "0.cstacks", "w")
+stacks = open(f"{prefix}{rank}.stacks", "w")
+stacks.write(f"# nccl_pg C-level stacks: rank {rank}, pid {os.getpid()}, host spinner-host, "
+             f"main thread 0x{threading.main_thread().ident:016x}\\n")
+stacks.flush()
 faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-d = pickle.loads(dump_flight_recorder())
-d.update(rank=0, pid=os.getpid(), host="spinner-host", c_stacks_file="trace_0.cstacks")
-with open(prefix + "0", "wb") as f:
-    pickle.dump(d, f)
+if write_dump:
+    d = pickle.loads(dump_flight_recorder())
+    d["rank"] = rank
+    with open(f"{prefix}{rank}", "wb") as f:
+        pickle.dump(d, f)
 print("ready", flush=True)
 re.match(r"(a+)+$", "a" * 64 + "b")  # backtracks for ages inside C, holding the GIL
 '''
 
 
-@pytest.mark.timeout(60)
-def test_c_level_stacks_of_a_rank_holding_the_gil(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A rank spinning in C with the GIL held: faulthandler's stacks (a file its dump names) say where it is."""
+def _spin(tmp_path: Path, rank: int, write_dump: bool) -> tuple[Path, Path, int, int]:
+    """Run the spinner until its C-level stacks show it inside re.match: (script, dump prefix, line, pid)."""
     script, prefix = tmp_path / "spinner.py", tmp_path / "dumps" / "trace_"
-    prefix.parent.mkdir()
+    prefix.parent.mkdir(exist_ok=True)
     script.write_text(textwrap.dedent(_SPINNER))
     line = script.read_text().splitlines().index('re.match(r"(a+)+$", "a" * 64 + "b")  # backtracks for ages '
                                                  'inside C, holding the GIL') + 1
-    proc = subprocess.Popen([sys.executable, str(script), str(prefix)], stdout=subprocess.PIPE, text=True)
+    argv = [sys.executable, str(script), str(prefix), str(rank), "dump" if write_dump else "no-dump"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        stacks = Path(f"{prefix}0.cstacks")
+        stacks = Path(f"{prefix}{rank}.stacks")
         deadline = time.monotonic() + 30
         # Signal until a dump shows the rank inside re.match (the first may land while it is still printing);
         # each signal appends one, and the reader must take the latest, and in it the script's line.
-        while f'line {line} in <module>' not in stacks.read_text():
+        while f"line {line} in <module>" not in stacks.read_text():
             assert time.monotonic() < deadline, f"faulthandler wrote {stacks.read_text()!r}"
             proc.send_signal(signal.SIGUSR1)
             time.sleep(0.1)
     finally:
         proc.kill()
         proc.wait(10)
+    return script, prefix, line, proc.pid
+
+
+@pytest.mark.timeout(60)
+def test_c_level_stacks_of_a_rank_holding_the_gil(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A rank spinning in C with the GIL held: its C-level stacks file (next to its dump, which holds no thread
+    stacks) says where it is, and who (from the file's header)."""
+    script, prefix, line, pid = _spin(tmp_path, 0, write_dump=True)
     code, report = report_of(prefix.parent, "--ranks", "0", "--stacks", capsys=capsys)
     (zero,) = report["rank_details"]
-    assert (zero["host"], zero["pid"], zero["at"]["source"]) == ("spinner-host", proc.pid, "c"), zero
+    assert (zero["host"], zero["pid"], zero["at"]["source"], zero["at"]["thread"]) == (
+        "spinner-host", pid, "c", "MainThread"), zero
     assert (zero["at"]["file"], zero["at"]["line"], zero["at"]["function"]) == (str(script), line, "<module>")
     frames = zero["stacks"][0]["frames"]  # the main thread's, outermost first: the script, then re.match
     assert zero["stacks"][0]["source"] == "c" and (frames[-2]["line"], frames[-1]["function"]) == (line, "match")
@@ -157,27 +172,45 @@ def test_c_level_stacks_of_a_rank_holding_the_gil(tmp_path: Path, capsys: pytest
     assert f"at {script}:{line} in <module> (C-level stack)" in out
 
 
+@pytest.mark.timeout(60)
+def test_rank_with_only_c_level_stacks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A rank that wrote no dump (it held the GIL) but left its C-level stacks: the missing dump is reported
+    with where the rank is and who it is. Rank 0's dump, which expects ranks 0 and 1, is built by hand."""
+    script, prefix, line, pid = _spin(tmp_path, 1, write_dump=False)
+    write(prefix.parent, {0: torch_dump([entry(0, 1), entry(1, 2, state="scheduled")], "[0, 1]")}, prefix="trace_")
+    code, report = report_of(prefix.parent, capsys=capsys)
+    assert code == 1 and report["ranks"] == [0] and report["ranks_without_dump"] == [1]
+    (missing,) = [p for p in report["problems"] if p["kind"] == "no_dump"]
+    assert f"its C-level stacks ({prefix}1.stacks) put rank 1 (host spinner-host, pid {pid}) at {script}:{line} " \
+           f"in <module> (C-level stack)" in missing["message"], missing["message"]
+    (one,) = report["rank_details"]
+    assert (one["rank"], one["dump"], one["at"]["line"]) == (1, False, line)
+    assert report["verdict"].startswith(f"look at rank 1 (host spinner-host, pid {pid}, at {script}:{line} in "
+                                        f"<module>): no dump"), report["verdict"]
+
+
 @pytest.mark.timeout(30)
-def test_hand_built_c_stacks_text_and_a_file_outside_the_folder(tmp_path: Path,
-                                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    """HAND-BUILT: faulthandler's text in the dump itself is read; a ``c_stacks_file`` naming a path outside
-    the dump's folder is looked for in the folder only (by its base name), and a note says it was not read."""
-    text = ('Thread 0x0000000000000007 (most recent call first):\n'
+def test_hand_built_c_level_stacks_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """HAND-BUILT: a stacks file written to twice (the latest block of each thread wins; the header names the
+    main thread); a stacks file that is a symbolic link is not followed, and a note says so."""
+    text = ("# nccl_pg C-level stacks: rank 1, pid 4242, host node7, main thread 0x0000000000000001\n"
+            "Current thread 0x0000000000000001 (most recent call first):\n"
+            '  File "/home/u/train.py", line 30 in step\n\n'
+            "Thread 0x0000000000000007 (most recent call first):\n"
             '  File "/lib/python3.11/threading.py", line 327 in wait\n'
             '  File "/home/u/train.py", line 88 in loader\n\n'
-            'Current thread 0x0000000000000001 (most recent call first):\n'
+            "Current thread 0x0000000000000001 (most recent call first):\n"
             '  File "/home/u/model.py", line 12 in spin\n'
             '  File "/home/u/train.py", line 40 in step\n')
-    outside = tmp_path / "secret.txt"
-    outside.write_text('Current thread 0x1 (most recent call first):\n  File "/leak.py", line 1 in leak\n')
-    r0 = torch_dump([entry(0, 1), entry(1, 2, state="scheduled")], "[0, 1]")
-    r1 = {**torch_dump([entry(0, 1)], "[0, 1]"), "c_stacks": text}
-    r1["entries"][0]["thread_id"] = 1
-    r0["c_stacks_file"] = str(outside)
-    d = write(tmp_path / "dumps", {0: r0, 1: r1})
-    code, report = report_of(d, "--ranks", "0", "1", capsys=capsys)
+    d = write(tmp_path / "dumps", {r: torch_dump([entry(0, 1)], "[0, 1]") for r in (0, 1)}, prefix="trace_")
+    (d / "trace_1.stacks").write_text(text)
+    (tmp_path / "elsewhere").write_text(text)
+    (d / "trace_0.stacks").symlink_to(tmp_path / "elsewhere")
+    code, report = report_of(d, "--ranks", "0", "1", "--stacks", capsys=capsys)
     by_rank = {r["rank"]: r for r in report["rank_details"]}
-    assert (by_rank[1]["at"]["file"], by_rank[1]["at"]["line"], by_rank[1]["at"]["source"]) == (
-        "/home/u/model.py", 12, "c")
-    assert by_rank[0]["at"]["source"] is None and "/leak.py" not in str(report)
-    assert any(f"{d / 'secret.txt'}: not read" in n for n in report["notes"]), report["notes"]
+    one = by_rank[1]
+    assert (one["host"], one["pid"], one["at"]["file"], one["at"]["line"], one["at"]["thread"]) == (
+        "node7", 4242, "/home/u/model.py", 12, "MainThread"), one
+    assert [t["thread"] for t in one["stacks"]] == ["MainThread", "0x7"]
+    assert by_rank[0]["at"]["source"] is None and by_rank[0]["host"] is None
+    assert any(f"{d / 'trace_0.stacks'}: not read (a symbolic link (not followed))" in n for n in report["notes"])

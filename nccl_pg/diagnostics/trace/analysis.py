@@ -13,15 +13,17 @@ from typing import Any
 
 from . import report as _report
 from . import rules, stragglers, whereabouts
-from .loading import Dump, Limits, find_dumps, load, outcome
+from .loading import Dump, Limits, find_dumps, load, load_stacks_only, outcome
 from .rules import Group, Op, describe, fmt_ranks
 
 MISMATCH_CAP = 10  # size/dtype mismatches reported per group before the rest are only counted
 
 
 class Analysis:
-    def __init__(self, dumps: dict[int, Dump], allow_incomplete_ranks: bool = False) -> None:
+    def __init__(self, dumps: dict[int, Dump], allow_incomplete_ranks: bool = False,
+                 stacks_only: Mapping[int, Dump] | None = None) -> None:
         self.dumps = dumps
+        self.stacks_only = dict(stacks_only or {})  # ranks without a dump that left C-level stacks
         self.allow_incomplete = allow_incomplete_ranks
         self.problems: list[dict[str, Any]] = []
         self.notes: list[str] = []
@@ -92,16 +94,25 @@ class Analysis:
                               if set(absent) & set(g.members))
             text = (f"{fmt_ranks(absent)} left no dump (expected by group {where}): crashed, killed, or "
                     f"hung without dumping")
+            seen = [self._stacks_where(r) for r in absent if r in self.stacks_only]
+            text += "".join(f"; {w['text']}" for w in seen)
             if self.allow_incomplete:
                 self.notes.append(text + " (--allow-incomplete-ranks: not counted as a problem)")
             else:
-                self._problem("no_dump", absent, text)
+                self._problem("no_dump", absent, text, where=seen)
         for g in self.groups.values():
             self._collectives(g)
             self._p2p(g)
         self.first_incomplete = min(self.incomplete, key=lambda p: p["time_created_ns"], default=None)
         if self.first_incomplete is not None:
             self.first_incomplete["first"] = True
+
+    def _stacks_where(self, rank: int) -> dict[str, Any]:
+        """Where a rank that left no dump is, by its C-level stacks file."""
+        d = self.stacks_only[rank]
+        at = whereabouts.locate(d)
+        return {"rank": rank, "host": d.host, "pid": d.pid, "at": at,
+                "text": f"its C-level stacks ({d.c_stacks_path}) put {whereabouts.who(d)} {at['text']}"}
 
     def _problem(self, kind: str, ranks: Sequence[int], message: str, **extra: Any) -> dict[str, Any]:
         p = {"kind": kind, "ranks": sorted(ranks), "message": message, **extra}
@@ -367,14 +378,17 @@ def _group_order(name: str) -> tuple[int, Any]:
 def analyze(dumps: dict[int, Dump], allow_incomplete_ranks: bool = False,
             extra_problems: Sequence[dict[str, Any]] = (), *, stacks: bool = False,
             ranks: Sequence[int] | None = None, groups: Sequence[str] | None = None,
-            straggler_ms: float = stragglers.THRESHOLD_MS) -> dict[str, Any]:
+            straggler_ms: float = stragglers.THRESHOLD_MS,
+            stacks_only: Mapping[int, Dump] | None = None) -> dict[str, Any]:
     """The report (a JSON-ready dict) for loaded dumps. Besides the problems:
     ``rank_details``, who and where each culprit is (every rank of ``ranks``
     when given), with its threads' stacks when ``stacks``; ``stragglers``
     (``stragglers.find``). ``ranks`` and ``groups`` (names or descriptions)
     keep only the problems that name one of those ranks, or are on one of
-    those groups; the analysis itself always uses every dump."""
-    a = Analysis(dumps, allow_incomplete_ranks)
+    those groups; the analysis itself always uses every dump. ``stacks_only``:
+    ranks without a dump that left C-level stacks (``loading.stacks_only``):
+    where they are is said with their missing dump."""
+    a = Analysis(dumps, allow_incomplete_ranks, stacks_only)
     a.problems.extend(extra_problems)
     a.run()
     report = a.report()
@@ -382,10 +396,11 @@ def analyze(dumps: dict[int, Dump], allow_incomplete_ranks: bool = False,
     if groups is not None or ranks is not None:
         _select(report, a, ranks, groups)
     blamed = _report.blame(report["problems"], len(dumps))
-    shown = sorted(set(ranks) & set(dumps)) if ranks is not None else [r for r in blamed if r in dumps]
+    known = {**a.stacks_only, **dumps}
+    shown = sorted(set(ranks) & set(known)) if ranks is not None else [r for r in blamed if r in known]
     first_group = {r: p.get("group") for p in reversed(report["problems"]) for r in p["ranks"]}
-    report["rank_details"] = [{**whereabouts.summary(dumps[r], first_group.get(r), stacks), "culprit": r in blamed,
-                               "blame": blamed.get(r, [])} for r in shown]
+    report["rank_details"] = [{**whereabouts.summary(known[r], first_group.get(r), stacks), "culprit": r in blamed,
+                               "blame": blamed.get(r, []), "dump": r in dumps} for r in shown]
     found = stragglers.find(dumps, straggler_ms)
     report["stragglers"] = {**found.as_dict(), "summary": found.text()}
     return report
@@ -419,7 +434,8 @@ def analyze_dir(directory: str, prefix: str | None = None, allow_incomplete_rank
     ``options`` are ``analyze``'s keyword arguments."""
     paths, prefix, notes = find_dumps(directory, prefix)
     dumps, unreadable = load(paths, limits)
-    report = analyze(dumps, allow_incomplete_ranks, unreadable, **options)
+    report = analyze(dumps, allow_incomplete_ranks, unreadable, stacks_only=load_stacks_only(directory, prefix, dumps),
+                     **options)
     report["dir"], report["prefix"] = directory, prefix
     report["notes"][:0] = notes
     return report

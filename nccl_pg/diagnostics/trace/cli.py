@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from . import stragglers
 from .analysis import analyze
-from .loading import Limits, find_dumps, load
+from .loading import Limits, find_dumps, load, load_stacks_only
 from .report import format_text
 from .timeline import chrome_trace
 
@@ -75,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {p['message']}", file=sys.stderr)
         return EXIT_NO_DUMPS
     report = analyze(dumps, args.allow_incomplete_ranks, unreadable, stacks=args.stacks, ranks=args.ranks,
-                     groups=args.groups, straggler_ms=args.straggler_ms)
+                     groups=args.groups, straggler_ms=args.straggler_ms,
+                     stacks_only=load_stacks_only(args.trace_dir, prefix, dumps))
     report["dir"], report["prefix"] = args.trace_dir, prefix
     report["notes"][:0] = notes
     if args.chrome_trace:

@@ -17,10 +17,10 @@ import re
 from typing import Any
 
 from ..untrusted import NotADump
-from .stacks import Frame, Thread, c_threads, entry_frames, python_threads
+from .stacks import Frame, Thread, c_threads, entry_frames, python_threads, stacks_header
 
 MAX_STRING = 1 << 16  # characters of any one string read (names, stack lines)
-MAX_C_STACKS = 1 << 20  # characters of faulthandler text (in the dump or in its file)
+MAX_C_STACKS = 4 << 20  # bytes of a rank's C-level stacks file (faulthandler's dumps: about 5-20 kB each)
 MAX_ENTRIES = 100_000  # entries of one dump (the recorder keeps 2,000 by default)
 MAX_THREADS = 4096
 BUDGET_FLOOR, BUDGET_PER_VALUE = 10_000, 4
@@ -187,6 +187,12 @@ class Checker:
                  for k, lines in raw.items()}
         return python_threads(plain)
 
-    def c_stacks(self, v: Any) -> list[Thread]:
-        text = self.str_(v, "c_stacks", "", limit=MAX_C_STACKS)
-        return c_threads(text) if text else []
+    def c_stacks(self, text: str) -> tuple[list[Thread], dict[str, Any]]:
+        """faulthandler's text, and what its header line says (rank, pid, host)."""
+        self.str_(text, "the C-level stacks", limit=MAX_C_STACKS)
+        header = stacks_header(text.partition("\n")[0])
+        threads = c_threads(text)
+        for t in threads:
+            if t.ident is not None and t.ident == header.get("main"):
+                t.name = "MainThread"
+        return threads, header

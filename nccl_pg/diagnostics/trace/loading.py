@@ -24,6 +24,7 @@ from .stacks import Thread
 
 _FILE = re.compile(r"^(.*?)(\d+)(\.json)?$")
 P2P_TYPES = ("send", "recv")
+STACKS_SUFFIX = ".stacks"  # nccl_pg/diagnostics/stacks.py's SUFFIX (issue 24 item 4)
 
 
 @dataclass
@@ -37,7 +38,8 @@ class Dump:
     host: str | None = None
     pid: int | None = None
     threads: list[Thread] = field(default_factory=list)  # Python stacks of every thread (our dumps)
-    c_threads: list[Thread] = field(default_factory=list)  # faulthandler's stacks, if the dump has them
+    c_threads: list[Thread] = field(default_factory=list)  # faulthandler's stacks (stacks_path), if any
+    c_stacks_path: str | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -112,7 +114,9 @@ def load(paths: Mapping[int, str], limits: Limits | None = None) -> tuple[dict[i
                 raise NotADump(f"not read: this folder's limit of {limits.max_entries} entries in all was reached")
             decoded = _dump.read_decoded(path)
             read_bytes += decoded.size
-            d = check(rank, path, decoded.value, decoded.values, os.path.dirname(path) or ".")
+            d = check(rank, path, decoded.value, decoded.values)
+            if os.path.lexists(stacks_path(path)):
+                read_stacks(d, stacks_path(path))
             if entries + len(d.entries) > limits.max_entries:
                 raise NotADump(f"its {len(d.entries)} entries would pass this folder's limit of "
                                f"{limits.max_entries} entries in all")
@@ -139,11 +143,10 @@ def load_bytes(rank: int, data: bytes, source: str) -> Dump:
     return check(rank, source, decoded.value, decoded.values)
 
 
-def check(rank: int, path: str, data: dict[str, Any], values_built: int, folder: str | None = None) -> Dump:
+def check(rank: int, path: str, data: dict[str, Any], values_built: int) -> Dump:
     """A decoded dump (``values_built``: what decoding built, ``untrusted.Decoded.values``)
     checked into a Dump; NotADump saying why it is not one. ``path`` names
-    where it came from; a ``c_stacks_file`` it names is read from ``folder``
-    only (none: not read)."""
+    where it came from."""
     c = layout.Checker(values_built)
     r = data.get("rank", rank)
     r = r if isinstance(r, int) and not isinstance(r, bool) and r >= 0 else rank
@@ -159,27 +162,54 @@ def check(rank: int, path: str, data: dict[str, Any], values_built: int, folder:
              "reason": data.get("reason") if isinstance(data.get("reason"), str) else None,
              "time": c.number(data.get("time"), "time"),
              "pg_config": c.pg_config(data.get("pg_config"))}
-    d = Dump(r, path, plain, entries, host=c.opt_str(data.get("host"), "host"),
-             pid=c.opt_int(data.get("pid"), "pid"), threads=c.threads(data.get("threads")),
-             c_threads=c.c_stacks(data.get("c_stacks")))
-    name = c.opt_str(data.get("c_stacks_file"), "c_stacks_file")
-    if name and not d.c_threads:
-        d.c_threads = _c_stacks_file(d, folder, name) if folder is not None else []
-    return d
+    return Dump(r, path, plain, entries, host=c.opt_str(data.get("host"), "host"),
+                pid=c.opt_int(data.get("pid"), "pid"), threads=c.threads(data.get("threads")))
 
 
-def _c_stacks_file(d: Dump, folder: str, name: str) -> list[Thread]:
-    """faulthandler's text in the file a dump names: only a file of this
-    user's in the dump's own folder (the name is taken as a base name), read
-    as untrusted like a dump; a note says why it was not."""
-    path = os.path.join(folder, os.path.basename(name))
+def stacks_path(dump_path: str) -> str:
+    """Where the rank of the dump at ``dump_path`` keeps its C-level stacks:
+    ``<dump prefix><rank>.stacks`` (faulthandler's output, appended on a
+    signal and at operations' deadlines, after a header line naming the
+    rank, pid, host and main thread)."""
+    return (dump_path[:-len(".json")] if dump_path.endswith(".json") else dump_path) + STACKS_SUFFIX
+
+
+def find_stacks(directory: str, prefix: str) -> dict[int, str]:
+    """``{rank: path}`` of the C-level stack files in ``directory``."""
+    out = {}
+    for n in sorted(os.listdir(directory)):
+        m = re.fullmatch(re.escape(prefix) + r"(\d+)" + re.escape(STACKS_SUFFIX), n)
+        if m is not None:
+            out[int(m.group(1))] = os.path.join(directory, n)
+    return out
+
+
+def read_stacks(d: Dump, path: str) -> None:
+    """The C-level stacks at ``path`` into ``d`` (host and pid from their
+    header where ``d`` lacks them), read as untrusted like a dump; a note
+    says why they were not."""
     try:
-        data = _dump.read_bytes(path, layout.MAX_C_STACKS)
+        text = _dump.read_bytes(path, layout.MAX_C_STACKS).decode("utf-8", "replace")
+        threads, header = layout.Checker(len(text)).c_stacks(text)
     except NotADump as exc:
         d.notes.append(f"rank {d.rank}: its C-level stacks {path}: not read ({exc})")
-        return []
-    text = data.decode("utf-8", "replace")
-    return layout.Checker(len(text)).c_stacks(text)
+        return
+    d.c_threads, d.c_stacks_path = threads, path
+    d.host = d.host if d.host is not None else header.get("host")
+    d.pid = d.pid if d.pid is not None else header.get("pid")
+
+
+def load_stacks_only(directory: str, prefix: str, dumps: Mapping[int, Dump]) -> dict[int, Dump]:
+    """The ranks of ``directory`` known only by their C-level stacks file (they
+    wrote no dump: e.g. they held the GIL), as Dumps without entries."""
+    out = {}
+    for rank, path in find_stacks(directory, prefix).items():
+        if rank not in dumps:
+            d = Dump(rank, path, {"version": "?", "reason": None, "time": None, "pg_config": {}}, truncated=True)
+            read_stacks(d, path)
+            if d.c_threads:
+                out[rank] = d
+    return out
 
 
 def _normal(e: dict[str, Any]) -> dict[str, Any]:

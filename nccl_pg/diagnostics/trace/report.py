@@ -104,7 +104,7 @@ def _rank_details(report: Mapping[str, Any]) -> list[str]:
     for r in details:
         now = r.get("in")
         doing = (f"in {now['op']} #{now['seq']} on group {now['group']!r} ({now['state']})" if now
-                 else "in no operation")
+                 else "in no operation" if r.get("dump", True) else "no dump")
         lines.append(f"  {r['who']}: {doing}; {r['at']['text']}")
         if r.get("blame"):
             lines.append(f"    why: {'; '.join(r['blame'])}")

@@ -5,9 +5,10 @@ Three sources, best first:
 
 - ``threads``: our dumps' Python stack of every thread, as
   ``traceback.format_stack`` writes it, keyed "<thread name> (<ident>)";
-- ``c_stacks``: text that ``faulthandler`` wrote (every thread, written by a
-  C-level handler, so also for a rank holding the GIL or stuck in C), in the
-  dump or in a file next to it that the dump names (``c_stacks_file``);
+- the rank's C-level stacks file, ``<dump prefix><rank>.stacks``: what
+  ``faulthandler`` wrote (every thread, from a C-level handler, so also for
+  a rank holding the GIL or stuck in C), after a header line naming the
+  rank, pid, host and main thread;
 - an entry's ``frames``: the stack where an operation was issued (torch's
   dumps, and ours with ``NCCL_PG_TRACE_STACKS=1``): where the rank was, not
   where it is.
@@ -103,6 +104,19 @@ def c_threads(text: str) -> list[Thread]:
     close()
     latest = {(t.ident if t.ident is not None else id(t)): t for t in out}
     return list(latest.values())
+
+
+_HEADER = re.compile(r"# nccl_pg C-level stacks: rank (?P<rank>\d+), pid (?P<pid>\d+), host (?P<host>\S{1,255}), "
+                     r"main thread (?P<main>0x[0-9a-fA-F]{1,16})\s*")
+
+
+def stacks_header(line: str) -> dict[str, Any]:
+    """The header of a rank's stacks file: {"rank", "pid", "host", "main"}, or {} if it is not one."""
+    m = _HEADER.fullmatch(line)
+    if m is None:
+        return {}
+    return {"rank": int(m.group("rank")), "pid": int(m.group("pid")), "host": m.group("host"),
+            "main": int(m.group("main"), 16)}
 
 
 def entry_frames(frames: Iterable[Mapping[str, Any]]) -> list[Frame]:
