@@ -5,12 +5,11 @@ What it adds to plain HTTP is what a store needs:
 
 - **Deadlines**: every request and every watch ends by the caller's deadline.
 - **Failover**: the endpoints are the cluster's members. Requests go to one
-  member, the same until it fails, then to the next. A request that could
-  not be sent (refused, unreachable) or that the member turned down without
-  applying it ("no leader") goes to the next member; so does one lost in
-  flight when sending it twice is harmless (reads, watches, puts). A
-  conditional write lost in flight may have been applied, so it is not sent
-  again: DistNetworkError says so, as etcd's own Go client does.
+  member, the same until it fails, then to the next: a request that could
+  not be sent (refused, unreachable), that its member lost in flight, or
+  that the member turned down as unavailable ("no leader") is sent to the
+  next one. So every request must be safe to send twice: the store makes
+  its conditional writes so (etcd_store.py, "markers").
 - **Watches**: a watch is a streamed HTTP/1.0 answer, one JSON message a
   line, ended by closing the connection; one thread waits on several with
   poll(). Closing the connection cancels the watch at the member.
@@ -22,6 +21,7 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import os
 import random
 import select
 import socket
@@ -35,17 +35,14 @@ from urllib.parse import urlsplit
 from ..errors import DistNetworkError, DistStoreError
 from .base import Backoff, fork_count
 
-# How sending a request again after its member was lost in flight would end.
-READ = 0  # harmless: nothing changes
-REPEATABLE = 1  # the same state (puts of fixed values)
-ONCE = 2  # a conditional write or one whose answer matters: may have been applied, never sent again
-
 # One connection attempt to one member waits at most this long, so that a member whose machine is gone
 # (no refusal, silence) leaves time within the deadline to try the others.
 _CONNECT_ATTEMPT = 3.0
-# gRPC status codes (the gateway's "code") and the messages of refusals that applied nothing.
-_UNAVAILABLE = 14
-_NOT_APPLIED = ("etcdserver: no leader", "etcdserver: not capable", "etcdserver: server stopped")
+# A member that has not begun to answer a request after this long is silent (hung, or its machine frozen):
+# the request goes to the next member. etcd itself answers every request within its request timeout
+# (5 s + 2 election timeouts: 7 s by default), with an error if need be.
+SILENT_AFTER = 20.0
+_UNAVAILABLE = 14  # the gRPC status code (the gateway's "code") of a member that cannot serve now
 _TOO_LARGE = ("request is too large", "larger than max")
 _HEADERS = {"Content-Type": "application/json"}
 _READ_SIZE = 64 * 1024
@@ -192,6 +189,7 @@ class EtcdClient:
         self.idle: list[http.client.HTTPConnection] = []  # keep-alive connections to the current member
         self.streams: set[WatchStream] = set()
         self.forks = fork_count()
+        self.ident = os.urandom(6).hex()  # names this client's writers in the store's markers
         self.closed = False
         self.ever_answered = False
         self.requests = 0  # requests sent (watches included), for tests and benchmarks
@@ -209,6 +207,7 @@ class EtcdClient:
             return
         self.forks = fork_count()
         self.lock = threading.Lock()
+        self.ident = os.urandom(6).hex()  # the parent's threads are not ours
         for conn in self.idle:
             if conn.sock is not None:
                 conn.sock.close()  # never shutdown(): that would cut the parent off
@@ -265,16 +264,16 @@ class EtcdClient:
 
     # --- requests ---------------------------------------------------------------
 
-    def request(self, path: str, payload: Json, deadline: float, what: str, policy: int) -> Json:
+    def request(self, path: str, payload: Json, deadline: float, what: str) -> Json:
         """POST ``payload`` to ``/v3/<path>`` and return the answer; DistNetworkError
         when no member could be reached in time, DistStoreError when one did not
         answer in time or refused, ValueError when etcd found the request too large."""
-        return self._with_failover(lambda i: self._attempt(i, path, json.dumps(payload).encode(), deadline,
-                                                           what, policy), deadline, what)
+        body = json.dumps(payload).encode()
+        return self._with_failover(lambda i: self._attempt(i, f"/v3/{path}", body, deadline, what), deadline, what)
 
     def version(self, deadline: float) -> Json:
         """The answer of a member's /version (the first that answers)."""
-        return self._with_failover(lambda i: self._attempt(i, "/version", None, deadline, "connect", READ),
+        return self._with_failover(lambda i: self._attempt(i, "/version", None, deadline, "connect"),
                                    deadline, "connect")
 
     def _with_failover(self, attempt: Callable[[int], T], deadline: float, what: str) -> T:
@@ -304,31 +303,32 @@ class EtcdClient:
                 raise DistNetworkError(f"timeout: no etcd member of {self.address} could be reached for {what} "
                                        f"within {time.monotonic() - start:.2f} s ({detail})")
 
-    def _attempt(self, index: int, path: str, body: bytes | None, deadline: float, what: str,
-                 policy: int) -> Json:
+    def _attempt(self, index: int, path: str, body: bytes | None, deadline: float, what: str) -> Json:
         name = self.names[index]
         conn = self._take(index, deadline)
-        sent = False
+        silent = False
         try:
             assert conn.sock is not None
-            conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            left = max(deadline - time.monotonic(), 0.001)
+            silent = left > SILENT_AFTER
+            conn.sock.settimeout(min(left, SILENT_AFTER))
             with self.lock:
                 self.requests += 1
             if body is None:
                 conn.request("GET", path)
             else:
-                conn.request("POST", f"/v3/{path}", body, _HEADERS)
-            sent = True
+                conn.request("POST", path, body, _HEADERS)
             resp = conn.getresponse()
+            silent = False  # it answers: the rest of the answer may take until the deadline
+            conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
             data = resp.read()
         except TimeoutError:
             conn.close()
+            if silent:
+                raise _TryNext(f"silent for {SILENT_AFTER:g} s") from None
             raise _Timeout(name) from None
         except (OSError, http.client.HTTPException) as exc:
             conn.close()
-            if policy == ONCE and sent:
-                raise DistNetworkError(f"etcd member {name} was lost during {what} ({exc!r}); the request may or "
-                                       f"may not have been applied, so it is not sent again") from None
             raise _TryNext(f"lost: {exc!r}") from None
         if resp.will_close:
             conn.close()
@@ -346,11 +346,8 @@ class EtcdClient:
         if any(m in message for m in _TOO_LARGE):
             raise ValueError(f"{what} is too large for etcd ({message}): its request limit is "
                              f"--max-request-bytes, 1.5 MiB by default")
-        if answer.get("code") == _UNAVAILABLE and (policy != ONCE or any(m in message for m in _NOT_APPLIED)):
-            raise _TryNext(message)
         if answer.get("code") == _UNAVAILABLE:
-            raise DistNetworkError(f"etcd member {name} failed {what} ({message}); the request may or may not "
-                                   f"have been applied, so it is not sent again")
+            raise _TryNext(message)
         raise DistStoreError(f"etcd member {name} refused {what}: {message}")
 
     # --- watches ------------------------------------------------------------------
@@ -365,8 +362,9 @@ class EtcdClient:
     def _open_watch(self, index: int, body: bytes, deadline: float, what: str) -> WatchStream:
         host, port = self.endpoints[index]
         sock = self._connect(index, deadline)
+        left = max(deadline - time.monotonic(), 0.001)
         try:
-            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            sock.settimeout(min(left, SILENT_AFTER))
             with self.lock:
                 self.requests += 1
             sock.sendall(b"POST /v3/watch HTTP/1.0\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
@@ -379,6 +377,8 @@ class EtcdClient:
                 buf += chunk
         except TimeoutError:
             sock.close()
+            if left > SILENT_AFTER:
+                raise _TryNext(f"silent for {SILENT_AFTER:g} s") from None
             raise _Timeout(self.names[index]) from None
         except OSError as exc:
             sock.close()

@@ -7,10 +7,19 @@ Layout under ``/nccl_pg/<job>/``, so that jobs share a cluster:
 - ``q/<hex of key>/<id>``: the items of the queue ``key``, oldest first by
   creation revision;
 - ``b/<hex of key>/<id>``: the arrivals at barrier ``key``; ``b/<hex of key>``
-  is its release.
+  is its release;
+- ``m/<hex of key>/<writer>``: the marker of one writer (a thread of a
+  client) for ``key``: the id of the last conditional write it applied.
 
 In hex a key's queue (or barrier) is a range that no other key's contains,
 and hex keeps the order of keys, so a range of keys maps to a range of queues.
+
+**Markers** make every conditional write safe to send twice, which failover
+does when a member is lost in flight (etcd_client.py): the write puts the
+writer's marker with a fresh id in the same transaction, and its failure
+branch reads the marker back. A resend that fails its comparison because the
+first attempt was applied finds its own id there, and answers as the first
+attempt would have.
 
 A blocking call reads, and when something is missing it watches the missing
 keys from the revision it read at: nothing set in between is missed and
@@ -22,6 +31,7 @@ where etcd has no atomic operation of its own).
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -42,7 +52,7 @@ from .base import (
     timeout_error,
     to_bytes,
 )
-from .etcd_client import ONCE, READ, REPEATABLE, EtcdClient, Json, StreamLost, b64, unb64
+from .etcd_client import EtcdClient, Json, StreamLost, b64, unb64
 
 # etcd's default --max-txn-ops: larger batches are split (reads at one revision, so still one snapshot).
 _MAX_TXN_OPS = 128
@@ -85,6 +95,13 @@ def _responses(answer: Json) -> list[Json]:
     return [next(iter(r.values()), {}) for r in answer.get("responses", [])]
 
 
+def _applied(response: Json, op: bytes) -> bool:
+    """The failure branch's read of the marker found ``op``: this is a resend of
+    an attempt that was applied (see "Markers")."""
+    kv = _first(response)
+    return kv is not None and unb64(kv.get("value", "")) == op
+
+
 def _count(response: Json) -> int:
     return int(response.get("count", 0))
 
@@ -121,7 +138,8 @@ class EtcdStore(Store):
                                                                                         "connect_timeout")
         self._client = EtcdClient(endpoints)
         root = b"/nccl_pg/" + job.encode() + b"/"
-        self._values, self._queues, self._barriers = root + b"v/", root + b"q/", root + b"b/"
+        self._values, self._queues, self._barriers, self._markers = (root + b"v/", root + b"q/", root + b"b/",
+                                                                     root + b"m/")
         self._closed = False
         answer = self._client.version(time.monotonic() + self.connect_timeout)
         version = str(answer.get("etcdserver", ""))
@@ -167,16 +185,16 @@ class EtcdStore(Store):
 
     # --- requests ------------------------------------------------------------------
 
-    def _request(self, path: str, payload: Json, what: str, policy: int, deadline: float | None = None) -> Json:
+    def _request(self, path: str, payload: Json, what: str, deadline: float | None = None) -> Json:
         if self._closed:
             raise DistStoreError(f"{self!r} is closed")
         deadline = time.monotonic() + self._timeout if deadline is None else deadline
-        return self._client.request(path, payload, deadline, what, policy)
+        return self._client.request(path, payload, deadline, what)
 
-    def _txn(self, what: str, policy: int, success: list[Json], compare: Sequence[Json] = (),
-             failure: Sequence[Json] = (), deadline: float | None = None) -> Json:
+    def _txn(self, what: str, success: list[Json], compare: Sequence[Json] = (), failure: Sequence[Json] = (),
+             deadline: float | None = None) -> Json:
         return self._request("kv/txn", {"compare": list(compare), "success": success, "failure": list(failure)},
-                             what, policy, deadline)
+                             what, deadline)
 
     def _reads(self, ranges: list[Json], what: str, deadline: float) -> tuple[int, list[Json]]:
         """Range requests in transactions of at most _MAX_TXN_OPS, all at one
@@ -186,7 +204,7 @@ class EtcdStore(Store):
             chunk = ranges[i:i + _MAX_TXN_OPS]
             if revision:
                 chunk = [{"request_range": {**r["request_range"], "revision": revision}} for r in chunk]
-            answer = self._txn(what, READ, chunk, deadline=deadline)
+            answer = self._txn(what, chunk, deadline=deadline)
             revision = revision or int(answer["header"]["revision"])
             out.extend(_responses(answer))
         return revision, out
@@ -196,6 +214,14 @@ class EtcdStore(Store):
 
     def _queue(self, key: str) -> bytes:
         return self._queues + key.encode().hex().encode() + b"/"
+
+    def _mark(self, key: str) -> tuple[Json, Json, bytes]:
+        """For a conditional write on ``key``: the put of this writer's marker
+        with a fresh id, the read of it (for the failure branch), and the id."""
+        marker = (self._markers + key.encode().hex().encode() + b"/"
+                  + f"{self._client.ident}-{threading.get_ident():x}".encode())
+        op = os.urandom(8).hex().encode()
+        return _put(marker, op), _range(marker), op
 
     def _name(self, etcd_key: bytes) -> str | None:
         """The store key whose value or queue item ``etcd_key`` is."""
@@ -277,8 +303,7 @@ class EtcdStore(Store):
 
     def set(self, key: str, value: Value) -> None:
         key = check_key(key)
-        self._request("kv/put", _put(self._vkey(key), to_bytes(value, key))["request_put"], f"set({key!r})",
-                      REPEATABLE)
+        self._request("kv/put", _put(self._vkey(key), to_bytes(value, key))["request_put"], f"set({key!r})")
 
     def get(self, key: str) -> bytes:
         return self._get([check_key(key)], "get")[0]
@@ -293,7 +318,7 @@ class EtcdStore(Store):
         puts = [_put(self._vkey(k), v) for k, v in latest.items()]
         deadline = time.monotonic() + self._timeout
         for i in range(0, len(puts), _MAX_TXN_OPS):
-            self._txn(f"multi_set({keys!r})", REPEATABLE, puts[i:i + _MAX_TXN_OPS], deadline=deadline)
+            self._txn(f"multi_set({keys!r})", puts[i:i + _MAX_TXN_OPS], deadline=deadline)
 
     def wait(self, keys: Sequence[str], timeout: Timeout | None = None) -> None:
         keys = check_keys(keys)
@@ -331,6 +356,7 @@ class EtcdStore(Store):
         what = f"{op}({key!r})"
         start = time.monotonic()
         deadline = start + self._timeout
+        mark, read_mark, op_id = self._mark(key)
         compare, new = _equal(k, "VERSION", 0), first
         attempts = 0
         while True:
@@ -338,10 +364,11 @@ class EtcdStore(Store):
                 raise DistStoreError(f"timeout: {op}({key!r}) on {self!r} lost its compare-and-swap to other "
                                      f"writers of the key {attempts} times in {time.monotonic() - start:.2f} s")
             attempts += 1
-            answer = self._txn(what, ONCE, [_put(k, new)], [compare], [_range(k)], deadline)
-            if answer.get("succeeded"):
+            answer = self._txn(what, [_put(k, new), mark], [compare], [_range(k), read_mark], deadline)
+            current, marker = _responses(answer) if not answer.get("succeeded") else ({}, {})
+            if answer.get("succeeded") or _applied(marker, op_id):
                 return new
-            kv = _first(_responses(answer)[0])
+            kv = _first(current)
             if kv is None:  # deleted since
                 compare, new = _equal(k, "VERSION", 0), first
             else:
@@ -360,15 +387,18 @@ class EtcdStore(Store):
         key = check_key(key)
         expected, desired = to_bytes(expected, key), to_bytes(desired, key)
         k = self._vkey(key)
+        mark, read_mark, op_id = self._mark(key)
+        write = [_put(k, desired), mark]
         # A missing key matches an empty ``expected`` (etcd's value comparison fails on a missing key: a
         # nested transaction creates it).
-        otherwise = ([{"request_txn": {"compare": [_equal(k, "CREATE", 0)], "success": [_put(k, desired)],
-                                       "failure": [_range(k)]}}] if expected == b"" else [_range(k)])
-        answer = self._txn(f"compare_set({key!r})", ONCE, [_put(k, desired)], [_equal(k, "VALUE", expected)],
-                           otherwise)
+        current = ({"request_txn": {"compare": [_equal(k, "CREATE", 0)], "success": write, "failure": [_range(k)]}}
+                   if expected == b"" else _range(k))
+        answer = self._txn(f"compare_set({key!r})", write, [_equal(k, "VALUE", expected)], [current, read_mark])
         if answer.get("succeeded"):
             return desired
-        inner = _responses(answer)[0]
+        inner, marker = _responses(answer)
+        if _applied(marker, op_id):
+            return desired
         if "responses" in inner:  # the nested transaction
             if inner.get("succeeded"):
                 return desired
@@ -378,20 +408,32 @@ class EtcdStore(Store):
 
     def delete_key(self, key: str) -> bool:
         key = check_key(key)
-        queue = self._queue(key)
-        answer = self._txn(f"delete_key({key!r})", ONCE, [_delete(self._vkey(key)), _delete(queue, _range_end(queue))])
-        return any(int(r.get("deleted", 0)) for r in _responses(answer))
+        k, queue = self._vkey(key), self._queue(key)
+        what = f"delete_key({key!r})"
+        deadline = time.monotonic() + self._timeout
+        mark, read_mark, op_id = self._mark(key)
+        while True:  # read what is there, then delete it unless it changed meanwhile (so the answer is exact)
+            _, (value, items) = self._reads([_range(k, keys_only=True), _range(queue, _range_end(queue), limit=1,
+                                                                             keys_only=True)], what, deadline)
+            there = _first(value) or _first(items)
+            if there is None:
+                return False
+            answer = self._txn(what, [_delete(k), _delete(queue, _range_end(queue)), mark],
+                               [_equal(unb64(there["key"]), "MOD", int(there["mod_revision"]))], [read_mark],
+                               deadline)
+            if answer.get("succeeded") or _applied(_responses(answer)[0], op_id):
+                return True
 
     def num_keys(self) -> int:
         hidden = self._values + HIDDEN_PREFIX.encode()
-        answer = self._txn("num_keys()", READ, [_range(self._values, _range_end(self._values), count_only=True),
+        answer = self._txn("num_keys()", [_range(self._values, _range_end(self._values), count_only=True),
                                                 _range(hidden, _range_end(hidden), count_only=True)])
         everything, ours = (_count(r) for r in _responses(answer))
         return everything - ours
 
     def list_keys(self) -> list[str]:
         answer = self._request("kv/range", _range(self._values, _range_end(self._values), keys_only=True)
-                               ["request_range"], "list_keys()", READ)
+                               ["request_range"], "list_keys()")
         names = [unb64(kv["key"])[len(self._values):].decode() for kv in answer.get("kvs", [])]
         return [k for k in names if not k.startswith((HIDDEN_PREFIX, COUNTED_PREFIX))]
 
@@ -400,10 +442,13 @@ class EtcdStore(Store):
     def queue_push(self, key: str, value: Value) -> None:
         key = check_key(key)
         value = to_bytes(value, key)
+        mark, read_mark, op_id = self._mark(key)
+        deadline = time.monotonic() + self._timeout
         while True:  # a fresh random name for the item; again in the unlikely case that it exists
             item = self._queue(key) + os.urandom(8).hex().encode()
-            if self._txn(f"queue_push({key!r})", ONCE, [_put(item, value)], [_equal(item, "CREATE", 0)]).get(
-                    "succeeded"):
+            answer = self._txn(f"queue_push({key!r})", [_put(item, value), mark], [_equal(item, "CREATE", 0)],
+                               [read_mark], deadline)
+            if answer.get("succeeded") or _applied(_responses(answer)[0], op_id):
                 return
 
     def queue_pop(self, key: str, block: bool = True) -> bytes:
@@ -414,14 +459,15 @@ class EtcdStore(Store):
         deadline = start + self._timeout
         oldest = _range(queue, _range_end(queue), limit=1, sort_order="ASCEND", sort_target="CREATE")["request_range"]
         backoff = Backoff(deadline)
+        mark, read_mark, op_id = self._mark(key)
         while True:
-            answer = self._request("kv/range", oldest, what, READ, deadline + _GRACE)
+            answer = self._request("kv/range", oldest, what, deadline + _GRACE)
             kv = _first(answer)
             if kv is not None:
                 item = unb64(kv["key"])
-                taken = self._txn(what, ONCE, [_delete(item)], [_equal(item, "MOD", int(kv["mod_revision"]))],
-                                  deadline=deadline + _GRACE)
-                if taken.get("succeeded"):
+                taken = self._txn(what, [_delete(item), mark], [_equal(item, "MOD", int(kv["mod_revision"]))],
+                                  [read_mark], deadline + _GRACE)
+                if taken.get("succeeded") or _applied(_responses(taken)[0], op_id):
                     return unb64(kv.get("value", ""))
                 continue  # another consumer took it
             if not block:
@@ -434,7 +480,7 @@ class EtcdStore(Store):
         key = check_key(key)
         queue = self._queue(key)
         return _count(self._request("kv/range", _range(queue, _range_end(queue), count_only=True)["request_range"],
-                                    f"queue_len({key!r})", READ))
+                                    f"queue_len({key!r})"))
 
     def barrier(self, key: str, world_size: int, timeout: Timeout | None = None) -> None:
         """As Store.barrier, in O(1) requests per caller: each arrival is a key
@@ -445,18 +491,14 @@ class EtcdStore(Store):
         release = self._barriers + key.encode().hex().encode()
         arrivals = release + b"/"
         what = f"barrier({key!r})"
-        while True:
-            me = arrivals + os.urandom(8).hex().encode()
-            answer = self._txn(what, ONCE, [_put(me, b""), _range(arrivals, _range_end(arrivals), count_only=True),
-                                            _range(release, count_only=True)], [_equal(me, "CREATE", 0)],
-                               deadline=deadline + _GRACE)
-            if answer.get("succeeded"):
-                break
-        _, arrived, released = _responses(answer)
+        me = arrivals + os.urandom(8).hex().encode()  # random: it exists only if we put it (a resend)
+        counts = [_range(arrivals, _range_end(arrivals), count_only=True), _range(release, count_only=True)]
+        answer = self._txn(what, [_put(me, b""), *counts], [_equal(me, "CREATE", 0)], counts, deadline + _GRACE)
+        arrived, released = _responses(answer)[-2:]
         if _count(released):
             return
         if _count(arrived) >= world_size:
-            self._request("kv/put", _put(release, b"1")["request_put"], what, REPEATABLE, deadline + _GRACE)
+            self._request("kv/put", _put(release, b"1")["request_put"], what, deadline + _GRACE)
             return
         revision = int(answer["header"]["revision"])
         backoff = Backoff(deadline)

@@ -126,12 +126,35 @@ class EtcdCluster:
                 pass
         return "\n".join(out)
 
+    def _status(self, port: int) -> dict:
+        conn = http.client.HTTPConnection(HOST, port, timeout=5)
+        try:
+            conn.request("POST", "/v3/maintenance/status", b"{}")
+            return json.loads(conn.getresponse().read())
+        except (OSError, ValueError, http.client.HTTPException):
+            return {}
+        finally:
+            conn.close()
+
+    def leader(self) -> int:
+        """The index of the member that leads the cluster now."""
+        status = {i: self._status(self.client_ports[i]) for i in self.alive()}
+        ids = {s.get("header", {}).get("member_id"): i for i, s in status.items()}
+        for s in status.values():
+            if s.get("leader") in ids:
+                return ids[s["leader"]]
+        raise RuntimeError(f"no live member names a live leader: {status}\n{self.log_tail()}")
+
     def kill(self, member: int) -> None:
         """SIGKILL one member, as its machine dies."""
         proc = self.procs[member]
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
+
+    def freeze(self, member: int) -> None:
+        """SIGSTOP one member: its connections stay open and it answers nothing, as on a hung machine."""
+        os.killpg(self.procs[member].pid, signal.SIGSTOP)
 
     def alive(self) -> list[int]:
         return [i for i, p in enumerate(self.procs) if p.poll() is None]
