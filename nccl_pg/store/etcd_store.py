@@ -141,15 +141,18 @@ class EtcdStore(Store):
         self._values, self._queues, self._barriers, self._markers = (root + b"v/", root + b"q/", root + b"b/",
                                                                      root + b"m/")
         self._closed = False
-        answer = self._client.version(time.monotonic() + self.connect_timeout)
-        version = str(answer.get("etcdserver", ""))
         try:
-            numbers = tuple(int(p) for p in version.split(".")[:2])
-        except ValueError:
-            numbers = ()
-        if numbers < _MIN_VERSION:
+            answer = self._client.version(time.monotonic() + self.connect_timeout)
+            version = str(answer.get("etcdserver", ""))
+            try:
+                numbers = tuple(int(p) for p in version.split(".")[:2])
+            except ValueError:
+                numbers = ()
+            if numbers < _MIN_VERSION:
+                raise DistStoreError(f"{self!r}: the cluster answered {answer!r}; EtcdStore needs etcd >= 3.4")
+        except BaseException:
             self.close()
-            raise DistStoreError(f"{self!r}: the cluster answered {answer!r}; EtcdStore needs etcd >= 3.4")
+            raise
 
     def __repr__(self) -> str:
         return f"EtcdStore({self._client.address}/{self.job})"
