@@ -19,6 +19,7 @@ import pytest
 from harness.etcd_cluster import INSTALL_HINT, EtcdCluster, etcd_binary, fresh_job
 
 from nccl_pg import rendezvous
+from nccl_pg.comm.host.communicator import _host_address
 from nccl_pg.errors import DistNetworkError, DistStoreError
 from nccl_pg.store import EtcdStore, PrefixStore, etcd_client
 from nccl_pg.store.etcd_store import check_job
@@ -369,6 +370,19 @@ def test_process_group_on_etcd(etcd_cluster: EtcdCluster, spawn: Callable[..., s
     outputs = [p.communicate(timeout=60)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0]
     assert outputs == ["[6.0, 6.0, 6.0, 6.0]\n"] * 3
+
+
+def test_host_backend_publishes_the_address_of_its_connection_to_etcd(etcd_cluster: EtcdCluster,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    store = EtcdStore(etcd_cluster.url, fresh_job(), timeout=10)
+    before = store.requests
+    assert store.local_address() == "127.0.0.1" and store.requests == before  # no request needed
+    [conn] = store._client.idle
+    assert conn.sock is not None and conn.sock.getsockname()[0] == "127.0.0.1"
+    monkeypatch.delenv("NCCL_PG_HOST_ADDR", raising=False)
+    monkeypatch.setattr(EtcdStore, "local_address", lambda self: "192.0.2.7")  # as on a host with a real NIC
+    assert _host_address(PrefixStore("pg", store)) == "192.0.2.7"
+    store.close()
 
 
 # --- fork, close, errors ---------------------------------------------------------------------------

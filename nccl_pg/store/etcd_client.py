@@ -350,6 +350,18 @@ class EtcdClient:
             raise _TryNext(message)
         raise DistStoreError(f"etcd member {name} refused {what}: {message}")
 
+    def local_address(self, deadline: float) -> str:
+        """This host's address on a connection to the cluster (no request sent)."""
+
+        def local(index: int) -> str:
+            conn = self._take(index, deadline)
+            assert conn.sock is not None
+            address = str(conn.sock.getsockname()[0])
+            self._give_back(index, conn)
+            return address
+
+        return self._with_failover(local, deadline, "local_address")
+
     # --- watches ------------------------------------------------------------------
 
     def watch(self, key: bytes, range_end: bytes, start_revision: int, deadline: float, what: str) -> WatchStream:

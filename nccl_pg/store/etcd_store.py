@@ -162,6 +162,13 @@ class EtcdStore(Store):
         """Requests this store and its clones sent (watches included), for tests and benchmarks."""
         return self._client.requests
 
+    def local_address(self) -> str:
+        """This host's address on its connection to the cluster: the interface
+        that reaches the other hosts (the host backend publishes it)."""
+        if self._closed:
+            raise DistStoreError(f"{self!r} is closed")
+        return self._client.local_address(time.monotonic() + self._timeout)
+
     def has_extended_api(self) -> bool:
         return True
 
