@@ -164,6 +164,22 @@ def test_a_silent_member_is_left_for_the_next(own_cluster: EtcdCluster, monkeypa
     assert time.monotonic() - start < 5 and store._client.current != follower
 
 
+def test_parked_watches_have_tcp_keepalive(etcd_cluster: EtcdCluster) -> None:
+    """A vanished machine sends no reset: the kernel's keepalive probes find it (not exercised
+    here: that needs a network that drops packets; this checks the sockets are armed)."""
+    store = EtcdStore(etcd_cluster.url, fresh_job(), timeout=20)
+    t, out = start_thread(lambda: store.wait(["k"]))
+    until(lambda: bool(store._client.streams))
+    for stream in list(store._client.streams):
+        sock = stream.sock
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert [sock.getsockopt(socket.IPPROTO_TCP, o) for o in (socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL,
+                                                                  socket.TCP_KEEPCNT)] == [20, 5, 2]
+    store.clone().set("k", b"1")
+    t.join(10)
+    assert out == [None]
+
+
 def test_every_member_gone_is_a_network_error(own_cluster: EtcdCluster) -> None:
     store = EtcdStore(own_cluster.url, fresh_job(), timeout=20)
     store.set("k", b"v")

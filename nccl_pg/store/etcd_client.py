@@ -42,6 +42,9 @@ _CONNECT_ATTEMPT = 3.0
 # the request goes to the next member. etcd itself answers every request within its request timeout
 # (5 s + 2 election timeouts: 7 s by default), with an error if need be.
 SILENT_AFTER = 20.0
+# A parked watch carries no traffic; TCP keepalive (the kernel's probes, no request to etcd) notices a
+# member whose machine vanished (powered off, cut off) within about 20 + 2 * 5 s, and the wait moves on.
+_KEEPALIVE = (("TCP_KEEPIDLE", 20), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 2))
 _UNAVAILABLE = 14  # the gRPC status code (the gateway's "code") of a member that cannot serve now
 _TOO_LARGE = ("request is too large", "larger than max")
 _HEADERS = {"Content-Type": "application/json"}
@@ -374,6 +377,10 @@ class EtcdClient:
     def _open_watch(self, index: int, body: bytes, deadline: float, what: str) -> WatchStream:
         host, port = self.endpoints[index]
         sock = self._connect(index, deadline)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for option, value in _KEEPALIVE:
+            if hasattr(socket, option):  # Linux; elsewhere the system's keepalive times apply
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
         left = max(deadline - time.monotonic(), 0.001)
         try:
             sock.settimeout(min(left, SILENT_AFTER))
