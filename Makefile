@@ -53,6 +53,7 @@ demo: install
 
 bench: install-test
 	$(PYTHON) tools/bench_store.py
+	$(PYTHON) tools/bench_etcd_store.py
 	$(PYTHON) tools/bench_host.py
 	$(PYTHON) tools/bench_hot_path.py
 	$(PYTHON) tools/bench_watchdog.py

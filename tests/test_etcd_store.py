@@ -471,3 +471,20 @@ def test_import_nccl_pg_does_not_load_the_etcd_client() -> None:
                           "print('nccl_pg.store.etcd_client' in sys.modules)"], capture_output=True, text=True,
                          timeout=60, check=True)
     assert out.stdout == "False\n"
+
+
+@pytest.mark.timeout(180)
+def test_benchmark_tool_runs_and_barrier_is_constant_per_client(etcd_cluster: EtcdCluster) -> None:
+    """tools/bench_etcd_store.py (docs/BENCHMARKS.md) on a small case: it runs, and EtcdStore's
+    barrier rendezvous costs each client the same 5 requests whatever N."""
+    tool = os.path.join(os.path.dirname(__file__), "..", "tools", "bench_etcd_store.py")
+    out = subprocess.run([sys.executable, tool, "--sizes", "2", "8", "--repeats", "1", "--ops", "5"],
+                         capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stderr
+    rows: dict[str, list[str]] = {}
+    for line in out.stdout.splitlines():
+        parts = line.split()
+        if parts and parts[0] in ("2/barrier", "8/barrier", "2/add", "8/add"):
+            rows[parts[0]] = parts
+    assert set(rows) == {"2/barrier", "8/barrier", "2/add", "8/add"}, out.stdout
+    assert float(rows["2/barrier"][-1]) == float(rows["8/barrier"][-1]) == 5.0
