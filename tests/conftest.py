@@ -73,10 +73,11 @@ def clean_store_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def etcd_cluster() -> Iterator[EtcdCluster]:
-    """A real 3-member etcd cluster on loopback, one per session, for EtcdStore
-    (tests/harness/etcd_cluster.py); without etcd installed, a skip that says how to install it."""
+    """A real 3-member etcd cluster on loopback for EtcdStore (tests/harness/etcd_cluster.py), one per
+    module that uses it (not per session: later modules check that no child process of theirs is left);
+    without etcd installed, a skip that says how to install it."""
     if etcd_binary() is None:
         pytest.skip(ETCD_INSTALL_HINT)
     cluster = EtcdCluster(3, start_timeout=20)

@@ -2,13 +2,14 @@
 ``n`` members of the installed ``etcd`` binary (Debian's etcd-server), each
 on free ports with a data directory of its own (in /dev/shm where there is
 one, so that etcd's fsyncs cost little), started within a deadline and
-killed (SIGKILL) at the end. Members can be killed one at a time, as a
-machine dies.
+killed (SIGKILL) at the end, or when the process that started them dies.
+Members can be killed one at a time, as a machine dies.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import http.client
 import json
 import os
@@ -23,6 +24,14 @@ import uuid
 INSTALL_HINT = ("etcd is not installed: `make install-test` installs it where it can (root and apt-get: "
                 "apt-get install etcd-server); elsewhere install etcd >= 3.4 and put `etcd` on PATH")
 HOST = "127.0.0.1"
+
+
+def _die_with_parent() -> None:
+    """In the member, before exec: SIGKILL when the process that started it dies, however it dies."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: atexit and stop() still end the members
 
 
 def etcd_binary() -> str | None:
@@ -77,7 +86,8 @@ class EtcdCluster:
                          "--initial-advertise-peer-urls", f"http://{HOST}:{pport}",
                          "--initial-cluster", initial, "--initial-cluster-token", token,
                          "--initial-cluster-state", "new", "--logger", "zap", "--log-level", "warn"],
-                        stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+                        stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                        preexec_fn=_die_with_parent))
             self._wait_healthy(time.monotonic() + start_timeout)
         except BaseException:
             self.stop()
