@@ -108,7 +108,7 @@ USE_AGENT_STORE: Var[bool] = Var(
 HOST_ADDR: Var[str | None] = Var(
     "NCCL_PG_HOST_ADDR", parse_str, None,
     "Address the host backend listens on and publishes to peers; default: the local address of the "
-    "connection to the TCPStore, else 127.0.0.1.")
+    "connection to the TCPStore or EtcdStore, else 127.0.0.1.")
 
 HOST_BROADCAST: Var[str] = Var(
     "NCCL_PG_HOST_BROADCAST", parse_choice("auto", "chain", "tree"), "auto",

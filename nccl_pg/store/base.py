@@ -68,6 +68,17 @@ def check_amount(amount: object) -> int:
     return amount
 
 
+def added(key: str, old: bytes, amount: int) -> int:
+    """add()'s rule for every store: ``old`` is a decimal integer, the sum fits in 64 bits."""
+    try:
+        value = int(old) + amount
+    except ValueError:
+        raise DistStoreError(f"add() on key {key!r} whose value {old[:40]!r} is not an integer") from None
+    if not -(2**63) <= value < 2**63:
+        raise DistStoreError(f"add() on key {key!r} overflows 64 bits")
+    return value
+
+
 def check_multi_set(keys: Sequence[str], values: Sequence[Value]) -> tuple[list[str], list[bytes]]:
     keys = check_keys(keys)
     values = list(values)
@@ -219,13 +230,7 @@ class KeyValueState:
         self.queues: dict[str, deque[bytes]] = {}  # only non-empty ones
 
     def add(self, key: str, amount: int) -> int:
-        old = self.data.get(key, b"0")
-        try:
-            value = int(old) + amount
-        except ValueError:
-            raise DistStoreError(f"add() on key {key!r} whose value {old[:40]!r} is not an integer") from None
-        if not -(2**63) <= value < 2**63:
-            raise DistStoreError(f"add() on key {key!r} overflows 64 bits")
+        value = added(key, self.data.get(key, b"0"), amount)
         self.data[key] = str(value).encode()
         return value
 

@@ -16,7 +16,7 @@ import numpy as np
 from ... import env
 from ...errors import DistBackendError, DistStoreError
 from ...reduce_op import ReduceOp
-from ...store import PrefixStore, Store, TCPStore
+from ...store import PrefixStore, Store
 from ..base import CommConfig, CommState, Communicator, Stream, check_dtype, check_exclude, check_reduction
 from . import algorithms as alg
 from .stream import INLINE_BYTES, HostEvent, HostStream
@@ -45,8 +45,9 @@ def _host_address(store: Store) -> str:
     inner = getattr(store, "underlying_store", store)
     while hasattr(inner, "underlying_store"):
         inner = inner.underlying_store
-    if isinstance(inner, TCPStore):
-        return inner.local_address()
+    local_address = getattr(inner, "local_address", None)  # TCPStore's and EtcdStore's
+    if callable(local_address):
+        return str(local_address())
     return "127.0.0.1"
 
 
