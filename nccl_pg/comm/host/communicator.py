@@ -19,8 +19,9 @@ from ...reduce_op import ReduceOp
 from ...store import PrefixStore, Store, TCPStore
 from ..base import CommConfig, CommState, Communicator, Stream, check_dtype, check_exclude, check_reduction
 from . import algorithms as alg
+from .connect import MeshBuilder, listen
 from .stream import INLINE_BYTES, HostEvent, HostStream
-from .transport import Mesh, MeshBuilder, MeshTimeoutError, Recv, Send, listen
+from .transport import Mesh, MeshTimeoutError, Recv, Send
 
 # Stream threads wait this much past the init deadline before giving up on init themselves.
 _INIT_GRACE = 2.0
