@@ -4,10 +4,24 @@ and the engine that moves data over it.
 Every algorithm is a sequence of ``exchange()`` steps: a set of sends and
 receives that progress together on non-blocking sockets (so paired sends
 never deadlock, whatever their size). Each message carries a header with a
-per-peer sequence number, the operation's kind, dtype, reduction op, root and
-size, so ranks that disagree (one in all_reduce, another in broadcast; float32
+per-peer sequence number, the operation's kind, dtype, reduction op, root,
+size (of the operation's buffer, whatever the message carries of it) and
+number (collectives are numbered in issue order, the same on every rank), so
+ranks that disagree (one in all_reduce, another in broadcast; float32
 against int32; SUM against MAX; different roots or sizes) get an error naming
 the peer and both values, instead of garbage or a hang.
+
+A rooted collective can only be checked where messages flow, and a root that
+only sends hears from nobody: so in every rooted collective the root and
+each other rank exchange at least one message both ways (the algorithms add
+an empty one where no data goes: ``EMPTY``), in the same exchange as the
+data, costing no round trip. A rank blocked in a rooted collective also
+watches the connections it does not read from (``watch``): a message of the
+same collective there, whose fields differ from its own, is a disagreement
+too (a rank that named another root sent it). So a rank whose call disagrees
+with a peer it depends on fails in that collective, naming both values; no
+rank waits for data that will not come; and a rank completes only with the
+data of the root it named, which agreed with it.
 
 Peer death shows up as EOF or a reset on that peer's socket; the mesh is then
 broken: it says goodbye to every peer (a last frame naming the rank whose
@@ -41,12 +55,17 @@ from dataclasses import dataclass, field
 
 from ...errors import DistBackendError
 
-# per-peer seq, op kind, dtype code, reduction-op code, root (in a goodbye: the culprit), payload bytes
-HEADER = struct.Struct("<QBBBxiQ")
+# per-peer seq, op kind, dtype code, reduction-op code, root (in a goodbye: the culprit), payload bytes, the
+# operation's size in bytes, the collective's number
+HEADER = struct.Struct("<QBBBxiQQI4x")
 ANY = 255  # dtype or op code of a message whose dtype or op is not checked (point-to-point, raw bytes)
 NO_ROOT = -1
-Meta = tuple[int, int, int]  # (dtype code, op code, root) of an operation, checked against every peer's
-NO_META: Meta = (ANY, ANY, NO_ROOT)
+NO_SIZE = 2**64 - 1
+NO_NUMBER = 2**32 - 1  # the number of a message outside the collectives (point-to-point, init)
+# (dtype code, op code, root, size in bytes) of an operation, checked against every peer's
+Meta = tuple[int, int, int, int]
+NO_META: Meta = (ANY, ANY, NO_ROOT, NO_SIZE)
+_UNSET = NO_META  # a field given as this on either side is not compared
 GOODBYE = 255  # op kind of the last frame a rank sends on each connection when it leaves a broken mesh
 _GOODBYE_MAX = 2000  # bytes of reason text in a goodbye
 _FAREWELL_BUDGET = 0.25  # seconds a failing rank spends finishing half-sent messages and saying goodbye
@@ -80,6 +99,14 @@ class PeerLostError(DistBackendError):
     def __init__(self, message: str, culprit: int, reason: str) -> None:
         super().__init__(message)
         self.culprit, self.reason = culprit, reason
+
+
+EMPTY = memoryview(b"")  # the data of a message that only carries its header (see the module's docstring)
+
+
+def empty_target() -> memoryview:
+    """Where an EMPTY message is received."""
+    return memoryview(bytearray())
 
 
 @dataclass
@@ -125,6 +152,7 @@ class Mesh:
         # Ranks of this mesh on this host (peers reached at our own address), us included.
         self.local_ranks = 1 + sum(s.getpeername()[0] == s.getsockname()[0] for s in socks.values())
         self.tree_broadcast = False  # agreed on by all ranks at init (see HostCommunicator)
+        self.collectives = 0  # collectives begun (their numbers in message headers)
         for s in socks.values():
             s.setblocking(False)
         self._send_seq = [0] * nranks
@@ -138,6 +166,12 @@ class Mesh:
         self._closed = False
         self._partial: dict[int, list[memoryview]] = {}  # per peer: the rest of a message half sent
         self._said_goodbye = False
+
+    def next_collective(self) -> int:
+        """The number of a collective beginning now (on every rank, collectives begin in the same order)."""
+        number = self.collectives
+        self.collectives = (number + 1) % NO_NUMBER
+        return number
 
     def local_address(self) -> str | None:
         """The address this rank's connections use (None for one rank)."""
@@ -207,7 +241,7 @@ class Mesh:
         self._said_goodbye = True
         culprit, reason = self._culprit()
         text = reason.encode(errors="replace")[:_GOODBYE_MAX]
-        frame = memoryview(HEADER.pack(0, GOODBYE, ANY, ANY, culprit, len(text)) + text)
+        frame = memoryview(HEADER.pack(0, GOODBYE, ANY, ANY, culprit, len(text), NO_SIZE, NO_NUMBER) + text)
         pending = {p: [*self._partial.pop(p, []), frame] for p in self._socks if p != culprit}
         deadline = time.monotonic() + _FAREWELL_BUDGET
         poller = select.poll()
@@ -278,16 +312,19 @@ class Mesh:
                 self._try_farewell(_FAREWELL_BUDGET)
 
     def exchange(self, kind: int, sends: list[Send], recvs: list[Recv], meta: Meta = NO_META,
-                 deadline: float | None = None) -> None:
+                 deadline: float | None = None, number: int = NO_NUMBER, watch: bool = False) -> None:
         """Deliver every send and fill every receive, all progressing at once;
         per peer, messages go in list order. ``on_done`` callbacks run as each
         receive completes (e.g. to reduce a chunk while the next arrives).
-        ``meta``: the operation's dtype, reduction op and root, which every
-        peer's messages must match. ``deadline`` (time.monotonic()): raise
-        MeshTimeoutError naming the peers still owing data (collectives
-        have none: the watchdog times them out)."""
+        ``meta``: the operation's dtype, reduction op, root and size, which
+        every peer's messages must match; ``number``: the collective's (from
+        next_collective()). ``watch``: while blocked, also look at the
+        connections this exchange does not read from, for a message of this
+        collective that disagrees (rooted collectives). ``deadline``
+        (time.monotonic()): raise MeshTimeoutError naming the peers still
+        owing data (collectives have none: the watchdog times them out)."""
         with self._directions((p for p, _ in sends), (p for p, _, _ in recvs)):
-            self._exchange(kind, sends, recvs, meta, deadline)
+            self._exchange(kind, sends, recvs, meta, deadline, number, watch)
 
     def recv_any(self, kind: int, target: memoryview) -> int:
         """Fill ``target`` with the first ``kind`` message to arrive from any
@@ -320,7 +357,7 @@ class Mesh:
                         continue  # the rest of the header is on its way
                     their_kind = _kind(head)
                     if their_kind in (kind, GOODBYE):
-                        self._exchange(kind, [], [(peer, target, None)], NO_META, None)
+                        self._exchange(kind, [], [(peer, target, None)], NO_META, None, NO_NUMBER, False)
                         return peer
                     elsewhere[peer] = their_kind
                     poller.unregister(fd)
@@ -328,11 +365,12 @@ class Mesh:
             raise DistBackendError(f"{self.name}: rank {self.rank} waits to receive from any rank, but every peer "
                                    f"has gone on to another operation ({detail}): ranks issued different operations")
 
-    def _exchange(self, kind: int, sends: list[Send], recvs: list[Recv], meta: Meta, deadline: float | None) -> None:
+    def _exchange(self, kind: int, sends: list[Send], recvs: list[Recv], meta: Meta, deadline: float | None,
+                  number: int, watch: bool) -> None:
         outs: dict[int, deque[_Out]] = {}
         ins: dict[int, deque[_In]] = {}
         for peer, data in sends:
-            hdr = HEADER.pack(self._send_seq[peer], kind, *meta, data.nbytes)
+            hdr = HEADER.pack(self._send_seq[peer], kind, meta[0], meta[1], meta[2], data.nbytes, meta[3], number)
             self._send_seq[peer] += 1
             parts = [memoryview(hdr), data.cast("B")] if data.nbytes else [memoryview(hdr)]
             outs.setdefault(peer, deque()).append(_Out(parts))
@@ -342,9 +380,12 @@ class Mesh:
         poller = select.poll()
         poller.register(self._wake_r, select.POLLIN)
         masks: dict[int, int] = {}
+        watched: set[int] = set()  # peers we read nothing from, whose next message we look at (``watch``)
+        held: list[threading.Lock] = []
 
         def update(peer: int) -> None:
-            mask = (select.POLLOUT if outs.get(peer) else 0) | (select.POLLIN if ins.get(peer) else 0)
+            mask = (select.POLLOUT if outs.get(peer) else 0) | (
+                select.POLLIN if ins.get(peer) or peer in watched else 0)
             fd = self._socks[peer].fileno()
             if mask != masks.get(peer, 0):
                 if peer in masks and masks[peer]:
@@ -353,26 +394,73 @@ class Mesh:
                     poller.register(fd, mask)
                 masks[peer] = mask
 
-        for peer in set(outs) | set(ins):
-            if peer not in self._socks:
-                raise DistBackendError(f"{self.name}: no connection to rank {peer}")
-            self._progress_out(peer, outs, ins)  # most small messages go out without a poll
-            update(peer)
-        while any(outs.values()) or any(ins.values()):
-            wait = None if deadline is None else max(math.ceil((deadline - time.monotonic()) * 1000), 0)
-            events = poller.poll(wait)
-            if not events and deadline is not None and time.monotonic() >= deadline:
-                late = sorted(p for p in set(outs) | set(ins) if outs.get(p) or ins.get(p))
-                raise MeshTimeoutError(f"{self.name}: ranks {late} did not answer before the deadline", late)
-            for fd, ev in events:
-                if fd == self._wake_r:
-                    raise self.error or DistBackendError(f"{self.name}: aborted")
-                peer = self._fd_peer[fd]
-                if ev & (select.POLLIN | _POLLERR) and ins.get(peer):
-                    self._progress_in(kind, meta, peer, ins)
-                if ev & (select.POLLOUT | _POLLERR) and outs.get(peer):
-                    self._progress_out(peer, outs, ins)
+        try:
+            for peer in set(outs) | set(ins):
+                if peer not in self._socks:
+                    raise DistBackendError(f"{self.name}: no connection to rank {peer}")
+                self._progress_out(peer, outs, ins)  # most small messages go out without a poll
                 update(peer)
+            while any(outs.values()) or any(ins.values()):
+                if watch and not held:  # about to block: watch the connections we do not read
+                    held = self._watch({p for p, q in ins.items() if q}, watched)
+                    for peer in watched:
+                        update(peer)
+                wait = None if deadline is None else max(math.ceil((deadline - time.monotonic()) * 1000), 0)
+                events = poller.poll(wait)
+                if not events and deadline is not None and time.monotonic() >= deadline:
+                    late = sorted(p for p in set(outs) | set(ins) if outs.get(p) or ins.get(p))
+                    raise MeshTimeoutError(f"{self.name}: ranks {late} did not answer before the deadline", late)
+                for fd, ev in events:
+                    if fd == self._wake_r:
+                        raise self.error or DistBackendError(f"{self.name}: aborted")
+                    peer = self._fd_peer[fd]
+                    if ev & (select.POLLIN | _POLLERR) and ins.get(peer):
+                        self._progress_in(kind, meta, number, peer, ins)
+                    elif ev & (select.POLLIN | _POLLERR) and peer in watched and self._look(kind, meta, number, peer):
+                        watched.discard(peer)  # its next message is for later: nothing more to see there
+                    if ev & (select.POLLOUT | _POLLERR) and outs.get(peer):
+                        self._progress_out(peer, outs, ins)
+                    update(peer)
+        finally:
+            for lock in held:
+                lock.release()
+
+    def _watch(self, reading: set[int], watched: set[int]) -> list[threading.Lock]:
+        """Take the receiving direction of every peer not in ``reading``
+        whose direction is free (another lane may be reading it: its bytes
+        are not ours to look at), and add those peers to ``watched``."""
+        held = []
+        for peer in self._socks:
+            if peer not in reading:
+                lock = self._locks[(peer, 1)]
+                if lock.acquire(blocking=False):
+                    held.append(lock)
+                    watched.add(peer)
+        return held
+
+    def _look(self, kind: int, meta: Meta, number: int, peer: int) -> bool:
+        """Look (without reading it) at the next message from a peer this
+        exchange reads nothing from. Raise if it belongs to this collective
+        and disagrees with it, or is a goodbye; True once it is known to be
+        for later (or to agree: then it is read later in this collective)."""
+        sock = self._socks[peer]
+        try:
+            head = sock.recv(HEADER.size, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as exc:
+            raise self._lost(peer, exc.strerror or str(exc)) from None
+        if not head:
+            raise self._lost(peer, "end of stream")
+        if len(head) < HEADER.size:
+            return False  # the rest of the header is on its way
+        _, their_kind, dtype, op, root, nbytes, size, their_number = HEADER.unpack(head)
+        if their_kind == GOODBYE:
+            sock.recv(HEADER.size)  # ours to read: we hold this direction
+            raise self._goodbye(peer, root, nbytes)
+        if their_number == number:
+            self._compare(kind, meta, number, peer, their_kind, (dtype, op, root, size), their_number)
+        return True
 
     def _lost(self, peer: int, why: str, pending: deque[_In] | None = None) -> PeerLostError:
         """The connection to ``peer`` failed on a send: a goodbye may wait
@@ -407,7 +495,7 @@ class Mesh:
                 continue
             header += chunk
             if len(header) == HEADER.size:
-                _, kind, _, _, root, nbytes = HEADER.unpack(header)
+                _, kind, _, _, root, nbytes, _, _ = HEADER.unpack(header)
                 if kind == GOODBYE:
                     return self._goodbye(peer, root, nbytes)
                 header, skip = bytearray(), nbytes
@@ -439,7 +527,7 @@ class Mesh:
             if full:  # the socket buffer is full: wait for POLLOUT rather than try again now
                 return
 
-    def _progress_in(self, kind: int, meta: Meta, peer: int, ins: dict[int, deque[_In]]) -> None:
+    def _progress_in(self, kind: int, meta: Meta, number: int, peer: int, ins: dict[int, deque[_In]]) -> None:
         sock, queue = self._socks[peer], ins[peer]
         while queue:
             cur = queue[0]
@@ -451,7 +539,7 @@ class Mesh:
                     cur.got_header += n
                     if cur.got_header < HEADER.size:
                         continue
-                    self._check_header(kind, meta, peer, cur)
+                    self._check_header(kind, meta, number, peer, cur)
                 if cur.got < cur.target.nbytes:
                     n = sock.recv_into(cur.target[cur.got:])
                     if n == 0:
@@ -469,25 +557,38 @@ class Mesh:
             if cur.on_done is not None:
                 cur.on_done()
 
-    def _check_header(self, kind: int, meta: Meta, peer: int, cur: _In) -> None:
-        seq, their_kind, dtype, op, root, nbytes = HEADER.unpack(cur.header)
+    def _check_header(self, kind: int, meta: Meta, number: int, peer: int, cur: _In) -> None:
+        seq, their_kind, dtype, op, root, nbytes, size, their_number = HEADER.unpack(cur.header)
         if their_kind == GOODBYE:
             raise self._goodbye(peer, root, nbytes)
         if seq != self._recv_seq[peer]:
             raise DistBackendError(f"{self.name}: message {seq} from rank {peer} arrived when message "
                                    f"{self._recv_seq[peer]} was due; the stream is corrupt")
         self._recv_seq[peer] += 1
-        theirs = (dtype, op, root)
-        if their_kind != kind or _differ(theirs, meta):
-            raise DistBackendError(
-                f"{self.name}: rank {peer} is in {self._describe(their_kind, theirs)} while rank {self.rank} is in "
-                f"{self._describe(kind, meta)}: ranks issued different operations"
-            )
+        self._compare(kind, meta, number, peer, their_kind, (dtype, op, root, size), their_number)
         if nbytes != cur.target.nbytes:
             raise DistBackendError(
                 f"{self.name}: in {self._op_name(kind)}, rank {peer} sent {nbytes} bytes where rank "
                 f"{self.rank} expected {cur.target.nbytes}: array sizes differ across ranks"
             )
+
+    def _compare(self, kind: int, meta: Meta, number: int, peer: int, their_kind: int, theirs: Meta,
+                 their_number: int) -> None:
+        """Raise, naming both sides, where a peer's message disagrees with our operation."""
+        differ = _fields_that_differ(theirs, meta)
+        if their_kind == kind and not differ:
+            if NO_NUMBER in (number, their_number) or number == their_number:
+                return
+            raise DistBackendError(
+                f"{self.name}: rank {peer} is in {self._op_name(kind)} #{their_number} while rank {self.rank} is "
+                f"in {self._op_name(kind)} #{number}: ranks issued different numbers of collectives")
+        if their_kind == kind and differ == ["size"]:
+            raise DistBackendError(
+                f"{self.name}: in {self._op_name(kind)}, rank {peer} has {theirs[3]} bytes where rank {self.rank} "
+                f"has {meta[3]}: array sizes differ across ranks")
+        why = "ranks issued different operations" if their_kind != kind else f"ranks disagree on its {', '.join(differ)}"
+        raise DistBackendError(f"{self.name}: rank {peer} is in {self._describe(their_kind, theirs)} while rank "
+                               f"{self.rank} is in {self._describe(kind, meta)}: {why}")
 
     def _goodbye(self, peer: int, culprit: int, nbytes: int) -> PeerLostError:
         """The peer left the mesh: read why, and blame the rank it names."""
@@ -516,10 +617,11 @@ class Mesh:
         return _name(self._names.kinds, kind, "op")
 
     def _describe(self, kind: int, meta: Meta) -> str:
-        dtype, op, root = meta
+        dtype, op, root, size = meta
         fields = [_name(self._names.dtypes, dtype, "dtype")] if dtype != ANY else []
         fields += [_name(self._names.ops, op, "reduction")] if op != ANY else []
         fields += [f"root {root}"] if root != NO_ROOT else []
+        fields += [f"{size} bytes"] if size != NO_SIZE else []
         return f"{self._op_name(kind)}({', '.join(fields)})" if fields else self._op_name(kind)
 
 
@@ -535,9 +637,13 @@ def _readable(sock: socket.socket, deadline: float) -> bool:
 
 
 def _differ(theirs: Meta, ours: Meta) -> bool:
-    """Fields both sides give (not ANY / NO_ROOT) must be equal."""
-    unset = (ANY, ANY, NO_ROOT)
-    return any(a != b and a != u and b != u for a, b, u in zip(theirs, ours, unset, strict=True))
+    """Fields both sides give (not ANY / NO_ROOT / NO_SIZE) must be equal."""
+    return bool(_fields_that_differ(theirs, ours))
+
+
+def _fields_that_differ(theirs: Meta, ours: Meta) -> list[str]:
+    return [name for name, a, b, u in zip(("dtype", "reduction", "root", "size"), theirs, ours, _UNSET, strict=True)
+            if a != b and a != u and b != u]
 
 
 def _name(names: tuple[str, ...], code: int, what: str) -> str:
