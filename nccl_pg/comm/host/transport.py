@@ -416,7 +416,8 @@ class Mesh:
                     peer = self._fd_peer[fd]
                     if ev & (select.POLLIN | _POLLERR) and ins.get(peer):
                         self._progress_in(kind, meta, number, peer, ins)
-                    elif ev & (select.POLLIN | _POLLERR) and peer in watched and self._look(kind, meta, number, peer):
+                    elif (ev & (select.POLLIN | _POLLERR) and peer in watched
+                          and self._look(kind, meta, number, peer, bool(outs.get(peer)))):
                         watched.discard(peer)  # its next message is for later: nothing more to see there
                     if ev & (select.POLLOUT | _POLLERR) and outs.get(peer):
                         self._progress_out(peer, outs, ins)
@@ -438,27 +439,38 @@ class Mesh:
                     watched.add(peer)
         return held
 
-    def _look(self, kind: int, meta: Meta, number: int, peer: int) -> bool:
+    def _look(self, kind: int, meta: Meta, number: int, peer: int, sending: bool) -> bool:
         """Look (without reading it) at the next message from a peer this
-        exchange reads nothing from. Raise if it belongs to this collective
-        and disagrees with it, or is a goodbye; True once it is known to be
-        for later (or to agree: then it is read later in this collective)."""
+        exchange reads nothing from (``sending``: but sends to). Raise if it
+        belongs to this collective and disagrees with it, or if a peer we
+        send to left (its goodbye, its end: the send would never finish).
+        True once there is nothing more to see: a message of a later
+        collective, one that agrees (read later in this collective), or the
+        goodbye or end of a peer this exchange does not depend on (read at
+        the next operation: a rank that timed out must not turn the other
+        ranks' own timeouts, which name who is missing, into "lost the
+        connection")."""
         sock = self._socks[peer]
         try:
             head = sock.recv(HEADER.size, socket.MSG_PEEK)
         except (BlockingIOError, InterruptedError):
             return False
         except OSError as exc:
-            raise self._lost(peer, exc.strerror or str(exc)) from None
+            if sending:
+                raise self._lost(peer, exc.strerror or str(exc)) from None
+            return True
         if not head:
-            raise self._lost(peer, "end of stream")
+            if sending:
+                raise self._lost(peer, "end of stream")
+            return True
         if len(head) < HEADER.size:
             return False  # the rest of the header is on its way
         _, their_kind, dtype, op, root, nbytes, size, their_number = HEADER.unpack(head)
         if their_kind == GOODBYE:
-            sock.recv(HEADER.size)  # ours to read: we hold this direction
-            raise self._goodbye(peer, root, nbytes)
-        if their_number == number:
+            if sending:
+                sock.recv(HEADER.size)  # ours to read: we hold this direction
+                raise self._goodbye(peer, root, nbytes)
+        elif their_number == number:
             self._compare(kind, meta, number, peer, their_kind, (dtype, op, root, size), their_number)
         return True
 
