@@ -31,7 +31,6 @@ from simnccl import cudart, module_load, xp
 
 import nccl_pg as dist
 from nccl_pg import kernels
-from nccl_pg.cli import doctor
 from nccl_pg.comm.nccl import nan
 
 pytestmark = pytest.mark.timeout(120)
@@ -176,47 +175,61 @@ def test_check_loadable_tells_a_runtime_too_new_for_the_driver() -> None:
     assert "use an install of CUDA 12" in str(err.value) and "nccl_pg[cu12]" in str(err.value)
 
 
-# --- nccl-pg doctor ------------------------------------------------------------------------------------------
+# --- nccl-pg doctor --------------------------------------------------------------------------------------------
 
-def _doctor(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, dict, str]:
+DOCTOR = textwrap.dedent("""
+    import json, sys
+    import simnccl
+    from simnccl import module_load
+    from nccl_pg.cli import doctor
+    simnccl.install()
+    module_load.set_versions(driver=int(sys.argv[1]), runtime=int(sys.argv[2]))
+    rc = doctor.main(["--no-sanity", "--json", sys.argv[3]])
+    print("VIOLATIONS " + json.dumps(simnccl.violations()))
+    sys.exit(rc)
+""")
+
+
+def _doctor(tmp_path: Path, kernel_cache: Path, driver: int, runtime: int) -> tuple[int, dict, str]:
+    """`nccl-pg doctor` on the simulated driver, in a process of its own: it loads on every simulated GPU, and
+    the contexts it makes there must not change what later tests in this process see."""
     out = tmp_path / "doctor.json"
-    rc = doctor.main(["--no-sanity", "--json", str(out)])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
+           "NCCL_PG_KERNEL_CACHE": str(kernel_cache)}
+    proc = subprocess.run([sys.executable, "-c", DOCTOR, str(driver), str(runtime), str(out)], capture_output=True,
+                          text=True, timeout=120, env=env, cwd=ROOT)
+    assert "VIOLATIONS []" in proc.stdout, proc.stdout + proc.stderr
     results = {r["name"]: r for r in json.loads(out.read_text())["results"]}
-    return rc, results["kernels"], capsys.readouterr().out
+    return proc.returncode, results["kernels"], proc.stdout
 
 
-@simulated
-def test_doctor_loads_the_kernels_on_every_gpu(versions: SetVersions, tmp_path: Path,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.simnccl
+def test_doctor_loads_the_kernels_on_every_gpu(tmp_path: Path, kernel_cache: Path) -> None:
     """Before the fix doctor only compiled (its "kernels compile" said nothing of the driver)."""
     major = nvrtc_major()
-    versions(driver=major * 1000, runtime=major * 1000)
-    _, probe, text = _doctor(tmp_path, capsys)
+    _, probe, text = _doctor(tmp_path, kernel_cache, major * 1000, major * 1000)
     assert probe["status"] == "ok", probe
     loaded = probe["data"]["loaded"]
-    assert [x["device"] for x in loaded] == list(range(cudart.sim().ndev))
+    assert [x["device"] for x in loaded] == [0, 1]  # the simulation's two GPUs
     assert all(x["driver"] == major * 1000 and x["functions"] == len(nan.RULES) for x in loaded)
     assert "and loaded (cuModuleLoadData) by a driver for CUDA" in text
 
 
-@simulated
-def test_doctor_says_why_the_kernels_cannot_load(versions: SetVersions, tmp_path: Path,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.simnccl
+def test_doctor_says_why_the_kernels_cannot_load(tmp_path: Path, kernel_cache: Path) -> None:
     major = nvrtc_major()
-    versions(driver=older_driver(major), runtime=(major - 1) * 1000 + 90)
-    rc, probe, _ = _doctor(tmp_path, capsys)
+    rc, probe, _ = _doctor(tmp_path, kernel_cache, older_driver(major), (major - 1) * 1000 + 90)
     assert rc == 1 and probe["status"] == "FAIL", probe
     assert f"NVRTC {major}." in probe["detail"] and f"cudaDriverGetVersion() = {older_driver(major)}" in probe["detail"]
     assert f"pip install {kernels.PACKAGES[major - 1]}" in probe["detail"]
 
 
-@simulated
-def test_doctor_without_a_driver_compiles_and_says_nothing_loads(versions: SetVersions, tmp_path: Path,
-                                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    versions(driver=0)
-    _, probe, _ = _doctor(tmp_path, capsys)
+@pytest.mark.simnccl
+def test_doctor_without_a_driver_compiles_and_says_nothing_loads(tmp_path: Path, kernel_cache: Path) -> None:
+    major = nvrtc_major()
+    _, probe, _ = _doctor(tmp_path, kernel_cache, 0, major * 1000)
     assert probe["status"] == "skip", probe
-    assert f"compiles with NVRTC {nvrtc_major()}." in probe["detail"]
+    assert f"compiles with NVRTC {major}." in probe["detail"]
     assert probe["detail"].endswith("not loaded: no CUDA driver (cudaDriverGetVersion() = 0)")
 
 

@@ -89,14 +89,14 @@ class _Device:
         runtime = int(check_cuda(rt.cudaRuntimeGetVersion(), "cudaRuntimeGetVersion"))
         driver = int(check_cuda(rt.cudaDriverGetVersion(), "cudaDriverGetVersion"))
         nv = kernels.select_nvrtc(runtime // 1000)  # before anything compiles: a loaded NVRTC stays
+        major = check_cuda(rt.cudaDeviceGetAttribute(attr.cudaDevAttrComputeCapabilityMajor, device), "attr")
+        minor = check_cuda(rt.cudaDeviceGetAttribute(attr.cudaDevAttrComputeCapabilityMinor, device), "attr")
+        arch = kernels.arch_for(int(major) * 10 + int(minor))
+        kernels.check_loadable(nv, driver, arch, runtime)  # refused before the device gets a context
         prev = device_guard(device)
         try:
             check_cuda(rt.cudaFree(0), "cudaFree")  # the device's primary context, current from here on
-            major = check_cuda(rt.cudaDeviceGetAttribute(attr.cudaDevAttrComputeCapabilityMajor, device), "attr")
-            minor = check_cuda(rt.cudaDeviceGetAttribute(attr.cudaDevAttrComputeCapabilityMinor, device), "attr")
             sms = check_cuda(rt.cudaDeviceGetAttribute(attr.cudaDevAttrMultiProcessorCount, device), "attr")
-            arch = kernels.arch_for(int(major) * 10 + int(minor))
-            kernels.check_loadable(nv, driver, arch, runtime)
             image = np.frombuffer(kernels.image(kernels.NAN_CHECK, arch), np.uint8)  # PTX comes NUL-terminated
             err, self._module = drv.cuModuleLoadData(image.ctypes.data)
             if int(err) != 0:
