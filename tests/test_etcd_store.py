@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from harness.etcd_cluster import INSTALL_HINT, EtcdCluster, etcd_binary, fresh_job
+from harness.threads import start_thread
 
 from nccl_pg import rendezvous
 from nccl_pg.comm.host.communicator import _host_address
@@ -52,20 +53,6 @@ def on_member(store: EtcdStore, index: int) -> EtcdStore:
     for conn in idle:
         conn.close()
     return store
-
-
-def start_thread(target: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
-    out: list[object] = []
-
-    def run() -> None:
-        try:
-            out.append(target())
-        except Exception as exc:
-            out.append(exc)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, out
 
 
 # --- losing a member ------------------------------------------------------------------

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from harness.etcd_cluster import EtcdCluster, fresh_job
+from harness.threads import start_thread
 
 from nccl_pg.errors import DistStoreError
 from nccl_pg.store import EtcdStore, FileStore, HashStore, PrefixStore, Store, TCPStore
@@ -53,21 +54,6 @@ def parse_timeout(exc: DistStoreError) -> tuple[float, str]:
     missing = re.search(r"still missing: (.*)$", msg)
     assert waited and missing, msg
     return float(waited.group(1)), missing.group(1)
-
-
-def start_thread(target: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
-    """Run ``target`` in a thread; the list receives its result or exception."""
-    out: list[object] = []
-
-    def run() -> None:
-        try:
-            out.append(target())
-        except Exception as exc:
-            out.append(exc)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, out
 
 
 # --- semantics ---------------------------------------------------------------
