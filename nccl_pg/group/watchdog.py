@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 # 1.25 timeouts), and at least once a second so that a short timeout is not overshot by much.
 _HEARTBEAT_CHECKS = 4
 _HEARTBEAT_CHECK_MAX = 1.0
+# At exit, the longest wait for the diagnosis threads to leave their store calls: an incident in progress ends
+# within its budget (2 s at most) and the time to read the answers.
+_EXIT_JOIN = 5.0
 
 
 class Watched(Protocol):
@@ -235,6 +238,12 @@ class Watchdog:
     def _at_exit(self) -> None:
         if self._owner.here():  # a forked child's exit must not unlink its parent's pipe
             self._close_pipe(for_good=True)
+            # No thread of ours may still be inside a store's blocking call when the interpreter finalizes (torch's
+            # store client aborts the process if its call returns then): end the listeners and incident threads.
+            left = self.diagnosis.close_all(_EXIT_JOIN)
+            if left:
+                log.warning("nccl_pg: %d diagnosis thread(s) still in a store call at exit: %s", len(left),
+                            ", ".join(t.name for t in left))
 
     def _close_pipe(self, for_good: bool = False) -> None:
         if for_good:  # at exit: the poller, still running, must not create the pipe again

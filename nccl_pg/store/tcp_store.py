@@ -36,7 +36,9 @@ from .base import (
     COUNTED_PREFIX,
     HIDDEN_PREFIX,
     Backoff,
+    Parking,
     Store,
+    Unparked,
     Value,
     check_amount,
     check_key,
@@ -495,6 +497,31 @@ class _Client:
             conn.shutdown()
 
 
+class _OwnConnection(Parking):
+    """TCPStore.parking(): closing the store ends the wait."""
+
+    def __init__(self, store: TCPStore) -> None:
+        super().__init__(store)
+        self._own = store
+
+    def wait(self, keys: Sequence[str], timeout: float) -> None:
+        if self.closed:
+            raise Unparked(f"the wait for {list(keys)!r} on {self._own!r} was ended")
+        try:
+            self._own.wait(keys, timeout)
+        except DistError as exc:
+            if self.closed:
+                raise Unparked(f"the wait for {list(keys)!r} on {self._own!r} was ended") from exc
+            raise
+
+    def close(self) -> None:
+        # Closing takes the client's lock, which a connection attempt to a frozen server holds until its
+        # deadline: never on the caller's thread.
+        if not self.closed:
+            self.closed = True
+            threading.Thread(target=self._own.close, name="nccl_pg-unpark", daemon=True).start()
+
+
 class TCPStore(Store):
     """A client of a TCPStoreServer; with ``is_master=True`` it also starts
     the server (in a daemon thread of this process) on ``port`` (0: any free
@@ -588,6 +615,17 @@ class TCPStore(Store):
         with self._client.lock:
             self._client.users += 1
         return other
+
+    def parking(self) -> Parking:
+        """A wait on a connection of its own (made at first use), which
+        ``close()`` ends at once without disturbing the calls of other
+        threads on the shared connection."""
+        other = object.__new__(TCPStore)
+        other.__dict__.update(self.__dict__)
+        other._server, other._tenant, other._closed = None, None, False
+        c = self._client
+        other._client = _Client(c.host, c.port, c.secret, self.timeout, self.connect_timeout)
+        return _OwnConnection(other)
 
     def _register_worker(self, world_size: int, wait: bool) -> None:
         if self.add(_WORKERS_KEY, 1) == world_size:
