@@ -38,7 +38,7 @@ from ..store import Store
 from . import progress
 from .channel import PARK, Channel, join
 from .group_view import GroupView
-from .incidents import NS, all_key, answer_key, count_key, signal_key
+from .incidents import NS, all_key, answer_key, count_key, present, signal_key
 from .progress import Answer
 
 __all__ = ["PARK", "Diagnosis", "Timeout", "all_key", "answer_key", "budget", "count_key", "signal_key"]
@@ -102,20 +102,6 @@ class _Outcome:
             for k, v in kw.items():
                 setattr(self, k, v)
             self.cond.notify_all()
-
-
-def _present(store: Store, keys: list[str], deadline: float) -> list[str]:
-    """The keys that exist, by halving: about 2 log2(n/k) ``check`` requests
-    per missing key. Keys not reached by ``deadline`` count as missing."""
-    found: list[str] = []
-    todo = [keys] if keys else []
-    while todo and time.monotonic() < deadline:
-        ks = todo.pop()
-        if store.check(ks):
-            found += ks
-        elif len(ks) > 1:
-            todo += [ks[len(ks) // 2:], ks[:len(ks) // 2]]
-    return found
 
 
 @dataclass(frozen=True)
@@ -183,13 +169,13 @@ class _Incident:
         t0 = time.monotonic()
         try:
             store.wait(awaited, self.budget)
-            present = list(keys)
+            found = list(keys)
         except Exception:  # someone did not answer in time (or the store failed: the search says)
-            present = _present(store, list(keys), t0 + self.budget + _finish_time(self.budget))
+            found = present(store, list(keys), t0 + self.budget + _finish_time(self.budget))
         waited = min(time.monotonic() - t0, self.budget)
         answers: dict[tuple[str, int], Answer] = {}
-        if present:
-            for k, raw in zip(present, store.multi_get(present), strict=True):
+        if found:
+            for k, raw in zip(found, store.multi_get(found), strict=True):
                 a = Answer.decode(raw)
                 if a is not None:
                     answers[keys[k]] = a
@@ -207,7 +193,7 @@ class _Incident:
         deadline = self.start + self.budget + _finish_time(self.budget)
         for g in self.channel.earlier(gen):
             todo = {answer_key(g, i, p): (i, p) for i, p in silent if (i, p) not in old}
-            found = _present(store, list(todo), deadline)
+            found = present(store, list(todo), deadline)
             if found:
                 for k, raw in zip(found, store.multi_get(found), strict=True):
                     a = Answer.decode(raw)
@@ -221,7 +207,7 @@ class _Incident:
         try:
             store.wait(keys, self.budget + _finish_time(self.budget))
         except Exception:
-            keys = _present(store, keys, self.hard_deadline)
+            keys = present(store, keys, self.hard_deadline)
         got = {}
         if keys:
             for k, raw in zip(keys, store.multi_get(keys), strict=True):
