@@ -197,7 +197,7 @@ def parse_signal(raw: str) -> int:
 
 STACKS_SIGNAL: Var[int] = Var(
     "NCCL_PG_STACKS_SIGNAL", parse_signal, int(signal.SIGUSR2),
-    "Signal whose C-level handler (faulthandler) appends every thread's Python stack to <dump prefix><rank>.stacks, "
+    "Signal whose C-level handler (faulthandler) appends every thread's Python stack to <dump dir>/c_stacks/rank<rank>.<pid>.txt, "
     "even while a thread holds the GIL or is stuck in C; `nccl-pg why` and `nccl-pg run` send it to ranks that do "
     "not answer. 0 or off: none. Only with NCCL_PG_DUMP_ON_TIMEOUT on.")
 

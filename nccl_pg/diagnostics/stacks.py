@@ -3,20 +3,27 @@ stack (``faulthandler``), which work while a thread holds the GIL or is
 stuck in C, where the diagnosis threads (Python) cannot run.
 
 In each rank (``CStacks``, driven by the watchdog): a file
-``<dump prefix><rank>.stacks`` (0600, in the dump directory, a header line
-naming the rank, pid and main thread), to which faulthandler appends
+``<dump dir>/c_stacks/rank<rank>.<pid>.txt`` (0600, in a 0700 folder, a
+header line naming the rank, pid and main thread; removed at exit if
+nothing was written to it), to which faulthandler appends
 
 - on a signal (``NCCL_PG_STACKS_SIGNAL``, SIGUSR2 by default): a C-level
   handler, which ``nccl-pg why`` and ``nccl-pg run`` send to a rank on their
   host that does not answer an incident (``request``);
-- at the deadline of the operations in flight: a timer (one per process,
-  faulthandler's) set by the watchdog's poller to the earliest deadline of
-  the pending operations. Nothing is added to issuing an operation: the
-  poller moves the timer, and only when it is about to expire (an operation
-  still pending then is timing out: the dump is wanted) or no longer points
-  at a pending operation, so a job whose operations complete re-arms it
-  about once per timeout. An operation issued less than a poll before the
-  GIL is taken can be missed by the timer; the signal still works.
+- after the deadline of the operations in flight: a timer (one per
+  process, faulthandler's) set by the watchdog's poller to the earliest
+  deadline of the pending operations plus ``TIMER_MARGIN``. The margin lets
+  the Python diagnosis have the first word: a process that can run Python
+  has failed (or finished) the operation by then and the poller moves the
+  timer away, so it fires only in a process whose Python is stuck. (A
+  C-level dump reads the thread list without the GIL; one taken while other
+  threads start or end, as they do while a timeout is diagnosed and the
+  process ends, can crash the process.) Nothing is added to issuing an
+  operation: the poller moves the timer, and only when it is about to expire
+  or no longer points at a pending operation, so a job whose operations
+  complete re-arms it about once per timeout. An operation issued less than
+  a poll before the GIL is taken can be missed by the timer; the signal
+  still works.
 
 For the readers (``request``, ``find_ranks``, ``parse``): which local
 processes are the ranks of a job (``MASTER_PORT`` and ``RANK`` in their
@@ -44,8 +51,11 @@ from . import dump
 
 log = logging.getLogger(__name__)
 
-SUFFIX = ".stacks"
+FOLDER = "c_stacks"  # beside the dumps; its file names hold no dump prefix (torch's analyzer reads every file that does)
+SUFFIX = ".txt"
 HEADER = "# nccl_pg C-level stacks: "
+# The timer fires this long after the earliest deadline (the diagnosis's budget and reading time are at most 4 s).
+TIMER_MARGIN = 5.0
 # The timer is moved when it would expire within this many polls (or a second) of now.
 _REARM_POLLS = 2
 _REARM_MIN = 1.0
@@ -62,13 +72,20 @@ class CStacks:
         self.armed: float | None = None  # time.monotonic() at which the timer fires
         self.fired: float = float("-inf")  # the newest deadline the timer was armed for and passed
         self._failed = False
+        self._header = 0
 
     def open(self, rank: int) -> bool:
         """The file and the signal handler, once; False if they cannot be had."""
         if self.file is not None or self._failed:
             return self.file is not None
         try:
-            path = dump.path_for(rank) + SUFFIX
+            folder = os.path.join(os.path.dirname(dump.path_for(rank)) or ".", FOLDER)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(folder, 0o700)
+            st = os.lstat(folder)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                raise OSError(f"{folder} is not a directory of this user's")
+            path = os.path.join(folder, f"rank{rank}.{os.getpid()}{SUFFIX}")
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC,
                          0o600)
             st = os.fstat(fd)
@@ -76,9 +93,11 @@ class CStacks:
                 os.close(fd)
                 raise OSError(f"{path} is not a regular file of this user's")
             f = os.fdopen(fd, "w")
-            f.write(f"{HEADER}rank {rank}, pid {os.getpid()}, host {socket.gethostname()}, main thread "
-                    f"0x{threading.main_thread().ident or 0:016x}\n")
+            header = (f"{HEADER}rank {rank}, pid {os.getpid()}, host {socket.gethostname()}, main thread "
+                      f"0x{threading.main_thread().ident or 0:016x}\n")
+            f.write(header)
             f.flush()
+            self._header = len(header.encode())
         except OSError as exc:
             log.warning("nccl_pg: no C-level stack dumps for rank %d: %s", rank, exc)
             self._failed = True
@@ -97,6 +116,8 @@ class CStacks:
         operations pending now (time.monotonic()), None when none is."""
         if self.file is None:
             return
+        if deadline is not None:
+            deadline += TIMER_MARGIN
         now = time.monotonic()
         if self.armed is not None and self.armed <= now:  # it fired (or was about to): not armed any more
             self.fired, self.armed = max(self.fired, self.armed), None
@@ -112,11 +133,24 @@ class CStacks:
         faulthandler.dump_traceback_later(max(deadline - now, 0.001), repeat=False, file=self.file, exit=False)
         self.armed = deadline
 
-    def close(self) -> None:
-        """At exit: no timer fires during the interpreter's shutdown."""
+    def cancel(self) -> None:
+        """No timer from now on (the process is ending: a dump during its teardown could crash it)."""
+        self.fired = float("inf")
         if self.armed is not None:
             faulthandler.cancel_dump_traceback_later()
             self.armed = None
+
+    def close(self) -> None:
+        """At exit: no timer fires during the interpreter's shutdown, and a
+        file nothing was written to (but its header) goes."""
+        self.cancel()
+        if self.file is None or self.path is None:
+            return
+        with contextlib.suppress(OSError):
+            if os.fstat(self.file.fileno()).st_size <= self._header:
+                os.unlink(self.path)
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.dirname(self.path))  # the last rank's file of the folder
 
 
 # --- readers --------------------------------------------------------------------------------------
@@ -148,7 +182,8 @@ def stacks_file(pid: int) -> str | None:
     for n in names:
         with contextlib.suppress(OSError):
             target = os.readlink(f"{folder}/{n}")
-            if target.endswith(SUFFIX) and target.startswith("/"):
+            if target.startswith("/") and os.path.basename(os.path.dirname(target)) == FOLDER and \
+                    target.endswith(SUFFIX):
                 return target
     return None
 

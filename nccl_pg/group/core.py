@@ -403,6 +403,7 @@ class GroupCore:
         if mode in (1, 3):
             print(f"nccl_pg: rank {self._global_rank_of(self._rank)}: {error}; ending the process "
                   f"(NCCL_PG_ASYNC_ERROR_HANDLING={mode})", file=sys.stderr, flush=True)
+            watchdog.get().ending()
             os.abort()
 
     def close_for_blocking_wait(self, error: BaseException) -> None:

@@ -194,6 +194,12 @@ class Watchdog:
 
     # --- dumps --------------------------------------------------------------------------
 
+    def ending(self) -> None:
+        """The process is about to end itself (SIGABRT): no C-level stack dump
+        may start now (one racing the teardown can crash the process)."""
+        if self._stacks is not None:
+            self._stacks.cancel()
+
     def _keep_stacks(self, pending: list[Work]) -> None:
         """The C-level stacks' file once a group is open, and their timer at
         the earliest deadline of the operations pending (stacks.py)."""
@@ -300,6 +306,7 @@ class Watchdog:
                 path = self.write_dump(reason, rank)
                 print(f"nccl_pg: rank {rank}: {reason}; dump: {path}; ending the process with SIGABRT",
                       file=sys.stderr, flush=True)
+                self.ending()
                 os.kill(os.getpid(), signal.SIGABRT)
 
 
