@@ -53,7 +53,7 @@ def train_step():
     ready()
     work.wait()
 
-dist.init_process_group("host", init_method="env://", timeout=600)
+dist.init_process_group("host", init_method="env://", timeout=float(os.environ.get("TIMEOUT", "600")))
 dist.all_reduce(np.ones(4, np.float32))
 if dist.get_rank() == 1:
     eval_step()
@@ -68,12 +68,12 @@ def _line(text: str, marker: str) -> int:
 class Job:
     """`nccl-pg run --nproc 4 job.py` in ``folder``, its dumps (and the autopsy's report) in folder/dumps."""
 
-    def __init__(self, folder: Path, stuck: str, *launcher_args: str) -> None:
+    def __init__(self, folder: Path, stuck: str, *launcher_args: str, timeout: float = 600) -> None:
         self.dir = folder
         self.script = folder / "job.py"
         self.script.write_text(JOB)
         self.dumps = folder / "dumps"
-        self.env = clean_env({"TEST_DIR": str(folder), "TMPDIR": str(folder), "STUCK": stuck,
+        self.env = clean_env({"TEST_DIR": str(folder), "TMPDIR": str(folder), "STUCK": stuck, "TIMEOUT": str(timeout),
                               "NCCL_PG_DEBUG_INFO_TEMP_FILE": str(self.dumps / "trace_")})
         self.proc = subprocess.Popen([sys.executable, "-m", "nccl_pg.cli.main", "run", "--nproc", "4",
                                       *launcher_args, str(self.script)], cwd=folder, env=self.env,
@@ -111,8 +111,8 @@ class Job:
 def job(tmp_path: Path):
     made: list[Job] = []
 
-    def start(stuck: str, *args: str) -> Job:
-        made.append(Job(tmp_path, stuck, *args))
+    def start(stuck: str, *args: str, timeout: float = 600) -> Job:
+        made.append(Job(tmp_path, stuck, *args, timeout=timeout))
         return made[-1]
 
     yield start
@@ -181,6 +181,26 @@ def test_max_time_autopsy_prints_the_verdict_and_leaves_a_report(job):
     assert "## Verdict" in md and f"job.py:{line} in eval_step" in md and "time.sleep(1000)" in md, md
     assert oct(reports[0].stat().st_mode & 0o777) == "0o600"
     assert sorted(p.name for p in j.dumps.glob("trace_?")) == [f"trace_{r}" for r in range(4)]
+    assert _gone(pids) == []
+
+
+@pytest.mark.timeout(120)
+def test_first_failure_autopsy_names_the_culprit_from_the_dumps_of_the_dead(job):
+    """With a 3 s timeout, ranks 0, 2 and 3 fail ("ranks [1] never issued this collective") and exit: on the first
+    failure the launcher asks why; the failed ranks cannot answer any more, but the dumps they wrote at their
+    timeout join rank 1's answer in the analysis: rank 1 is named, with its line, and the others as ended."""
+    j = job("sleep", "--autopsy-time", "4", "--grace-period", "2", timeout=3.0)
+    pids = j.wait_ready()
+    code, _, err = j.finish(timeout=90)
+    line = _line(JOB, "STUCK HERE (sleep)")
+    assert code == 1, err
+    first = re.search(r"nccl-pg run: rank (\d) \(pid \d+\) exited with code 1; asking the ranks why", err)
+    assert first and first[1] in "023", err
+    assert re.search(rf"nccl-pg run:   rank 1 \(\S+, pid {pids[1]}\) never joined all_reduce #2 of group 0 "
+                     rf"\(default_pg\), which ranks 0, 2, 3 issued; it is at \S+job.py:{line} in eval_step", err), err
+    r = int(first[1])  # gone before the autopsy began (the others may still answer as they end)
+    assert re.search(rf"nccl-pg run:   rank {r} \(\S+, pid {pids[r]}\) exited with code 1 before it answered; its "
+                     rf"debug dump has it at \S+job.py:{_line(JOB, 'work.wait()')} in train_step", err), err
     assert _gone(pids) == []
 
 

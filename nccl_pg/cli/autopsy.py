@@ -32,9 +32,13 @@ _MARGIN = 0.5  # of the autopsy's time, kept for reading the answers and writing
 
 class Autopsy:
     def __init__(self, addr: str, port: int, secret: str, nproc: int, reason: str, seconds: float,
-                 report_dir: str | None, wake: Callable[[], None]) -> None:
+                 report_dir: str | None, wake: Callable[[], None], gone: Callable[[], dict[int, str]],
+                 started: float) -> None:
+        """``gone``: how the ranks that ended did ({rank: "exited with code 1"});
+        ``started``: the job's start (wall clock): older dumps are not its own."""
         self.addr, self.port, self.secret, self.nproc = addr, port, secret, nproc
         self.reason, self.seconds, self.report_dir, self._wake = reason, seconds, report_dir, wake
+        self._gone, self._started = gone, started
         self.deadline = time.monotonic() + seconds + 1.0  # the thread's own bounds, and a second to spare
         self.lines: list[str] = []
         self._done = threading.Event()
@@ -62,7 +66,8 @@ class Autopsy:
             signum = env.STACKS_SIGNAL.get()
             inq = inquiry.inquire(store, f"autopsy by nccl-pg run: {self.reason}", answers, world=self.nproc,
                                   dump=True, local=lambda: stacks.find_ranks(self.addr, self.port, signum),
-                                  signum=signum, dumps_dir=None if folder is None else f"{folder}.answers")
+                                  signum=signum, dumps_dir=None if folder is None else f"{folder}.answers",
+                                  gone=self._gone, dump_of=self._dump_of)
         finally:
             store.close()
         answered = len(inq.ranks) - len(inq.silent)
@@ -73,6 +78,14 @@ class Autopsy:
         if folder is not None:
             lines += self._write(folder, inq)
         return lines
+
+    def _dump_of(self, rank: int) -> str | None:
+        """The debug dump a rank that did not answer wrote during this job (say, at its own timeout)."""
+        try:
+            path = f"{dump.prefix()}{rank}"
+            return path if os.stat(path).st_mtime >= self._started else None
+        except OSError:
+            return None
 
     def _folder(self) -> str | None:
         """The report's path without its suffix: beside the dumps, unless --report-dir."""

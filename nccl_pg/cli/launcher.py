@@ -253,6 +253,7 @@ class _Job:
         self.pending_signals: list[int] = []
         self.exit_code: int | None = None  # set when the job starts stopping
         started = time.monotonic()
+        self.started_wall = time.time() - 1.0  # (file times are coarser than the clock)
         self.max_time_at = None if config.max_time is None else started + config.max_time
         self.kill_at: float | None = None  # tell the guards to kill what is still running then
         self.hard_kill_at: float | None = None  # SIGKILL the groups of guards that did not do it by then
@@ -420,7 +421,7 @@ class _Job:
             addr, port, secret = self.store
             _log(f"{reason}; asking the ranks why (at most {self.config.autopsy_time:g} s) before stopping them")
             self.autopsy = Autopsy(addr, port, secret, self.config.nproc, reason, self.config.autopsy_time,
-                                   self.config.report_dir, self._wake)
+                                   self.config.report_dir, self._wake, self._gone, self.started_wall)
             self.stop_after_autopsy = (signum, reason)
             return
         live = self._live()
@@ -433,6 +434,10 @@ class _Job:
             rank.signal_group(signum)
         if self.kill_at is None:
             self.kill_at = time.monotonic() + self.config.grace_period
+
+    def _gone(self) -> dict[int, str]:
+        """How the ranks reaped so far ended (read by the autopsy's thread: a snapshot)."""
+        return {r.rank: describe(r.returncode) for r in list(self.ranks) if r.returncode is not None}
 
     def _wake(self) -> None:
         """From another thread: make the loop look at its deadlines now."""

@@ -18,6 +18,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import re
 import socket
 import tempfile
 import time
@@ -27,7 +28,7 @@ from typing import Any
 
 from ..errors import DistError
 from ..store import Store
-from . import incidents, report, stacks, trace
+from . import dump, incidents, report, stacks, trace
 from .incidents import Signal
 
 CAP = 128 * 1024  # bytes of one process's report, by default
@@ -52,6 +53,9 @@ class Rank:
     stack: list[list[Any]] = field(default_factory=list)  # the focus thread's frames, outermost first
     cut: list[str] = field(default_factory=list)
     c_stack_path: str | None = None
+    dump_path: str | None = None  # answered only through a debug dump written before it was asked
+    dump_reason: str = ""
+    gone: str = ""  # how it ended, when it did ("exited with code 1")
 
     def who(self) -> str:
         """"rank 1 (host, pid 42, cuda:1)"."""
@@ -142,12 +146,16 @@ def _pending(groups: list[dict[str, Any]]) -> list[str]:
 
 def inquire(store: Store, reason: str, timeout: float, cap: int = CAP, world: int | None = None,
             dump: bool = False, local: Callable[[], Mapping[int, int]] | None = None, signum: int = 0,
-            dumps_dir: str | None = None, total_cap: int = TOTAL_CAP) -> Inquiry:
+            dumps_dir: str | None = None, total_cap: int = TOTAL_CAP, gone: Callable[[], Mapping[int, str]] | None = None,
+            dump_of: Callable[[int], str | None] | None = None) -> Inquiry:
     """Ask the job on ``store`` (see the module's docstring). ``world``: its
     size, if known (else as the first process to answer says); ``local``:
     {rank: pid} of its processes on this host, for C-level stacks (sent
     ``signum``); ``dumps_dir``: where the answers are kept as dumps (else a
-    temporary directory, removed)."""
+    temporary directory, removed); ``gone``: what is known of ranks that
+    ended ({rank: "exited with code 1"}, asked once the answers are in); ``dump_of``: the path of a debug
+    dump a silent rank wrote during this job, if any (it joins the answers
+    in the analysis)."""
     t0 = time.monotonic()
     deadline = t0 + timeout
     notes: list[str] = []
@@ -207,6 +215,19 @@ def inquire(store: Store, reason: str, timeout: float, cap: int = CAP, world: in
             ranks[r].host = socket.gethostname()
             ranks[r].stack = threads[0]["frames"]
             ranks[r].where = report.where(ranks[r].stack)
+    ended = dict(gone()) if gone is not None and silent else {}
+    for r in silent:
+        if r in ended:
+            ranks[r].gone = ended[r]
+        path = dump_of(r) if dump_of is not None and ranks[r].answered is None else None
+        old = _from_dump(path, r, notes) if path else None
+        if old is not None:
+            answers[r] = old
+            k = ranks[r]
+            k.answered, k.dump_path, k.host, k.pid = "dump", path, old["host"], old["pid"] or k.pid
+            k.stack = old["threads"][0]["frames"] if old["threads"] else []
+            k.where = report.where(k.stack)
+            k.dump_reason = old["reason"]
     keep = dumps_dir is not None
     folder = dumps_dir or tempfile.mkdtemp(prefix="nccl_pg_why_")
     try:
@@ -220,6 +241,34 @@ def inquire(store: Store, reason: str, timeout: float, cap: int = CAP, world: in
     inq = Inquiry(gen, world, waited, ranks, silent, analysis, notes, dumps_dir=dumps_dir)
     inq.verdicts = verdicts(inq)
     return inq
+
+
+_FRAME_LINE = re.compile(r'^\s*File "(.*)", line (\d+), in (.*)$')
+
+
+def _from_dump(path: str, rank: int, notes: list[str]) -> dict[str, Any] | None:
+    """A debug dump (dump.read: untrusted input), in the form of a checked report."""
+    try:
+        d = dump.read(path)
+    except dump.NotADump as exc:
+        notes.append(f"rank {rank}: {path}: not a readable dump ({exc})")
+        return None
+    threads = []
+    raw: dict[Any, Any] = d["threads"] if isinstance(d.get("threads"), dict) else {}
+    for name, lines in sorted(raw.items(), key=lambda kv: not str(kv[0]).startswith("MainThread")):
+        frames = []
+        for chunk in lines if isinstance(lines, list) else []:
+            text = chunk if isinstance(chunk, str) else ""
+            m = _FRAME_LINE.match(text.split("\n", 1)[0])
+            if m:
+                code = text.split("\n", 1)[1].strip() if "\n" in text else ""
+                frames.append([m.group(1), int(m.group(2)), m.group(3), code[:report.LINE_MAX]])
+        threads.append({"name": _str(name, 256), "ident": None, "main": str(name).startswith("MainThread"),
+                        "frames": frames[-report.DEPTH_MAX:]})
+    return {"rank": rank, "ranks": [rank], "world": None, "pid": _int(d.get("pid")), "host": _str(d.get("host"), 255),
+            "time": None, "devices": [], "where": None, "threads": threads, "groups": [], "cut": [],
+            "version": d.get("version"), "pg_config": d.get("pg_config"), "pg_status": d.get("pg_status"),
+            "entries": d.get("entries"), "reason": _str(d.get("reason"))}
 
 
 def _read(store: Store, gen: int, world: int | None, cap: int, total_cap: int, deadline: float,
@@ -324,7 +373,14 @@ def verdicts(inq: Inquiry) -> list[dict[str, Any]]:
             out.append({"kind": kind, "ranks": culprits, "text": text})
     for r in inq.silent:
         k = ranks.get(r)
-        if k is not None and k.answered == "c-stack":
+        if k is not None and k.gone:
+            said = f"; its debug dump has it at {k.at()}" if k.answered == "dump" and k.at() else ""
+            out.append({"kind": "gone", "ranks": [r], "text": f"{k.who()} {k.gone} before it answered{said}"})
+        elif k is not None and k.answered == "dump":
+            out.append({"kind": "dump_only", "ranks": [r], "text":
+                        f"{k.who()} did not answer within {inq.waited:.1f} s; its debug dump, written before, has it "
+                        f"at {k.at() or '?'}"})
+        elif k is not None and k.answered == "c-stack":
             out.append({"kind": "c_stack_only", "ranks": [r], "text":
                         f"{k.who()} did not answer within {inq.waited:.1f} s (its GIL held, or stuck in C); its "
                         f"C-level stack says it is at {k.at() or '?'} (from {k.c_stack_path})"})
@@ -349,7 +405,8 @@ def format_text(inq: Inquiry) -> str:
     lines += [f"  {v['text']}" for v in inq.verdicts]
     lines.append("ranks:")
     for _, k in sorted(inq.ranks.items()):
-        how = {"store": "", "c-stack": " [C-level stack only]", None: " [no answer]"}[k.answered]
+        how = {"store": "", "c-stack": " [C-level stack only]", "dump": " [its debug dump only]",
+               None: " [no answer]"}[k.answered] + (f" [{k.gone}]" if k.gone else "")
         where = f" at {k.at()}" if k.at() else ""
         busy = f"; in {'; '.join(k.pending)}" if k.pending else ""
         lines.append(f"  {k.who()}{how}{where}{busy}")
@@ -363,7 +420,8 @@ def to_json(inq: Inquiry) -> dict[str, Any]:
         "waited_s": round(inq.waited, 3), "verdicts": inq.verdicts, "silent": inq.silent,
         "ranks": {str(r): {"ranks": k.ranks, "answered": k.answered, "host": k.host, "pid": k.pid,
                            "devices": k.devices, "where": k.where, "pending": k.pending, "stack": k.stack,
-                           "cut": k.cut, "c_stack_file": k.c_stack_path} for r, k in sorted(inq.ranks.items())},
+                           "cut": k.cut, "c_stack_file": k.c_stack_path, "dump_file": k.dump_path, "gone": k.gone or None}
+                  for r, k in sorted(inq.ranks.items())},
         "analysis": inq.analysis, "notes": inq.notes, "dumps_dir": inq.dumps_dir,
     }
 
@@ -381,7 +439,8 @@ def to_markdown(inq: Inquiry, title: str) -> str:
         if b is None or not b.stack:
             continue
         k = b
-        how = "C-level stack (faulthandler)" if k.answered == "c-stack" else "stack"
+        how = {"c-stack": "C-level stack (faulthandler)", "dump": f"stack in its debug dump ({k.dump_reason[:80]})"
+               }.get(k.answered or "", "stack")
         out += ["", f"## {k.who()}: {how}", "", "```"]
         out += [f'  File "{f[0]}", line {f[1]}, in {f[2]}' + (f"\n    {f[3]}" if f[3] else "") for f in k.stack]
         out.append("```")
