@@ -269,6 +269,33 @@ def test_job_records_are_private_removed_at_exit_and_read_as_untrusted(job, tmp_
     assert not record.exists()
 
 
+@pytest.mark.timeout(60)
+def test_why_with_the_store_given(job, tmp_path):
+    """A job not found through the records (torchrun, SLURM): --store HOST:PORT, or MASTER_ADDR/MASTER_PORT, with
+    the secret from NCCL_PG_STORE_SECRET; a wrong secret is refused (exit 2, saying it cannot ask)."""
+    j = job("sleep", "--autopsy-time", "0")
+    j.wait_ready()
+    record = json.loads((tmp_path / f"nccl_pg-{os.getuid()}" / "jobs" / f"run-{j.proc.pid}.json").read_text())
+    elsewhere = tmp_path / "elsewhere"  # no records there
+    elsewhere.mkdir()
+    env = {**j.env, "TMPDIR": str(elsewhere), "NCCL_PG_STORE_SECRET": record["secret"]}
+    run = [sys.executable, "-m", "nccl_pg.cli.main", "why", "--json"]
+    by_option = subprocess.run([*run, "--store", f"127.0.0.1:{record['port']}"], env=env, capture_output=True,
+                               text=True, timeout=30)
+    by_env = subprocess.run(run, env={**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(record["port"]),
+                                      "WORLD_SIZE": "4"}, capture_output=True, text=True, timeout=30)
+    for res in (by_option, by_env):
+        assert res.returncode == 1, res
+        assert json.loads(res.stdout)["verdicts"][0]["ranks"] == [1], res.stdout
+    wrong = subprocess.run([*run, "--store", f"127.0.0.1:{record['port']}", "--timeout", "1"],
+                           env={**env, "NCCL_PG_STORE_SECRET": "not the secret"}, capture_output=True, text=True,
+                           timeout=30)
+    assert wrong.returncode == 2 and "cannot ask" in wrong.stderr, wrong
+    none = subprocess.run(run, env={k: v for k, v in env.items() if not k.startswith("MASTER_")},
+                          capture_output=True, text=True, timeout=30)
+    assert none.returncode == 2 and "no job to ask" in none.stderr, none
+
+
 @pytest.mark.timeout(30)
 def test_reports_are_untrusted_input():
     """Reports are read back with a size cap per rank and types checked: an oversized report and garbage are
