@@ -10,6 +10,7 @@ records (and `nccl-pg why` with no arguments) see only this test's job.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -294,6 +295,68 @@ def test_why_with_the_store_given(job, tmp_path):
     none = subprocess.run(run, env={k: v for k, v in env.items() if not k.startswith("MASTER_")},
                           capture_output=True, text=True, timeout=30)
     assert none.returncode == 2 and "no job to ask" in none.stderr, none
+
+
+TORCH_JOB = '''\
+import os, pathlib, time
+import torch
+import torch.distributed as dist
+import nccl_pg.torch  # noqa: F401
+
+def eval_step():
+    time.sleep(1000)  # STUCK HERE
+
+dist.init_process_group("nccl_pg")
+x = torch.ones(2)
+dist.all_reduce(x)
+work = dist.all_reduce(x, async_op=True) if dist.get_rank() != 1 else None
+pathlib.Path(os.environ["TEST_DIR"], f"ready.{dist.get_rank()}").write_text(str(os.getpid()))
+if work is None:
+    eval_step()
+work.wait()
+'''
+
+
+@pytest.mark.timeout(120)
+def test_why_on_a_torchrun_job_on_the_nccl_pg_backend(tmp_path):
+    """torchrun's store is torch's: `nccl-pg why --torch` asks through torch's client, in the namespace torch gives
+    the default group (found in the store's keys), and names rank 1 at its line."""
+    pytest.importorskip("torch", reason="needs torch (pip install torch)")
+    import socket
+
+    script = tmp_path / "job.py"
+    script.write_text(TORCH_JOB)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = clean_env({"TEST_DIR": str(tmp_path), "TMPDIR": str(tmp_path)})
+    run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
+                            str(port), str(script)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"ready.{r}").exists() for r in range(4)):
+            assert run.poll() is None and time.monotonic() < deadline, "torchrun's ranks not ready"
+            time.sleep(0.05)
+        pids = [int((tmp_path / f"ready.{r}").read_text()) for r in range(4)]
+        res = subprocess.run([sys.executable, "-m", "nccl_pg.cli.main", "why", "--torch", "--json"],
+                             env={**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, capture_output=True,
+                             text=True, timeout=60)
+    finally:
+        run.send_signal(signal.SIGTERM)  # torchrun stops its workers (each in a session of its own)
+        try:
+            run.wait(30)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(run.pid, signal.SIGKILL)
+            for f in tmp_path.glob("ready.*"):  # a worker torchrun left behind
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(f.read_text()), signal.SIGKILL)
+    data = json.loads(res.stdout)
+    assert data["verdicts"][0]["kind"] == "ranks_missing" and data["verdicts"][0]["ranks"] == [1], data["verdicts"]
+    assert data["ranks"]["1"]["pid"] == pids[1] and data["ranks"]["1"]["answered"] == "store"
+    assert (data["ranks"]["1"]["where"]["line"], data["ranks"]["1"]["where"]["func"]) == (
+        _line(TORCH_JOB, "STUCK HERE"), "eval_step")
 
 
 @pytest.mark.timeout(30)

@@ -4,9 +4,10 @@
 
 Which job: ``--store`` (the secret from NCCL_PG_STORE_SECRET, never on the
 command line, where other users could read it), else MASTER_ADDR and
-MASTER_PORT from the environment (a shell of a torchrun or SLURM job), else
-every job this user started with `nccl-pg run` on this machine (the
-launcher's records: jobs.py), or the one ``--job`` names.
+MASTER_PORT from the environment (a shell of a torchrun or SLURM job;
+``--torch`` when the store is torch's, as torchrun's is), else every job
+this user started with `nccl-pg run` on this machine (the launcher's
+records: jobs.py), or the one ``--job`` names.
 
 It raises an incident through the job's store that asks every process for
 its state and current stacks (a report of at most ``--max-bytes``; no shared
@@ -24,7 +25,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from .. import env
 from ..diagnostics import inquiry, stacks
@@ -43,8 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", metavar="HOST:PORT",
                         help="the job's store (default: MASTER_ADDR:MASTER_PORT if set, else the jobs started with "
                              f"`nccl-pg run` on this machine); its secret is read from {env.STORE_SECRET.name}")
-    parser.add_argument("--prefix", default="", metavar="P",
-                        help="the namespace of the job's groups in the store, if not its root")
+    parser.add_argument("--prefix", default=None, metavar="P",
+                        help="the namespace of the job's groups in the store, if not its root (with --torch: found "
+                             "in the store's keys, the default group's)")
+    parser.add_argument("--torch", action="store_true",
+                        help="the store is torch's TCPStore (a torch.distributed job on the \"nccl_pg\" backend, "
+                             "torchrun's store): asked with torch's client")
     parser.add_argument("--job", type=launcher.int_arg, metavar="PID",
                         help="of the jobs started with `nccl-pg run`, the one whose launcher has this pid")
     parser.add_argument("--world-size", type=launcher.int_arg, metavar="N",
@@ -122,10 +127,47 @@ def run(args: argparse.Namespace) -> int:
 
 def ask(host: str, port: int, secret: str | None, world: int | None, args: argparse.Namespace,
         signum: int) -> inquiry.Inquiry:
-    client = TCPStore(host, port, secret=secret, timeout=args.timeout + 5.0, connect_timeout=min(args.timeout, 10.0))
+    store, close = (_torch_store if args.torch else _store)(host, port, secret, args)
     try:
-        store: Store = PrefixStore(args.prefix, client) if args.prefix else client
         return inquiry.inquire(store, "asked by nccl-pg why", args.timeout, args.max_bytes, world, args.dump,
                                lambda: stacks.find_ranks(host, port, signum), signum, dumps_dir=args.save)
     finally:
-        client.close()
+        close()
+
+
+def _store(host: str, port: int, secret: str | None, args: argparse.Namespace) -> tuple[Store, Callable[[], None]]:
+    try:
+        client = TCPStore(host, port, secret=secret, timeout=args.timeout + 5.0,
+                          connect_timeout=min(args.timeout, 10.0))
+    except DistError as exc:
+        raise DistError(f"{exc} (a torch.distributed store? then add --torch)") from None
+    return (PrefixStore(args.prefix, client) if args.prefix else client), client.close
+
+
+_LATEST = "nccl_pg/diag/latest"
+
+
+def _torch_store(host: str, port: int, secret: str | None, args: argparse.Namespace) -> tuple[Store,
+                                                                                              Callable[[], None]]:
+    """torch's client, under the namespace of the default group's nccl_pg groups (the shortest of those that
+    hold an incident hint, which every listener leaves), unless --prefix says."""
+    from datetime import timedelta  # noqa: PLC0415 - torch only with --torch
+
+    import torch.distributed as tdist  # noqa: PLC0415
+
+    from ..torch.store import TorchStore  # noqa: PLC0415
+
+    client = tdist.TCPStore(host, port, is_master=False, wait_for_workers=False,  # type: ignore[attr-defined]  # (not in torch's stubs)
+                            timeout=timedelta(seconds=args.timeout + 5.0))
+    prefix = args.prefix
+    if prefix is None:
+        # torch's PrefixStore puts "/" between its prefix and a key
+        spaces = sorted({k[:-len(_LATEST) - 1] for k in client.list_keys() if k.endswith("/" + _LATEST)}, key=len)
+        if not spaces:
+            raise ValueError(f"no nccl_pg group has left its incident hint ({_LATEST}) in the store at {host}:{port}")
+        prefix = spaces[0]
+        if len(spaces) > 1:
+            print(f"nccl-pg why: asking the groups under {prefix!r}; others: {', '.join(map(repr, spaces[1:]))} "
+                  "(--prefix)", file=sys.stderr)
+    torch_store = tdist.PrefixStore(prefix, client) if prefix else client  # type: ignore[attr-defined]
+    return TorchStore(torch_store, args.timeout + 5.0), lambda: None
