@@ -319,6 +319,25 @@ def test_d6_the_device_guard_restores_no_unused_device(tmp_path: Any, ops: str) 
     assert _world(_s_unchosen_caller_thread, 1, tmp_path, env={"NCCL_PG_NCCL_OPS": ops}) == [True]
 
 
+# --- defect 7: a collective stuck in the enqueue, diagnosed ----------------------------------------------------
+
+def _s_stuck_first_collective(r: Rank) -> str | None:
+    r.init(device_id=r.device, timeout=timedelta(seconds=1.5))
+    if r.rank == 1:
+        time.sleep(4.0)  # never issues; its diagnosis listener answers
+        return None
+    with pytest.raises(dist.DistBackendError) as info:
+        dist.all_reduce(r.full((4,), 1.0))
+    return str(info.value)
+
+
+def test_d7_a_stuck_enqueue_names_the_missing_rank(tmp_path: Any) -> None:
+    """Failed before: the stuck call ended with "an NCCL call ... did not return within", naming nobody (and on
+    this simulation it was not stopped at all). Now it is diagnosed as a timed-out Work is."""
+    msg = _world(_s_stuck_first_collective, 2, tmp_path)[0]
+    assert "ranks [1] never issued this collective" in msg, msg
+
+
 # --- defect 8: smaller ones ------------------------------------------------------------------------------------
 
 @pytest.mark.usefixtures("ops")
