@@ -182,7 +182,7 @@ _abort_process_group = abort_process_group  # torch's private name
 def revoke_process_group(group: Group = None) -> None:
     """Stop the group's in-flight operations (they fail, saying "revoked")
     without freeing its communicator, so that ``shrink_group`` can reuse it
-    (ncclCommRevoke from NCCL 2.29; the host backend). Local and bounded."""
+    (ncclCommRevoke from NCCL 2.28.7; the host backend). Local and bounded."""
     pg = _get_default_group() if group is None else group
     if isinstance(pg, ProcessGroup):
         pg.revoke()

@@ -122,6 +122,18 @@ RANKS_PER_ROOT: Var[int] = Var(
     "Ranks per NCCL bootstrap root: a communicator of more ranks is created with ncclCommInitRankScalable "
     "and ceil(ranks / this) unique ids (NCCL >= 2.23), so that no single rank bootstraps them all.",
     aliases=("TORCH_NCCL_RANKS_PER_ROOT",))
+NCCL_OPS: Var[str] = Var(
+    "NCCL_PG_NCCL_OPS", parse_choice("nonblocking", "blocking"), "nonblocking",
+    "Which NCCL communicator operations are issued on (docs/NCCL_BACKEND.md, \"The communicator family\"): "
+    "nonblocking (the group's one nonblocking communicator: every call returns at once and is polled against the "
+    "group timeout, so an abort never overlaps a call; NCCL starts a thread per operation) or blocking (a blocking "
+    "communicator sharing the control one's abort flag: no thread per operation, but a call stuck in NCCL is "
+    "stopped only by an abort overlapping it, which NCCL's user guide forbids). The GPU run decides the default.")
+POOL_RELEASE_THRESHOLD: Var[int] = Var(
+    "NCCL_PG_POOL_RELEASE_THRESHOLD", parse_int(0, 2**63 - 1), 256 * 2**20,
+    "Bytes of freed temporaries (list collectives, object collectives) the NCCL backend's private CUDA memory "
+    "pool keeps per device across synchronizations instead of returning them to the driver "
+    "(cudaMemPoolAttrReleaseThreshold; CUDA's default pool keeps 0).")
 
 # --- process groups --------------------------------------------------------
 USE_COMM_NONBLOCKING: Var[bool] = Var(
@@ -248,7 +260,8 @@ OBJECT_MAX_BYTES: Var[int] = Var(
     "peer raises DistBackendError before anything is allocated.")
 
 ALL: tuple[Var, ...] = (STORE_SECRET, STORE_TIMEOUT, STORE_MAX_VALUE_SIZE, STORE_IDLE_TIMEOUT, USE_AGENT_STORE,
-                        HOST_ADDR, HOST_BROADCAST, RANKS_PER_ROOT, USE_COMM_NONBLOCKING, ENABLE_TIMING, WATCHDOG_INTERVAL, DEBUG,
+                        HOST_ADDR, HOST_BROADCAST, RANKS_PER_ROOT, NCCL_OPS, POOL_RELEASE_THRESHOLD,
+                        USE_COMM_NONBLOCKING, ENABLE_TIMING, WATCHDOG_INTERVAL, DEBUG,
                         ASYNC_ERROR_HANDLING, BLOCKING_WAIT, HEARTBEAT_TIMEOUT, ENABLE_MONITORING,
                         DUMP_ON_TIMEOUT, DUMP_FILE, STACKS_SIGNAL, NAN_CHECK, KERNEL_CACHE, TRACE_BUFFER_SIZE, TRACE_STACKS,
                         OBJECT_SERIALIZER, OBJECT_MAX_BYTES)

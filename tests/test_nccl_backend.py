@@ -65,13 +65,13 @@ def test_version(libnccl: int) -> None:
 
 def test_unique_id_without_gpu(libnccl: int) -> None:
     """ncclGetUniqueId needs no GPU (only the bootstrap network)."""
-    from nccl_pg.comm.nccl.communicator import _unique_id, unique_id_bytes
+    from nccl_pg.comm.nccl.config import unique_id, unique_id_bytes
 
     a, b = unique_id_bytes(), unique_id_bytes()
     assert len(a) == len(b) == 128 and a != b
     import ctypes
 
-    assert ctypes.string_at(_unique_id(a).ptr, 128) == a
+    assert ctypes.string_at(unique_id(a).ptr, 128) == a
 
 
 @pytest.mark.parametrize(("dtype", "code", "k"), [
@@ -128,6 +128,22 @@ def test_nccl_config_fields() -> None:
     assert nccl_config(CommConfig()).min_ctas == -(2**31)  # left to NCCL's default
     with pytest.raises(ValueError, match="min_ctas"):
         nccl_config(CommConfig(min_ctas=-1))
+
+
+@pytest.mark.parametrize(("fields", "named"), [({"min_ctas": 0, "max_ctas": 4}, "min_ctas"),
+                                                ({"max_ctas": 0}, "max_ctas"), ({"min_ctas": 4}, "max_ctas"),
+                                                ({"min_ctas": 8, "max_ctas": 4}, "min_ctas")],
+                         ids=["min0", "max0", "min-alone", "min>max"])
+def test_cta_limits_are_checked_as_nccl_does(fields: dict, named: str) -> None:
+    """init.cc parseCommConfig refuses minCTAs/maxCTAs <= 0 and minCTAs > maxCTAs, where an unset maxCTAs is
+    NCCL_CONFIG_UNDEF_INT (INT_MIN): minCTAs alone fails init with ncclInvalidArgument. Issue 23 defect 8
+    (failed before: all four were accepted)."""
+    from nccl_pg.comm.nccl.communicator import nccl_config
+
+    with pytest.raises(ValueError, match=f"CommConfig.{named}"):
+        nccl_config(CommConfig(**fields))
+    assert (nccl_config(CommConfig(min_ctas=2, max_ctas=2)).min_ctas, nccl_config(CommConfig(max_ctas=3)).max_ctas) \
+        == (2, 3)
 
 
 def test_device_array_views() -> None:
@@ -503,8 +519,41 @@ def _s_graph_capture(r: Rank) -> dict:
     captured["parts"] = [float(p[0].get()) for p in parts]
     dist.all_reduce(y)  # eager again: numbered and watched as usual
     captured["after_seq"] = pg._get_sequence_number_for_group() - seq
+    del graph  # NCCL's finalize waits until the graphs that captured collectives are destroyed (issue 23)
     dist.destroy_process_group()
     return captured
+
+
+def _s_destroy_with_live_graph(r: Rank) -> dict:
+    """Destroying a group while a CUDA graph that captured one of its collectives is alive: NCCL's finalize
+    (and abort) wait for the graph (init.cc commDestroySync, localPersistentRefs). destroy_process_group
+    refuses within the timeout, saying so, and succeeds once the graph is gone."""
+    import gc
+
+    import cupy as cp
+
+    r.init(device_id=r.device, timeout=timedelta(seconds=3))
+    x = cp.ones(256, dtype=cp.float32)
+    dist.all_reduce(x)
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture(cp.cuda.runtime.streamCaptureModeGlobal)
+        dist.all_reduce(x)
+        graph = s.end_capture()
+    graph.launch(s)
+    s.synchronize()
+    t0 = time.monotonic()
+    try:
+        dist.destroy_process_group()
+        refused = ""
+    except DistBackendError as exc:
+        refused = str(exc)
+    took = time.monotonic() - t0
+    del graph
+    gc.collect()
+    t1 = time.monotonic()
+    dist.destroy_process_group()
+    return {"refused": refused, "took": took, "then": time.monotonic() - t1}
 
 
 @GPU
@@ -520,23 +569,36 @@ def test_graph_capture_replays(tmp_path, n) -> None:
         assert out["after_seq"] == 1
 
 
+@GPU
+@needs_gpu
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("n", [1, 2])
+def test_destroy_with_a_live_graph(tmp_path, n) -> None:
+    _cupy()
+    for out in run_world(_s_destroy_with_live_graph, n, tmp_path, backend="nccl", timeout=180):
+        assert "destroy the CUDA graphs" in out["refused"], out
+        assert out["took"] < 15 and out["then"] < 15, out
+
+
 # --- shrink and revoke: version gates -------------------------------------------------------------------------
 
 def test_shrink_and_revoke_gates(libnccl: int) -> None:
-    """ncclCommShrink from 2.27, ncclCommRevoke from 2.29: a communicator
-    says which it can do, and the group layer falls back to a fresh
-    communicator (shrink) or an abort (revoke) when it cannot."""
+    """ncclCommShrink from 2.27, ncclCommRevoke from 2.28.7 (the first tags whose nccl.h.in declares them;
+    issue 23 defect 8: revoke was gated at 2.29, failed before): a communicator says which it can do, and the
+    group layer falls back to a fresh communicator (shrink) or an abort (revoke) when it cannot."""
     from nccl_pg.comm.nccl import _lib
     from nccl_pg.comm.nccl.communicator import NcclCommunicator
 
     comm = NcclCommunicator(2, 0, 0, CommConfig(), "gate")
     assert comm.supports_shrink == (libnccl >= 22700)
-    assert comm.supports_revoke == (libnccl >= 22900)
+    assert comm.supports_revoke == (libnccl >= 22807)
+    comm._version = 22807
+    assert comm.supports_revoke
     comm._version = 22600
     assert not comm.supports_shrink and not comm.supports_revoke
     with pytest.raises(DistBackendError, match=r"ncclCommShrink needs NCCL >= 2\.27\.0; this is 2\.26\.0"):
         comm.shrink([1])
-    with pytest.raises(DistBackendError, match=r"ncclCommRevoke needs NCCL >= 2\.29\.0"):
+    with pytest.raises(DistBackendError, match=r"ncclCommRevoke needs NCCL >= 2\.28\.7"):
         comm.revoke()
     assert (_lib.SHRINK_DEFAULT, _lib.SHRINK_ABORT) == (dist.SHRINK_DEFAULT, dist.SHRINK_ABORT)
 

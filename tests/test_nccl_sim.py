@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import simnccl
-from harness.sim_threads import DEVICE, sim_comm, sim_ranks, sim_stream
+from harness.sim_threads import DEVICE, comms_per_group, sim_comm, sim_ranks, sim_stream
 from simnccl import ncclsim, xp
 from test_nccl_backend import _DTYPES, every_op
 
@@ -97,7 +97,7 @@ def test_defect1_any_binding_error_is_a_backend_error_and_frees_the_comm() -> No
         return state.value
 
     assert sim_ranks(2, fn) == ["error", None]
-    assert simnccl.live_communicators() == before + 2  # rank 1's pair, left to it
+    assert simnccl.live_communicators() == before + comms_per_group()  # rank 1's, left to it
 
 
 # --- issue 16: unique ids in O(1) store requests per rank; several bootstrap roots ----------------------------------
@@ -280,9 +280,9 @@ def test_defect15_a_failed_blocking_split_frees_its_child() -> None:
     with pytest.raises(DistBackendError, match="split failed"):
         comm.split(0, 0)
     # NCCL puts the parent in error too (group.cc: a failed job's result goes to its communicator): the parent's
-    # pair is aborted, and so is the child it wrote
+    # communicators are aborted, and so is the child it wrote
     assert comm.state is CommState.ERROR
-    assert simnccl.live_communicators() == before - 2
+    assert simnccl.live_communicators() == before - comms_per_group()
     comm.destroy()
 
 

@@ -81,53 +81,15 @@ def test_defect9_abort_waits_for_a_call_in_progress() -> None:
     comm.destroy()
 
 
-def test_a_call_stuck_in_nccl_is_stopped_by_its_deadline() -> None:
-    """A blocking operations communicator connects at the first operation, which waits for the peers: one
-    that never comes keeps the call inside NCCL. async_error() (the watchdog polls it) stops it past the
-    timeout: the control communicator's abort sets their shared abort flag, the call returns and fails."""
-    def fn(rank: int, comm: Any) -> tuple[float, str] | None:
-        if rank == 1:
-            time.sleep(2.5)  # never issues
-            comm.abort()
-            return None
-        x = xp.full(4, 1.0, np.float32)
-        s = sim_stream(comm)
-        stop = threading.Event()
-
-        def watchdog() -> None:
-            simnccl.select_device(DEVICE)
-            while not stop.is_set():
-                comm.async_error()
-                time.sleep(0.05)
-
-        t = threading.Thread(target=watchdog)
-        t.start()
-        t0 = time.monotonic()
-        try:
-            with pytest.raises(DistBackendError) as info:
-                comm.all_reduce(x, x, ReduceOp.SUM, s)
-        finally:
-            stop.set()
-            t.join()
-        took = time.monotonic() - t0
-        comm.destroy()
-        return took, str(info.value)
-
-    took, msg = sim_ranks(2, fn, timeout=0.5)[0]
-    assert 0.5 <= took < 2.0, took
-    assert "did not return within 0.5 s" in msg
-
-
 # --- defect 10: operations on a blocking communicator -----------------------------------------------------------
 
-@pytest.mark.parametrize("blocking_ops", [True, False], ids=["default", "nonblocking"])
-def test_defect10_what_one_collective_costs(blocking_ops: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("ops", ["blocking", "nonblocking"])
+def test_defect10_what_one_collective_costs(ops: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A collective on a nonblocking communicator takes NCCL's nonblocking group path: a new thread per call,
-    then polls of ncclCommGetAsyncError; on the blocking operations communicator (the default), neither."""
-    from nccl_pg.comm.nccl import NcclCommunicator
-
-    if not blocking_ops:
-        monkeypatch.setattr(NcclCommunicator, "blocking_ops", False)
+    then polls of ncclCommGetAsyncError; on the blocking operations communicator (NCCL_PG_NCCL_OPS=blocking),
+    neither (issue 23: which one is the default is for the GPU run to decide)."""
+    monkeypatch.setenv("NCCL_PG_NCCL_OPS", ops)
+    blocking_ops = ops == "blocking"
     comm = sim_comm()
     x = xp.full(4, 1.0, np.float32)
     s = sim_stream(comm)
@@ -216,6 +178,7 @@ def test_defect11_list_collectives_and_barrier_in_a_global_capture() -> None:
         assert parts[0].get().tolist() == [1.0] * 8
         dist.all_reduce(y)
         assert pg._get_sequence_number_for_group() == seq + 1
+        del graph  # NCCL's destroy waits for the graphs that captured collectives (issue 23, defect 2)
     finally:
         dist.destroy_process_group()
 

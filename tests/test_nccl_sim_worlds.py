@@ -91,6 +91,15 @@ def test_graph_capture_replays(tmp_path: Any, n: int) -> None:
         assert out["after_seq"] == 1
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_destroy_with_a_live_graph(tmp_path: Any, n: int) -> None:
+    """The GPU test's destroy with a live graph: refused within the timeout, saying to destroy the graphs that
+    captured collectives first; then done (issue 23, defect 2)."""
+    for out in world(gpu._s_destroy_with_live_graph, n, tmp_path):
+        assert "destroy the CUDA graphs" in out["refused"], out
+        assert out["took"] < 6 and out["then"] < 6, out
+
+
 # --- shrink and revoke ----------------------------------------------------------------------------------------------
 
 def test_shrink_default_group(tmp_path: Any) -> None:

@@ -1,18 +1,22 @@
-"""What one collective costs the host with operations on a blocking NCCL
-communicator (nccl_pg's default) against the nonblocking one they used to
-be issued on: NCCL calls, ncclCommGetAsyncError polls, threads started and
-communicator locks taken per all_reduce, plus µs per op.
+"""What one collective costs the host on each variant of NCCL_PG_NCCL_OPS
+(docs/NCCL_BACKEND.md, "The communicator family"): operations on the group's
+nonblocking communicator (``nonblocking``, the default since issue 23: NCCL
+starts a thread per operation, which is polled out of ncclInProgress) or on a
+blocking communicator sharing the control one's abort flag (``blocking``):
+NCCL calls, ncclCommGetAsyncError polls, threads started and family locks
+taken per all_reduce, plus µs per op.
 
 By default it runs on the simulated bindings (tests/simnccl): the counts are
 what our code does against NCCL's implemented protocol (a nonblocking group
 end starts a thread and returns ncclInProgress, group.cc), the µs are the
 simulation's and say nothing about a GPU. ``--real`` runs the same on the
 real bindings (needs a GPU); there NCCL's own threads are not Python's and
-are not counted, only µs.
+are not counted, only µs: the GPU run compares the two variants' µs per op
+to decide the default.
 
-Counting: the communicator's locks are wrapped while it is created
-(``threading`` as that module sees it), ``threading.Thread.start`` is
-wrapped during the timed loop. World size 1, 1 KB float32, in place, through
+Counting: the family's locks are wrapped while the communicator is created
+(``threading`` as family.py sees it), ``threading.Thread.start`` is wrapped
+during the timed loop. World size 1, 1 KB float32, in place, through
 ``nccl_pg.all_reduce`` (watchdog and flight recorder on) and through the
 communicator alone.
 
@@ -65,14 +69,15 @@ def measure(blocking: bool, iters: int, real: bool) -> dict[str, Any]:
     import numpy as np  # noqa: PLC0415
 
     import nccl_pg as dist  # noqa: PLC0415
-    from nccl_pg.comm.nccl import communicator  # noqa: PLC0415
-    from nccl_pg.comm.nccl.stream import CudaStream, caller_stream  # noqa: PLC0415
+    from nccl_pg.comm.nccl import communicator, family  # noqa: PLC0415
+    from nccl_pg.comm.nccl.array import caller_stream  # noqa: PLC0415
+    from nccl_pg.comm.nccl.stream import CudaStream  # noqa: PLC0415
     from nccl_pg.reduce_op import ReduceOp  # noqa: PLC0415
 
-    communicator.NcclCommunicator.blocking_ops = blocking
+    os.environ["NCCL_PG_NCCL_OPS"] = "blocking" if blocking else "nonblocking"
     counts = {"locks": 0, "threads": 0}
-    saved = communicator.threading
-    communicator.threading = _counting_threading(counts)  # type: ignore[attr-defined]
+    saved = family.threading
+    family.threading = _counting_threading(counts)  # type: ignore[attr-defined]
     try:
         if real:
             import cupy as xp  # type: ignore[import-not-found]  # noqa: PLC0415
@@ -84,7 +89,7 @@ def measure(blocking: bool, iters: int, real: bool) -> dict[str, Any]:
 
             simnccl.start_world1(device=0)
     finally:
-        communicator.threading = saved
+        family.threading = saved
     pg = dist.distributed._get_default_group()
     comm, stream = pg._ready()  # an NcclCommunicator and its CudaStream
     assert isinstance(comm, communicator.NcclCommunicator) and isinstance(stream, CudaStream)
@@ -147,11 +152,11 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
     where = "real bindings" if args.real else "simulated bindings (tests/simnccl): counts are our code's, µs are not a GPU's"
-    print(f"# NCCL operations: blocking vs nonblocking communicator ({where})")
+    print(f"# NCCL operations: NCCL_PG_NCCL_OPS=blocking vs nonblocking ({where})")
     print(f"{platform.node()}, {os.cpu_count()} CPUs, {datetime.now(timezone.utc):%Y-%m-%d}, "
           f"{args.iters} x 1 KB all_reduce, world size 1\n")
-    print("| path | communicator | NCCL calls / op | ncclCommGetAsyncError / op | threads started / op "
-          "| comm locks / op | µs wall / op | µs CPU / op |")
+    print("| path | NCCL_PG_NCCL_OPS | NCCL calls / op | ncclCommGetAsyncError / op | threads started / op "
+          "| family locks / op | µs wall / op | µs CPU / op |")
     print("|---|---|---|---|---|---|---|---|")
     for path in ("api", "communicator"):
         for r in rows:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..errors import DistBackendError
 from ..reduce_op import ReduceOp
 from ..timeouts import to_seconds
 
@@ -26,6 +27,13 @@ WAIT_READY_GRACE = 5.0
 
 if TYPE_CHECKING:
     from .nan_scan import NanScan
+
+
+class CallTimeout(DistBackendError):
+    """An operation's call into the communicator did not complete within the
+    communicator's timeout (an NCCL call stuck waiting for peers that never
+    issued the same operation). The caller that issued it explains it as a
+    timed-out Work is explained: which ranks never issued the operation."""
 
 
 class CommState(enum.Enum):

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from .. import env
 from ..comm.backends import get_backend
-from ..comm.base import WAIT_READY_GRACE, Backend, CommConfig, CommState, Communicator, Event, Stream
+from ..comm.base import WAIT_READY_GRACE, Backend, CallTimeout, CommConfig, CommState, Communicator, Event, Stream
 from ..diagnostics import diagnosis, dump, flight_recorder, group_view
 from ..diagnostics.flight_recorder import Entry
 from ..diagnostics.group_view import Activity, GroupView, InFlight
@@ -373,7 +373,7 @@ class GroupCore:
         if comm is None or self._state is not GroupState.OPEN or self._error_handled:
             return
         error = comm.async_error()
-        if error is not None:
+        if error is not None and not isinstance(error, CallTimeout):  # the issuing caller explains a CallTimeout
             self._handle_error(DistBackendError(f"process group {self.uid} ({self.group_desc!r}) on rank "
                                                f"{self._rank}: communicator error: {error}"))
 
@@ -443,9 +443,9 @@ class GroupCore:
         on timeout, abort instead of waiting longer."""
         limit = self._timeout if timeout is None else to_seconds(timeout, "shutdown timeout", zero=True)
         with self._lock:
-            if self._state is GroupState.DESTROYED:
-                return
             comm = self._comm
+            if self._state is GroupState.DESTROYED and (comm is None or comm.state is CommState.DESTROYED):
+                return  # (a communicator that refused to go, its CUDA graphs alive, is destroyed again)
         if comm is not None and self._state is GroupState.OPEN and not self._wait_for_pending_works(limit):
             warnings.warn(f"{self!r}: pending operations did not finish within {limit:.1f} s at shutdown; "
                           "aborting them", RuntimeWarning, stacklevel=2)

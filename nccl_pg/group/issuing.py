@@ -6,12 +6,15 @@ group, one Work)."""
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..comm.base import Communicator, Stream
+from ..comm.base import CallTimeout, Communicator, Stream
+from ..diagnostics import diagnosis
 from ..diagnostics.flight_recorder import Entry
-from ..errors import DistBackendError
+from ..errors import Culprit, DistBackendError
 from . import watchdog
 from .core import OPEN, GroupCore
 from .fingerprint import Fingerprint, mismatch
@@ -21,6 +24,7 @@ from .work import OpType, Work
 log = logging.getLogger("nccl_pg.group.process_group")
 
 ANY_SOURCE = -1  # the peer of a receive from any source
+_DIAGNOSIS_GRACE = 1.0  # seconds a stuck enqueue waits for its diagnosis beyond the diagnosis's own bounds
 # The flight recorder's names for operations (PyTorch's, so its tools read our dumps).
 _PROFILING_NAME = {
     OpType.ALLREDUCE: "nccl:all_reduce", OpType.ALLREDUCE_COALESCED: "nccl:allreduce_coalesced",
@@ -99,12 +103,39 @@ class Issuing(GroupCore):
             self._seq += 1
         entry = self._record(op_type, inputs, outputs, p2p, name)
         start = stream.record(comm.new_event(timing=True)) if self._timing else None
-        enqueue(comm, stream)
+        try:
+            enqueue(comm, stream)
+        except CallTimeout as exc:
+            raise self._stuck(op_type, self._seq_p2p if p2p else self._seq, self._peers_of(peer), exc) from None
         if after is not None:
             after(stream)
         return self._watch(op_type, self._seq_p2p if p2p else self._seq, outputs, start, stream,
                            () if entry is None else (entry,), None if peer is None else self._peers_of(peer),
                            None if nan is None else [nan], source[0] if source else None)
+
+    def _stuck(self, op_type: OpType, seq: int, peers: tuple[int, ...] | None, error: CallTimeout) -> DistBackendError:
+        """An operation whose call into the communicator did not complete within the timeout (stuck in NCCL,
+        waiting for peers): explained as a timed-out Work is (diagnosis.py asks every rank where it is, within
+        its budget), then the group's error handling applies."""
+        text = (f"timeout: process group {self.uid} ({self.group_desc!r}), rank {self._rank} of {self._size}: "
+                f"{op_type.name} (seq {seq}) did not complete its enqueue within its timeout of "
+                f"{self._timeout:.3f} s ({error})")
+        done, said, blamed = threading.Event(), [], []
+
+        def finish(why: str, path: str | None, culprits: tuple[Culprit, ...]) -> None:
+            said.append(f"{text}; {why}" + (f"; debug dump: {path}" if path else ""))
+            blamed.append(culprits)
+            done.set()
+
+        self.diagnose_timeout(diagnosis.Timeout(self.diag, seq, peers, self._timeout, time.monotonic(),
+                                                f"{op_type.name} seq {seq} on group {self.uid}", text, finish))
+        b = diagnosis.budget(self._timeout)
+        done.wait(2 * b + diagnosis.FINISH_MIN + _DIAGNOSIS_GRACE)
+        err = DistBackendError(said[0] if said else f"{text}; the other ranks could not be asked where they are")
+        if blamed:
+            err.culprits = blamed[0]
+        self._handle_error(err)
+        return err
 
     def _peers_of(self, peer: int | None) -> tuple[int, ...] | None:
         if peer is None:
@@ -173,21 +204,27 @@ class Issuing(GroupCore):
             raise RuntimeError("_end_coalescing() without _start_coalescing()")
         comm, stream = self._ready()
         copies, self._coalescing, self._prechecked = self._coalescing, None, False
+        captured = stream.capturing
+        # Only sends/recvs: one p2p operation (torch's seqP2P_). Numbered as a collective, it would put the
+        # collective count of the ranks taking part ahead of the others', and timeouts would blame the wrong ranks.
+        # Numbered before its launch (group_end), as a single operation is before its enqueue.
+        kinds = self._coalesced_peers
+        p2p = bool(kinds) and all(k is not None for k in kinds)
+        if not captured:
+            if p2p:
+                self._seq_p2p += 1
+            else:
+                self._seq += 1
         try:
             comm.group_end()
+        except CallTimeout as exc:
+            peers = tuple(sorted({k for k in kinds if k is not None})) if p2p else None
+            raise self._stuck(op_type, self._seq_p2p if p2p else self._seq, peers, exc) from None
         finally:
             for copy in copies:
                 copy()
-        if stream.capturing:
+        if captured:
             return Work.captured(self, op_type, self._coalesced_outputs, stream.record(), None)
-        # Only sends/recvs: one p2p operation (torch's seqP2P_). Numbered as a collective, it would put the
-        # collective count of the ranks taking part ahead of the others', and timeouts would blame the wrong ranks.
-        kinds = self._coalesced_peers
-        p2p = bool(kinds) and all(k is not None for k in kinds)
-        if p2p:
-            self._seq_p2p += 1
-        else:
-            self._seq += 1
         parts = [e for e in self._coalesced_entries if e is not None]
         for e in parts:
             e.collective_seq_id, e.p2p_seq_id = self._seq, self._seq_p2p

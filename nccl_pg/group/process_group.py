@@ -84,7 +84,7 @@ class ProcessGroup(Collectives):
         """Stop this group's in-flight operations (they fail, saying
         "revoked") and refuse later ones, but keep the communicator for
         ``shrink_group``; local and bounded. Where the communicator cannot
-        revoke (NCCL < 2.29) it is aborted, and a shrink builds a fresh one."""
+        revoke (NCCL < 2.28.7) it is aborted, and a shrink builds a fresh one."""
         with self._lock:
             self._error_handled = True  # a revoke's failures are not errors to handle
             if self._state is GroupState.OPEN:

@@ -52,6 +52,14 @@ def sim_ranks(n: int, fn: Callable[[int, Any], Any], timeout: float = 10.0, stor
     return results
 
 
+def comms_per_group() -> int:
+    """NCCL communicators behind one NcclCommunicator: the control one, and in the blocking variant
+    (NCCL_PG_NCCL_OPS=blocking) its operations communicator too."""
+    from nccl_pg import env
+
+    return 2 if env.NCCL_OPS.get() == "blocking" else 1
+
+
 def sim_stream(comm: Any) -> Any:
     from nccl_pg.comm.nccl.array import caller_stream
 

@@ -106,7 +106,7 @@ class Stream:
     def end_capture(self) -> Graph:
         rt = _rt()
         graph = _ok(rt.cudaStreamEndCapture(self.ptr), "cudaStreamEndCapture")
-        return Graph(_ok(rt.cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate"))
+        return Graph(graph, _ok(rt.cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate"))
 
     def is_capturing(self) -> bool:
         return int(_ok(_rt().cudaStreamIsCapturing(self.ptr), "cudaStreamIsCapturing")) != 0
@@ -116,8 +116,19 @@ Stream.null = Stream(ptr=0)
 
 
 class Graph:
-    def __init__(self, exec_handle: Any) -> None:
-        self.exec = exec_handle
+    """CuPy's ``cupy.cuda.Graph``: owns the captured graph and its instantiation, and destroys both when it is
+    dropped (the user objects NCCL attached to the capture go with them)."""
+
+    def __init__(self, graph: Any, exec_handle: Any) -> None:
+        self.graph, self.exec = graph, exec_handle
+
+    def __del__(self) -> None:
+        try:
+            rt = _rt()
+            rt.cudaGraphExecDestroy(self.exec)
+            rt.cudaGraphDestroy(self.graph)
+        except Exception:  # at interpreter exit, or after the simulation was uninstalled: nothing left to free
+            pass
 
     def launch(self, stream: Stream | None = None) -> None:
         s = stream or get_current_stream()

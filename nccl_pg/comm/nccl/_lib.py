@@ -30,7 +30,7 @@ V_SPLIT = 21800
 V_SCALABLE = 22300  # ncclCommInitRankScalable
 V_NATIVE_ALLTOALL = 22800  # ncclAlltoAll / ncclGather / ncclScatter
 V_SHRINK = 22700  # ncclCommShrink
-V_REVOKE = 22900  # ncclCommRevoke
+V_REVOKE = 22807  # ncclCommRevoke (nccl.h.in declares it from v2.28.7-1)
 # ncclCommShrink flags
 SHRINK_DEFAULT = 0
 SHRINK_ABORT = 1
