@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import simnccl
 from harness.sim_threads import DEVICE
-from simnccl import cudart, module_load, xp
+from simnccl import module_load, xp
 
 import nccl_pg as dist
 from nccl_pg import kernels
@@ -123,7 +123,7 @@ def _sim_load(image: bytes) -> int:
     from nccl_pg.comm.nccl import _lib
 
     simnccl.select_device(DEVICE)
-    cudart.cudaFree(0)  # a current context
+    _lib.cudart().cudaFree(0)  # a current context
     err, module = _lib.driver().cuModuleLoadData(image)
     if int(err) == 0:
         _lib.driver().cuModuleUnload(module)
