@@ -131,13 +131,17 @@ def measure(blocking: bool, iters: int, real: bool) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=2000, help="collectives per measurement (default: 2000)")
     p.add_argument("--real", action="store_true", help="the real bindings (needs a GPU) instead of the simulation")
     p.add_argument("--json", metavar="PATH", help="write the results here")
     p.add_argument("--_mode", choices=("blocking", "nonblocking"), help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args._mode:  # one mode per process: NCCL state and CUDA contexts do not carry over
         print(json.dumps(measure(args._mode == "blocking", args.iters, args.real)))
         return 0

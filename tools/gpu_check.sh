@@ -29,8 +29,6 @@ WHEELS_ALLOWANCE=10  # seconds of call 1 spent on the wheel install above (count
 # call|stage|budget (s)|what it proves|command (run by bash -c; $OUT is the results folder). Call 1's budgets and
 # the wheel allowance sum to at most 470 s, 10 s under the limit for the script's own work
 # (tests/test_gpu_check_plan.py checks the sums and that every command exists).
-# LEAD, at merge: the "family" stage is a slot for nccl-core's communicator family variants; replace its command
-# (unfilled_slot) with what decides A vs B, within its budget.
 plan_text() {
     cat <<'PLAN'
 1|setup|15|the machine: GPU, driver, NCCL/CUDA/Python package versions (nvidia-smi, pip list)|gpu_env
@@ -41,7 +39,7 @@ plan_text() {
 1|skip_named|50|checklist 4: a rank skips a collective, the other rank's timeout error names it: the communicator's first collective (2 ranks), and a later one (3 ranks, flight-recorder dump)|python3 -m pytest -p no:cacheprovider -v -rfE --junitxml $OUT/skip_named.xml tests/test_gpu_faults.py::test_first_collective_skipped_is_named 'tests/test_fault_matrix.py::test_fault_matrix_nccl[skip-all_reduce-mode2-nccl]'
 1|abort_stuck|45|checklist 4: abort() from another thread ends a call stuck in NCCL (a first collective still connecting) and a wait on a collective stuck on the GPU|python3 -m pytest -p no:cacheprovider -v -rfE --junitxml $OUT/abort_stuck.xml tests/test_gpu_faults.py::test_abort_unsticks_a_first_call_stuck_in_nccl tests/test_nccl_backend.py::test_abort_unblocks_stuck_op
 1|destroy_graph|50|issue 23 defect 2: destroy without a live CUDA graph completes; with a graph that captured a collective alive it returns or refuses, never hangs, and completes once the graph is gone|python3 -m pytest -p no:cacheprovider -v -rfE --junitxml $OUT/destroy_graph.xml tests/test_gpu_faults.py::test_destroy_without_a_live_graph_completes tests/test_gpu_faults.py::test_destroy_with_a_live_graph_never_hangs
-1|family|35|SLOT, filled by the lead at merge: communicator family variant A vs B (nccl-core's selectable variant): abort of a stuck call and per-op cost under each|unfilled_slot "communicator family variant A vs B"
+1|family|35|issue 23 defect 1: which communicator family variant (NCCL_PG_NCCL_OPS) must be the default: µs per 1 KB all_reduce on nonblocking (the default; NCCL starts a thread per op) vs blocking, and whether NCCL returns cleanly from the overlapping abort the blocking variant needs to stop a stuck call|python3 tools/bench_nccl_blocking.py --real --iters 2000 --json $OUT/family.json ; r=$? ; NCCL_PG_NCCL_OPS=blocking python3 -m pytest -p no:cacheprovider -v -rfE --junitxml $OUT/family_abort.xml tests/test_nccl_backend.py::test_abort_unblocks_stuck_op && exit $r
 1|nan_gbps|35|checklist 5: the NaN kernel's GB/s on 1 GiB per dtype against the device's read and copy bandwidth (same run); its cost on a 64 MB all_reduce|python3 tools/bench_nan_check.py --gib 1 --mb 64 --reps 5 --json $OUT/nan_check.json
 1|overhead|50|checklist 6: host overhead of a 1 KB in-place all_reduce, world size 1, 10k calls x 3 rounds: nccl_pg vs raw nccl4py vs torch.distributed|python3 tools/bench_nccl_compare.py --peers nccl_pg raw torch --iters 10000 --rounds 3 --repeat 1 --bw-min 1M --bw-max 1M --timeout 50 --json $OUT/overhead.json --markdown $OUT/overhead.md
 1|bandwidth|35|checklist 7: bandwidth ratio nccl_pg / raw nccl4py (out-of-place all_gather, world size 1) at 1 MB, 16 MB, 256 MB|python3 tools/bench_nccl_compare.py --peers nccl_pg raw --iters 100 --warmup 10 --rounds 3 --repeat 2 --bw-min 1M --bw-max 256M --bw-factor 16 --timeout 30 --json $OUT/bandwidth.json --markdown $OUT/bandwidth.md
@@ -65,12 +63,7 @@ gpu_env() {  # what the machine is
     return 0
 }
 
-# shellcheck disable=SC2317
-unfilled_slot() {  # a stage the lead fills at merge time; until then it says so and counts as not run
-    echo "gpu_check: SLOT NOT FILLED: $1 (the lead puts its command into tools/gpu_check.sh at merge)"
-    return 3
-}
-export -f gpu_env unfilled_slot
+export -f gpu_env
 
 print_plan() {
     local call total what
@@ -122,7 +115,6 @@ run_stage() {  # NAME BUDGET COMMAND
     rc=$?
     case $rc in
         0) verdict=ok ;;
-        3) [[ $cmd == unfilled_slot* ]] && verdict="NOT RUN: a slot not filled yet" || verdict="FAILED (exit 3)" ;;
         124|137) verdict="TIMED OUT (budget $budget s): what it measured is above and in $name.log" ;;
         *) verdict="FAILED (exit $rc)" ;;
     esac
