@@ -34,7 +34,7 @@ import time
 import uuid
 from typing import Any
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")))
 
 from harness.etcd_cluster import EtcdCluster  # noqa: E402
 
