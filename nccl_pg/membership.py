@@ -16,6 +16,7 @@ from typing import Any
 from . import env
 from .comm import backends
 from .distributed import Group, _get_default_group, _world
+from .errors import DistBackendError
 from .group import handles
 from .group.options import DEFAULT_TIMEOUT, Options
 from .group.process_group import GroupSetup, ProcessGroup
@@ -77,9 +78,16 @@ def reconfigure(uuid: int, init_handles: Any, timeout: Timeout | None = None, gr
         raise ValueError("reconfigure: new processes join the default group only; a subgroup can lose ranks")
     ranks = None if is_default else [old_ranks[r] for r in plan.survivors]
     meet = store or (w.root_store if is_default else None)
-    new = target.reconfigure(uuid, init_handles, timeout, store=meet, options=pg_options,
-                             group_desc="default_pg" if is_default else target.group_desc, uid=w.group_count,
-                             global_ranks=ranks)
+    try:
+        new = target.reconfigure(uuid, init_handles, timeout, store=meet, options=pg_options,
+                                 group_desc="default_pg" if is_default else target.group_desc, uid=w.group_count,
+                                 global_ranks=ranks)
+    except DistBackendError:
+        if is_default:
+            _leave_all()
+        else:
+            w.groups.pop(target, None)
+        raise
     w.used_uuids.add(uuid)
     if new is target:
         return new
@@ -91,6 +99,25 @@ def reconfigure(uuid: int, init_handles: Any, timeout: Timeout | None = None, gr
         w.groups[new] = ranks or []
     log.info("rank %d: reconfigured to uuid %d: %d ranks", new.rank(), uuid, new.size())
     return new
+
+
+def job_store() -> Store:
+    """The store the default group rendezvoused on (not its prefixed view):
+    where ``reconfigure`` meets new processes."""
+    _get_default_group()
+    store = _world().root_store
+    assert store is not None
+    return store
+
+
+def _leave_all() -> None:
+    """After a failed reconfigure: this process is in no group any more (its
+    handle becomes a new process's, which the next reconfigure takes in)."""
+    w = _world()
+    for pg in list(w.groups):
+        pg.abort()
+        pg.shutdown(0)
+    w.default_pg, w.groups, w.eager = None, {}, False
 
 
 def _install_default(new: ProcessGroup, meet: Store | None) -> None:

@@ -143,26 +143,40 @@ class ProcessGroup(Collectives):
             self.abort()
             self.shutdown(0)
             return ProcessGroup.join(plan, meet, deadline, self._backend, self._device, names)
-        current: ProcessGroup = self
         left = plan.left(self._size)
         if not left and not plan.joiners and self.healthy():
             self.uuid = plan.uuid
             return self
-        if left or not self.healthy():
+        try:
+            return self._change(plan, left, meet, deadline, names)
+        except BaseException:  # a failed change leaves no group behind: this one, or one made on the way
+            self.abort()
+            self.shutdown(0)
+            raise
+
+    def _change(self, plan: handles.Plan, left: list[int], meet: Store, deadline: float,
+                names: GroupSetup) -> ProcessGroup:
+        current: ProcessGroup = self
+        if left or (not plan.joiners and not self.healthy()):
             self.revoke()
             if left:
                 current = self.shrink(left, True, names.options, group_name=f"{self.group_name}:shrunk",
                                       group_desc=names.desc, uid=names.uid, global_ranks=names.global_ranks,
                                       init_timeout=_left(deadline, "the shrink"))
-            else:
+            else:  # nobody left, nobody joins, but the group is broken: a fresh communicator of the same ranks
                 current = ProcessGroup._fresh(plan, meet, deadline, self._backend, self._device, names)
             self.abort()  # after an abortive shrink: aborted, never finalized
             self.shutdown(0)
+        try:
             current.wait_comm(deadline, "the shrink")
-        if plan.joiners:
-            grown = current.grow(plan, meet, deadline, names)
-            current.shutdown(_left(deadline, "destroying the grown group's parent"))
-            current = grown
+            if plan.joiners:  # a broken group (nobody left) grows through a fresh communicator: grow() sees to it
+                grown = current.grow(plan, meet, deadline, names)
+                current.shutdown(_left(deadline, "destroying the grown group's parent"))
+                current = grown
+        except BaseException:
+            current.abort()
+            current.shutdown(0)
+            raise
         current.uuid = plan.uuid
         return current
 
