@@ -25,6 +25,7 @@ from .. import env
 from ..errors import DistError
 from ..store import TCPStoreServer
 from ..timeouts import option_seconds
+from . import elastic
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 EXIT_STATUS_HELP = ("exit status: 0 when every rank exits 0; otherwise that of the first rank to fail (128+N for "
@@ -47,6 +48,8 @@ class LaunchConfig:
     grace_period: float = GRACE_PERIOD
     max_time: float | None = None
     prefix: bool = True
+    elastic: bool = False  # replace a rank that dies (cli/elastic.py)
+    max_replacements: int = 0
 
 
 # --- command line ------------------------------------------------------------
@@ -64,6 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stop the whole job after S seconds and exit 124")
     parser.add_argument("--no-prefix", dest="prefix", action="store_false",
                         help="let ranks write straight to the terminal instead of prefixing lines with [rankN]:")
+    elastic.add_arguments(parser)
     parser.add_argument("-m", dest="module", action="store_true",
                         help="run TARGET as a module, as `python -m TARGET`")
     parser.add_argument("target", metavar="TARGET", help="script.py, or a module name with -m")
@@ -79,7 +83,8 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         parser.error(f"script not found: {args.target} (use -m to run a module)")
     return LaunchConfig(nproc=args.nproc, command=command, master_addr=args.master_addr,
                         master_port=args.master_port, grace_period=args.grace_period,
-                        max_time=args.max_time, prefix=args.prefix)
+                        max_time=args.max_time, prefix=args.prefix, elastic=args.elastic,
+                        max_replacements=args.max_replacements)
 
 
 def _positive_int(raw: str) -> int:
@@ -220,6 +225,8 @@ class _Job:
         self.max_time_at = None if config.max_time is None else started + config.max_time
         self.kill_at: float | None = None  # SIGKILL what is still running then
         self.drain_until: float | None = None  # bound on output after the last rank exits
+        self.membership: elastic.Membership | None = None  # --elastic: the records, the replacements
+        self.common_env: dict[str, str] = {}  # what every rank's environment holds (a replacement's too)
 
     def run(self) -> int:
         os.set_blocking(self.wake_r, False)
@@ -240,6 +247,8 @@ class _Job:
             self._kill_remaining()
             for stream in self.streams.values():  # left open only when leaving on an exception
                 stream.pipe.close()
+            if self.membership is not None:
+                self.membership.close()
             if server is not None:
                 server.stop()
             for signum, handler in old_handlers.items():
@@ -268,8 +277,12 @@ class _Job:
             env.STORE_SECRET.name: secret,
             "PYTHONUNBUFFERED": "1",
         }
+        if cfg.elastic:
+            self.membership = elastic.Membership(cfg.nproc, cfg.max_replacements, cfg.master_addr, port, secret)
+            self.common_env = common
         for rank in range(cfg.nproc):
-            self._spawn(rank, {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+            extra = elastic.Membership.rank_env(rank) if cfg.elastic else {}
+            self._spawn(rank, {**common, "RANK": str(rank), "LOCAL_RANK": str(rank), **extra})
 
     def _spawn(self, rank: int, rank_env: dict[str, str]) -> None:
         pipe = subprocess.PIPE if self.config.prefix else None
@@ -321,11 +334,29 @@ class _Job:
             if not rank.exited():
                 continue
             returncode = rank.reap()
+            if returncode != 0 and self.exit_code is None and self._replace(rank, returncode):
+                continue
             if returncode != 0 and self.exit_code is None:
                 self._stop(signal.SIGTERM, exit_status(returncode),
                            f"rank {rank.rank} (pid {rank.pid}) {describe(returncode)}")
         if not self._live() and self.streams and self.drain_until is None:
             self.drain_until = time.monotonic() + self.config.grace_period
+
+    def _replace(self, rank: _Rank, returncode: int) -> bool:
+        """--elastic: start a replacement for a dead rank; False when there is
+        none to start (the job stops then)."""
+        if self.membership is None:
+            return False
+        new = self.membership.died(rank.rank)
+        if new is None:
+            _log(f"rank {rank.rank} (pid {rank.pid}) {describe(returncode)}; no replacement left "
+                 f"(--max-replacements {self.config.max_replacements})")
+            return False
+        _log(f"rank {rank.rank} (pid {rank.pid}) {describe(returncode)}; starting rank {new.member} in its place "
+             f"(configuration {new.uuid}; {self.membership.replacements_left} replacement(s) left)")
+        rank_env = {k: v for k, v in self.common_env.items() if k != "RANK"}
+        self._spawn(new.member, {**rank_env, **new.env()})
+        return True
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()
