@@ -78,7 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"membership: uuid {change.uuid}: world size {change.world_size}, rank {change.rank} ({how}, "
               f"{change.took_s * 1000:.0f} ms)", flush=True)
 
-    job = elastic.Elastic.from_env(timeout=args.timeout, on_change=said)
+    if os.environ.get("NCCL_PG_ELASTIC_MEMBER"):
+        job = elastic.Elastic.from_env(timeout=args.timeout, on_change=said)
+    else:  # not under `nccl-pg run --elastic`: nobody writes membership records, so a recovery times out
+        job = elastic.Elastic(None, int(os.environ.get("RANK", "0")), timeout=args.timeout, on_change=said)
     backend = args.backend or ("nccl" if dist.is_nccl_available() else "host")
     xp: Any = np
     device = None
