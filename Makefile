@@ -20,7 +20,7 @@ install:
 # Everything the CPU suite needs, so that only GPU tests skip: the test tools, NCCL's library and NVRTC of
 # one CUDA major, torch's CPU build.
 install-test:
-	$(PIP) install -q -e '.[test,test-cu$(CUDA_MAJOR),torch]' '$(TORCH)'
+	$(PIP) install -q -e '.[test,test-cu$(CUDA_MAJOR),torch,torchft]' '$(TORCH)'
 
 # The CPU suite: every test that does not need a GPU. Tests that need one skip, saying so; any other skip fails.
 test: install-test

@@ -92,10 +92,7 @@ def both_at_once(ctx: Ctx) -> dict | None:
         calls: list[str] = []
         comm = old._comm
         for name in ("abort", "finalize", "destroy"):
-            def spy(*a, _f=getattr(comm, name), _n=name, **k):
-                calls.append(_n)
-                return _f(*a, **k)
-            setattr(comm, name, spy)
+            setattr(comm, name, _spy(calls, name, getattr(comm, name)))
     hs = _handles(ctx, "both", dist.get_init_handle(), [0, 2, 3, 4])
     g = dist.reconfigure(5, hs, timeout=20, store=ctx.store if ctx.rank == 4 else None)
     res["after"] = _sum(dist)
@@ -105,6 +102,14 @@ def both_at_once(ctx: Ctx) -> dict | None:
         res["old_comm_calls"] = calls
     dist.destroy_process_group()
     return res
+
+
+def _spy(calls: list[str], name: str, method):
+    """``method``, noting its name in ``calls`` when called."""
+    def spy(*args, **kwargs):
+        calls.append(name)
+        return method(*args, **kwargs)
+    return spy
 
 
 def identity(ctx: Ctx) -> dict:
