@@ -213,9 +213,14 @@ class ProcessGroup(Collectives):
         child = ProcessGroup(PrefixStore(f"nccl_pg/u{plan.uuid}", meet), self._rank, plan.size, names.options,
                              backend=self._backend, device_id=self._device, group_name="0", group_desc=names.desc,
                              uid=names.uid, global_ranks=names.global_ranks)
-        cfg = replace(child._comm_config(), timeout=_left(deadline, "the grow"))
-        child._set_comm(comm.grow(plan.size, unique_id or None, cfg))
-        child.wait_comm(deadline, "the grow")
+        try:
+            cfg = replace(child._comm_config(), timeout=_left(deadline, "the grow"))
+            child._set_comm(comm.grow(plan.size, unique_id or None, cfg))
+            child.wait_comm(deadline, "the grow")
+        except BaseException:
+            child.abort()
+            child.shutdown(0)
+            raise
         return child
 
     @classmethod
@@ -243,10 +248,15 @@ class ProcessGroup(Collectives):
         child = cls(PrefixStore(f"nccl_pg/u{plan.uuid}", meet), plan.rank, plan.size, names.options,
                     backend=backend, device_id=device, group_name="0", group_desc=names.desc, uid=names.uid,
                     global_ranks=names.global_ranks)
-        cfg = replace(child._comm_config(), timeout=_left(deadline, "the grow"))
-        child._set_comm(child._backend.join_grow(meet, bytes.fromhex(record.unique_id), plan.size, plan.rank, cfg,
-                                                 device))
-        child.wait_comm(deadline, "the grow")
+        try:
+            cfg = replace(child._comm_config(), timeout=_left(deadline, "the grow"))
+            child._set_comm(child._backend.join_grow(meet, bytes.fromhex(record.unique_id), plan.size, plan.rank,
+                                                     cfg, device))
+            child.wait_comm(deadline, "the grow")
+        except BaseException:
+            child.abort()
+            child.shutdown(0)
+            raise
         child.uuid = plan.uuid
         return child
 
@@ -259,8 +269,13 @@ class ProcessGroup(Collectives):
                     replace(names.options, timeout=_left(deadline, "a fresh communicator")), backend=backend,
                     device_id=device, group_name="0", group_desc=names.desc, uid=names.uid,
                     global_ranks=names.global_ranks)
-        child.eager_init()
-        child.wait_comm(deadline, "a fresh communicator")
+        try:
+            child.eager_init()
+            child.wait_comm(deadline, "a fresh communicator")
+        except BaseException:
+            child.abort()
+            child.shutdown(0)
+            raise
         child._set_default_timeout(names.options.timeout)
         child.uuid = plan.uuid
         return child
