@@ -4,6 +4,7 @@ the launcher's membership records; the library piece's errors."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -123,3 +124,18 @@ def test_elastic_from_env_needs_the_launcher():
         elastic.Elastic.from_env(environ={"NCCL_PG_ELASTIC_MEMBER": "x"})
     with pytest.raises(ValueError, match="member must be"):
         elastic.Elastic(None, -1)
+
+
+def test_bench_elastic_store_requests_do_not_grow_with_the_ranks(tmp_path):
+    """tools/bench_elastic.py on a small case: both ways recover and grow
+    (the tool checks every all_reduce's sum), and each rank's store requests
+    in each step are the same for 3 ranks as for 6: O(1)."""
+    out = tmp_path / "rows.json"
+    subprocess.run([sys.executable, "tools/bench_elastic.py", "--sizes", "3", "6", "--repeat", "1", "--json",
+                    str(out), "--logs", str(tmp_path)], cwd=REPO, check=True, timeout=RUN_LIMIT, capture_output=True)
+    rows = {(r["mode"], r["n"]): r for r in json.loads(out.read_text())}
+    for mode in ("reconfigure", "recreate"):
+        for step in ("shrink_requests_per_rank", "grow_requests_per_rank"):
+            assert rows[(mode, 3)][step] == rows[(mode, 6)][step], (mode, step, rows)
+    assert rows[("reconfigure", 6)]["shrink_requests_per_rank"] <= 9
+    assert rows[("reconfigure", 6)]["grow_requests_per_rank"] <= 12
