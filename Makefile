@@ -18,9 +18,17 @@ install:
 	$(PIP) install -q -e '.$(if $(DRIVER_CUDA_MAJOR),[cu$(DRIVER_CUDA_MAJOR)])'
 
 # Everything the CPU suite needs, so that only GPU tests skip: the test tools, NCCL's library and NVRTC of
-# one CUDA major, torch's CPU build.
+# one CUDA major, torch's CPU build, and etcd (Debian's etcd-server) for the EtcdStore tests where the
+# machine allows (root and apt-get); elsewhere it says how to install it.
 install-test:
 	$(PIP) install -q -e '.[test,test-cu$(CUDA_MAJOR),torch,torchft]' '$(TORCH)'
+	@command -v etcd >/dev/null || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			export DEBIAN_FRONTEND=noninteractive; \
+			apt-get install -y -q etcd-server >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q etcd-server >/dev/null; }; \
+		else \
+			echo "install-test: etcd is missing; the EtcdStore tests need it: install etcd >= 3.4 (Debian/Ubuntu: sudo apt-get install etcd-server)"; \
+		fi; }
 
 # The CPU suite: every test that does not need a GPU. Tests that need one skip, saying so; any other skip fails.
 test: install-test
@@ -50,6 +58,7 @@ demo: install
 
 bench: install-test
 	$(PYTHON) tools/bench_store.py
+	$(PYTHON) tools/bench_etcd_store.py
 	$(PYTHON) tools/bench_host.py
 	$(PYTHON) tools/bench_hot_path.py
 	$(PYTHON) tools/bench_watchdog.py

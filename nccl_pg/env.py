@@ -9,6 +9,7 @@ at start-up instead of silently selecting a default.
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -108,7 +109,7 @@ USE_AGENT_STORE: Var[bool] = Var(
 HOST_ADDR: Var[str | None] = Var(
     "NCCL_PG_HOST_ADDR", parse_str, None,
     "Address the host backend listens on and publishes to peers; default: the local address of the "
-    "connection to the TCPStore, else 127.0.0.1.")
+    "connection to the TCPStore or EtcdStore, else 127.0.0.1.")
 
 HOST_BROADCAST: Var[str] = Var(
     "NCCL_PG_HOST_BROADCAST", parse_choice("auto", "chain", "tree"), "auto",
@@ -176,6 +177,30 @@ DUMP_FILE: Var[str | None] = Var(
     "(a private directory, made 0700 and refused unless it is this user's).",
     aliases=("TORCH_NCCL_DEBUG_INFO_TEMP_FILE",))
 
+
+def parse_signal(raw: str) -> int:
+    """A signal by name ("SIGUSR2", "USR2") or number; 0 or "off": none."""
+    if raw.lower() in ("0", "off", "none"):
+        return 0
+    if raw.isdigit():
+        num = int(raw)
+    else:
+        name = raw.upper() if raw.upper().startswith("SIG") else f"SIG{raw.upper()}"
+        try:
+            num = int(signal.Signals[name])
+        except KeyError:
+            raise ValueError("expected a signal name (e.g. SIGUSR2) or number, or 0/off") from None
+    if num in (signal.SIGKILL, signal.SIGSTOP) or num not in signal.valid_signals():
+        raise ValueError(f"signal {num} cannot be caught")
+    return num
+
+
+STACKS_SIGNAL: Var[int] = Var(
+    "NCCL_PG_STACKS_SIGNAL", parse_signal, int(signal.SIGUSR2),
+    "Signal whose C-level handler (faulthandler) appends every thread's Python stack to <dump dir>/c_stacks/rank<rank>.<pid>.txt, "
+    "even while a thread holds the GIL or is stuck in C; `nccl-pg why` and `nccl-pg run` send it to ranks that do "
+    "not answer. 0 or off: none. Only with NCCL_PG_DUMP_ON_TIMEOUT on.")
+
 # --- NaN checks ------------------------------------------------------------------
 NAN_CHECK_MODES = ("off", "raise", "async", "trap")
 
@@ -225,7 +250,7 @@ OBJECT_MAX_BYTES: Var[int] = Var(
 ALL: tuple[Var, ...] = (STORE_SECRET, STORE_TIMEOUT, STORE_MAX_VALUE_SIZE, STORE_IDLE_TIMEOUT, USE_AGENT_STORE,
                         HOST_ADDR, HOST_BROADCAST, RANKS_PER_ROOT, USE_COMM_NONBLOCKING, ENABLE_TIMING, WATCHDOG_INTERVAL, DEBUG,
                         ASYNC_ERROR_HANDLING, BLOCKING_WAIT, HEARTBEAT_TIMEOUT, ENABLE_MONITORING,
-                        DUMP_ON_TIMEOUT, DUMP_FILE, NAN_CHECK, KERNEL_CACHE, TRACE_BUFFER_SIZE, TRACE_STACKS,
+                        DUMP_ON_TIMEOUT, DUMP_FILE, STACKS_SIGNAL, NAN_CHECK, KERNEL_CACHE, TRACE_BUFFER_SIZE, TRACE_STACKS,
                         OBJECT_SERIALIZER, OBJECT_MAX_BYTES)
 
 # --- elastic recovery (set by `nccl-pg run --elastic`; docs/ELASTIC.md) ---------------------------------

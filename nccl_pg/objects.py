@@ -10,10 +10,12 @@ The serializer (``serializer=`` per call, else ``NCCL_PG_OBJECT_SERIALIZER``):
 
 - ``"pickle"`` (default): torch's format and reach (any picklable object).
   Unpickling runs code the sender chooses: use it only among trusted ranks.
-- ``"safe"``: the same pickle stream, read by an unpickler that resolves no
-  global but plain data types (builtins containers and scalars, complex,
+- ``"safe"``: the same pickle stream, read by ``safe_pickle``, which builds
+  plain data only (builtins containers and scalars, complex,
   bytes/bytearray, set/frozenset, slice, OrderedDict, numpy arrays, scalars
-  and dtypes): no code runs, whatever a peer sends; other objects raise.
+  and dtypes) and at most ``NCCL_PG_OBJECT_MAX_BYTES`` of it: no code runs
+  and nothing larger is allocated, whatever a peer sends; other objects,
+  and payloads that would build more, raise.
 - any object with ``dumps(obj) -> bytes`` and ``loads(bytes) -> obj``
   (e.g. a JSON or msgpack codec), the same on every rank.
 
@@ -22,14 +24,13 @@ docs/SECURITY.md says which to use when.
 
 from __future__ import annotations
 
-import io
 import pickle
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
-from . import env
+from . import env, safe_pickle
 from .distributed import Group, _finish, _global, _in_group, _resolve
 from .errors import DistBackendError
 from .group.process_group import ProcessGroup
@@ -51,33 +52,17 @@ class PickleSerializer:
         return pickle.loads(data)
 
 
-# The globals a plain-data pickle needs: constructors of data types, none of which runs code chosen by the sender.
-_PLAIN_GLOBALS = frozenset({
-    ("builtins", "complex"), ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "bytearray"),
-    ("builtins", "slice"), ("collections", "OrderedDict"),
-    ("numpy", "dtype"), ("numpy", "ndarray"),
-    ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-    ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
-})
-
-
-class _PlainUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _PLAIN_GLOBALS:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not plain data; the safe serializer loads no other types "
-                                     "(use serializer='pickle' among trusted ranks)")
-
-
 class SafeSerializer:
     """Pickle on the wire (torch-compatible on the sending side); loading
-    builds plain data only, so a hostile peer cannot run code here."""
+    builds plain data only, and at most NCCL_PG_OBJECT_MAX_BYTES of it, so a
+    hostile peer can neither run code here nor make this process allocate
+    more than that."""
 
     def dumps(self, obj: Any) -> bytes:
         return pickle.dumps(obj)
 
     def loads(self, data: bytes) -> Any:
-        return _PlainUnpickler(io.BytesIO(data)).load()
+        return safe_pickle.loads(data, env.OBJECT_MAX_BYTES.get(), env.OBJECT_MAX_BYTES.name)
 
 
 SERIALIZERS: dict[str, Serializer] = {"pickle": PickleSerializer(), "safe": SafeSerializer()}

@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+from harness.etcd_cluster import INSTALL_HINT as ETCD_INSTALL_HINT
+from harness.etcd_cluster import EtcdCluster, etcd_binary
 from harness.forked import nccl_unavailable_reason
 from harness.procs import live_children
 from harness.threads import ThreadWorld, create_comms, destroy_all
@@ -69,6 +71,18 @@ def clean_store_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("NCCL_PG_STORE_SECRET", "NCCL_PG_STORE_MAX_VALUE_SIZE", "NCCL_PG_STORE_TIMEOUT",
                  "NCCL_PG_STORE_IDLE_TIMEOUT"):
         monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="module")
+def etcd_cluster() -> Iterator[EtcdCluster]:
+    """A real 3-member etcd cluster on loopback for EtcdStore (tests/harness/etcd_cluster.py), one per
+    module that uses it (not per session: later modules check that no child process of theirs is left);
+    without etcd installed, a skip that says how to install it."""
+    if etcd_binary() is None:
+        pytest.skip(ETCD_INSTALL_HINT)
+    cluster = EtcdCluster(3, start_timeout=20)
+    yield cluster
+    cluster.stop()
 
 
 @pytest.fixture

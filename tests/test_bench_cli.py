@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nccl_pg.cli import bench, doctor
+from nccl_pg.cli import bench, bench_cases, bench_report, doctor
 from nccl_pg.cli import main as cli
 from nccl_pg.comm import backends
 
@@ -53,27 +53,27 @@ def test_parse_size(raw: str, value: int) -> None:
                                          ("reduce_scatter", 2, 0.5), ("all_to_all", 8, 0.875),
                                          ("broadcast", 4, 1.0), ("reduce", 4, 1.0), ("send_recv", 2, 1.0)])
 def test_busbw_factor_is_nccl_tests(op: str, n: int, factor: float) -> None:
-    assert bench.busbw_factor(op, n) == pytest.approx(factor)
+    assert bench_report.busbw_factor(op, n) == pytest.approx(factor)
 
 
 def test_layout_counts_per_rank_like_nccl_tests() -> None:
-    assert bench.layout("all_reduce", 1024, 4, 4) == bench.Layout(256, 256, 256)
-    assert bench.layout("all_gather", 1024, 4, 4) == bench.Layout(64, 64, 256)
-    assert bench.layout("reduce_scatter", 1024, 4, 4) == bench.Layout(64, 256, 64)
-    assert bench.layout("all_to_all", 1000, 3, 4) == bench.Layout(83, 249, 249)
-    assert bench.layout("all_gather", 8, 3, 4).count == 0  # too small: skipped
-    assert bench.layout("all_gather", 1024, 4, 4).nbytes(4) == 1024
+    assert bench_cases.layout("all_reduce", 1024, 4, 4) == bench_cases.Layout(256, 256, 256)
+    assert bench_cases.layout("all_gather", 1024, 4, 4) == bench_cases.Layout(64, 64, 256)
+    assert bench_cases.layout("reduce_scatter", 1024, 4, 4) == bench_cases.Layout(64, 256, 64)
+    assert bench_cases.layout("all_to_all", 1000, 3, 4) == bench_cases.Layout(83, 249, 249)
+    assert bench_cases.layout("all_gather", 8, 3, 4).count == 0  # too small: skipped
+    assert bench_cases.layout("all_gather", 1024, 4, 4).nbytes(4) == 1024
 
 
 def test_checker_counts_wrong_elements() -> None:
-    want = bench.reduce_expected([bench.pattern(r, 100, np.dtype("float32"), "sum") for r in range(3)], "sum",
-                                 np.dtype("float32"))
+    want = bench_cases.reduce_expected([bench_cases.pattern(r, 100, np.dtype("float32"), "sum") for r in range(3)],
+                                       "sum", np.dtype("float32"))
     got = want.copy()
-    assert bench.count_wrong(got, want) == 0
+    assert bench_cases.count_wrong(got, want) == 0
     got[[0, 50, 99]] += 1
-    assert bench.count_wrong(got, want) == 3
-    ints = bench.pattern(1, 10, np.dtype("int8"), "prod")
-    assert bench.count_wrong(ints, ints) == 0 and set(np.unique(ints)) <= {1, 2}
+    assert bench_cases.count_wrong(got, want) == 3
+    ints = bench_cases.pattern(1, 10, np.dtype("int8"), "prod")
+    assert bench_cases.count_wrong(ints, ints) == 0 and set(np.unique(ints)) <= {1, 2}
 
 
 def test_case_check_sees_a_corrupted_result() -> None:
@@ -83,8 +83,9 @@ def test_case_check_sees_a_corrupted_result() -> None:
     dist.init_process_group("host", store=HashStore(), rank=0, world_size=1, timeout=30)
     try:
         for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"):
-            mode = bench.MODES[op][0]
-            case = bench.Case(op, mode, bench.layout(op, 256, 1, 4), 0, 1, np.dtype("float32"), "sum", 0, np)
+            mode = bench_cases.MODES[op][0]
+            case = bench_cases.Case(op, mode, bench_cases.layout(op, 256, 1, 4), 0, 1, np.dtype("float32"), "sum", 0,
+                                    np)
             case.fill_inputs()
             case.issue().wait()
             assert case.wrong() == 0, op
@@ -106,12 +107,12 @@ def test_bench_host_checks_and_reports(op: str, nproc: int, tmp_path: Path) -> N
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "# Out of bounds values : 0 OK" in proc.stdout
     rows = table_rows(proc.stdout)
-    modes = bench.MODES[op]
-    assert [int(r[0]) for r in rows] == [bench.layout(op, s, nproc, 4).nbytes(4) for s in (64, 512, 4096)]
+    modes = bench_cases.MODES[op]
+    assert [int(r[0]) for r in rows] == [bench_cases.layout(op, s, nproc, 4).nbytes(4) for s in (64, 512, 4096)]
     for r in rows:
         assert len(r) == 5 + 4 * len(modes)
         size, count, dtype = int(r[0]), int(r[1]), r[2]
-        assert dtype == "float" and count == bench.layout(op, size, nproc, 4).count
+        assert dtype == "float" and count == bench_cases.layout(op, size, nproc, 4).count
         for k in range(len(modes)):
             t_us, algbw, busbw, wrong = r[5 + 4 * k: 9 + 4 * k]
             assert wrong == "0"
@@ -123,7 +124,7 @@ def test_bench_host_checks_and_reports(op: str, nproc: int, tmp_path: Path) -> N
         assert len(row["time_us_ranks"]) == nproc
         assert row["time_us"] == pytest.approx(sum(row["time_us_ranks"]) / nproc)
         assert row["algbw_GBps"] == pytest.approx(row["bytes"] / row["time_us"] / 1e3)
-        assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * bench.busbw_factor(op, nproc))
+        assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * bench_report.busbw_factor(op, nproc))
 
 
 def test_bench_host_overhead_mode_and_types(tmp_path: Path) -> None:

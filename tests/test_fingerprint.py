@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(60)
 Call = Callable[[int], object]
 
 CASES: dict[str, tuple[Call, str]] = {
-    # What the host backend's own headers cannot see: two roots that each only send.
+    # Two roots that each only send (the host backend's headers see it too since issue 25; debug mode sees it first).
     "broadcast roots": (lambda r: dist.broadcast(np.ones(4), src=r), "root 1 vs 0"),
     "dtype of one size": (lambda r: dist.all_reduce(np.ones(4, np.float32 if r == 0 else np.int32)),
                           "dtype int32 vs float32"),

@@ -217,9 +217,10 @@ def test_grow_costs_each_rank_a_constant_number_of_store_requests(store, n):
     for (thread, _), k in counts.items():
         per_thread[thread] += k
     assert len(per_thread) == n + 1
-    # Each rank: set (its address), add (count in), wait (all joined), get (the verdict), multi_get (the lower
-    # ranks' addresses); the last to count in, compare_set ("all joined"); the new rank, check (id unused).
+    # Each rank: set (its address), add (count in), set (counted; the last to count in: compare_set "all
+    # joined" instead), wait (all joined), get (the verdict), multi_get (the lower ranks' addresses); the new
+    # rank, check (the id unused).
     assert max(per_thread.values()) <= 7, per_thread
-    assert sum(per_thread.values()) == 5 * (n + 1) + 2, per_thread
+    assert sum(per_thread.values()) == 6 * (n + 1) + 1, per_thread
     for c in old + grown:
         c.destroy()

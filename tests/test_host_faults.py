@@ -159,6 +159,29 @@ def test_peer_frozen_in_init_fails_every_rank_at_the_deadline_naming_it() -> Non
             destroy_all(list(comms.values()))
 
 
+@pytest.mark.parametrize("how", ["stop", "kill"])
+def test_rank_stopped_right_after_counting_itself_in_is_named(how: str) -> None:
+    """Rank 2 of 3 (a process) counts itself in last, then is frozen
+    (SIGSTOP) or killed before it can announce that all ranks joined. The
+    survivors time out at the deadline naming rank 2 (before: "3 of 3 joined;
+    ranks [] never joined", naming nobody)."""
+    n, victim, timeout = 3, 2, 4.0
+    with World(n, S.counts_last_then_stops, ranks=[victim], args={"how": how}) as w:
+        t0 = time.monotonic()
+        comms = _survivors(w, n, [0, 1], timeout)
+        try:
+            w.wait_key("stopped", timeout=30)
+            for r in (0, 1):
+                with pytest.raises(DistBackendError) as info:
+                    comms[r].wait_ready(timeout + 5)
+                text = str(info.value)
+                assert time.monotonic() - t0 < timeout + BOUND + 2, text  # (+2: the victim's interpreter start)
+                assert text.startswith("timeout") and "ranks [] never joined" not in text, text
+                assert "rank 2 counted itself in last but never announced" in text, text
+        finally:
+            destroy_all(list(comms.values()))
+
+
 def test_abort_releases_an_init_blocked_on_a_frozen_peer() -> None:
     """Same frozen peer; the survivors abort during the handshake (well
     before the 30 s deadline): released within the abort bound, and their

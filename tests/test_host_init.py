@@ -117,8 +117,8 @@ def _requests(n: int) -> tuple[list[int], list[int], list[int]]:
 def test_init_split_and_shrink_cost_a_constant_number_of_store_requests_per_rank() -> None:
     """Before: rank r made one get per lower rank (N(N-1)/2 in all) and polled
     its waits every 0.1 s. Now: publish, count in, one parked wait, one get
-    of the verdict, one multi_get (and one compare_set by the last rank to
-    join)."""
+    of the verdict, one multi_get, and one compare_set by the last rank to
+    join or a mark that it counted by each of the others."""
     small, large = _requests(8), _requests(32)
     for init, split, shrink in (small, large):
         assert max(init) <= 6 and max(shrink) <= 6, (init, shrink)

@@ -274,7 +274,35 @@ def test_rank_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path: Path, 
     assert_gone(pids)
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["max-time", "SIGTERM", "SIGINT"])
+def test_nothing_outlives_the_launcher_when_a_rank_must_be_killed(tmp_path: Path, start, how: str) -> None:
+    """Issue 25 item 9: rank 1 ignores SIGTERM and SIGINT and has started a worker in a session of its own that
+    ignores them too. After --max-time, SIGTERM or SIGINT the launcher must kill rank 1 after the grace period:
+    its guard kills the rank and the worker. Before, the launcher SIGKILLed the rank's process group, the guard
+    (the worker's subreaper) with it, and the worker lived on under init."""
+    write_job(tmp_path, '''
+        if RANK == 1:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            worker = subprocess.Popen(["sleep", "1000"], start_new_session=True)  # inherits the ignored signals
+            ready(worker.pid)
+        else:
+            ready()
+        time.sleep(1000)
+    ''')
+    args = ["--nproc", "2", "--grace-period", "1"] + (["--max-time", "3"] if how == "max-time" else [])
+    proc = start(*args, "job.py")
+    pids = wait_ready(tmp_path, [0, 1], proc)
+    assert len(pids) == 3 and all(running(p) for p in pids)
+    if how != "max-time":
+        proc.send_signal(getattr(signal, how))
+    code, _, err = finish(proc, timeout=40)
+    assert code == (124 if how == "max-time" else 128 + getattr(signal, how)), err
+    assert re.search(r"rank 1 \(pid \d+\) still running after the 1 s grace period; sending SIGKILL", err), err
+    assert [p for p in pids if running(p)] == []  # at once: the launcher waited for the guard to kill them
+
+
 @pytest.mark.timeout(30)
 def test_ranks_die_with_a_sigkilled_launcher(tmp_path: Path, start) -> None:
     """A launcher killed outright cannot forward anything; the kernel's

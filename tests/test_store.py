@@ -1,5 +1,5 @@
-"""Store semantics, the same for HashStore, FileStore, TCPStore and PrefixStore,
-plus FileStore across real processes."""
+"""Store semantics, the same for HashStore, FileStore, TCPStore, PrefixStore and
+EtcdStore (on a real etcd cluster), plus FileStore across real processes."""
 
 from __future__ import annotations
 
@@ -16,13 +16,15 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from harness.etcd_cluster import EtcdCluster, fresh_job
+from harness.threads import start_thread
 
 from nccl_pg.errors import DistStoreError
-from nccl_pg.store import FileStore, HashStore, PrefixStore, Store, TCPStore
+from nccl_pg.store import EtcdStore, FileStore, HashStore, PrefixStore, Store, TCPStore
 
 pytestmark = [pytest.mark.usefixtures("clean_store_env"), pytest.mark.timeout(30)]
 
-STORES = ["hash", "file", "tcp", "prefix"]
+STORES = ["hash", "file", "tcp", "prefix", "etcd"]
 Spawn = Callable[..., subprocess.Popen]
 
 
@@ -33,6 +35,9 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
         s: Store = HashStore(timeout=10)
     elif kind == "file":
         s = FileStore(tmp_path / "store", timeout=10)
+    elif kind == "etcd":  # a real 3-member cluster (tests/harness/etcd_cluster.py), a fresh job per test
+        cluster: EtcdCluster = request.getfixturevalue("etcd_cluster")
+        s = EtcdStore(cluster.url, fresh_job(), timeout=10)
     else:
         s = TCPStore("127.0.0.1", 0, is_master=True, timeout=10)
         if kind == "prefix":
@@ -49,21 +54,6 @@ def parse_timeout(exc: DistStoreError) -> tuple[float, str]:
     missing = re.search(r"still missing: (.*)$", msg)
     assert waited and missing, msg
     return float(waited.group(1)), missing.group(1)
-
-
-def start_thread(target: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
-    """Run ``target`` in a thread; the list receives its result or exception."""
-    out: list[object] = []
-
-    def run() -> None:
-        try:
-            out.append(target())
-        except Exception as exc:
-            out.append(exc)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, out
 
 
 # --- semantics ---------------------------------------------------------------

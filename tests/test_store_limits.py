@@ -191,7 +191,7 @@ def test_unread_answers_are_capped(server_proc: ServerProcess) -> None:
 
 
 def test_blocked_requests_per_connection_are_capped() -> None:
-    from nccl_pg.store.tcp_server import MAX_WAITERS
+    from nccl_pg.store.tcp_server_requests import MAX_WAITERS
 
     with TCPStoreServer(HOST, 0).start() as srv:
         sock = raw_connect(srv.port)

@@ -7,11 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from harness.etcd_cluster import fresh_job
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nccl_pg import DistStoreError, FileStore, HashStore, PrefixStore, Store, TCPStore
 from nccl_pg.errors import QueueEmptyError
+from nccl_pg.store import EtcdStore
 
 KEYS = st.sampled_from(["a", "b", "c", "ü/x", ""])
 VALUES = st.binary(max_size=12) | st.sampled_from([b"0", b"7", b"-3"])
@@ -115,14 +117,17 @@ def tcp_master():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind", ["hash", "file", "tcp", "prefix"])
+@pytest.mark.parametrize("kind", ["hash", "file", "tcp", "prefix", "etcd"])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=OPS)
-def test_random_sequences_match_model(kind: str, ops: list[tuple], tmp_path_factory, tcp_master: TCPStore) -> None:
+def test_random_sequences_match_model(kind: str, ops: list[tuple], tmp_path_factory, tcp_master: TCPStore,
+                                      request: pytest.FixtureRequest) -> None:
     if kind == "hash":
         store: Store = HashStore(timeout=5)
     elif kind == "file":
         store = FileStore(tmp_path_factory.mktemp("fs") / "store", timeout=5)
+    elif kind == "etcd":  # a real etcd cluster, a fresh job (namespace) per example
+        store = EtcdStore(request.getfixturevalue("etcd_cluster").url, fresh_job(), timeout=5)
     else:
         # a fresh namespace per example on the shared server
         ns = f"ex{tcp_master.add('examples', 1)}"
@@ -141,5 +146,5 @@ def test_random_sequences_match_model(kind: str, ops: list[tuple], tmp_path_fact
                 got -= base_keys
             assert got == expected, (op, model)
     finally:
-        if kind in ("hash", "file"):
+        if kind in ("hash", "file", "etcd"):
             store.close()

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from harness.etcd_cluster import fresh_job
 
 import nccl_pg.store as ours
 from nccl_pg import errors
@@ -28,6 +29,13 @@ pytestmark = [pytest.mark.usefixtures("clean_store_env"), pytest.mark.timeout(60
 
 T = timedelta(seconds=20)
 IMPLS = ["nccl_pg", "torch"]
+
+
+def kinds(*names: str) -> pytest.MarkDecorator:
+    """Parametrize (impl, kind): each kind on both implementations, and our EtcdStore
+    (on a real etcd cluster; torch has no etcd store of the c10d API) on ours."""
+    pairs = [(impl, kind) for kind in names for impl in IMPLS] + [("nccl_pg", "etcd")]
+    return pytest.mark.parametrize(("impl", "kind"), pairs, indirect=["impl"])
 
 
 @pytest.fixture(params=IMPLS)
@@ -44,7 +52,10 @@ def impl(request: pytest.FixtureRequest) -> Any:
                            DistNetworkError=td.DistNetworkError, QueueEmptyError=td.QueueEmptyError)
 
 
-def make(impl: Any, kind: str, tmp_path: Path) -> Any:
+def make(impl: Any, kind: str, tmp_path: Path, request: pytest.FixtureRequest | None = None) -> Any:
+    if kind == "etcd":
+        assert request is not None
+        return ours.EtcdStore(request.getfixturevalue("etcd_cluster").url, fresh_job(), timeout=T)
     if kind == "tcp":
         return impl.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=T)
     if kind == "hash":
@@ -63,9 +74,9 @@ def free_port() -> int:
 # --- queues ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["tcp", "hash", "file", "prefix"])
-def test_queues(impl: Any, kind: str, tmp_path: Path) -> None:
-    store = make(impl, kind, tmp_path)
+@kinds("tcp", "hash", "file", "prefix")
+def test_queues(impl: Any, kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    store = make(impl, kind, tmp_path, request)
     if impl.name == "torch" and kind == "file":
         # The reference differs here on purpose: torch's FileStore has no queues; ours has.
         with pytest.raises(NotImplementedError):
@@ -88,9 +99,10 @@ def test_queues(impl: Any, kind: str, tmp_path: Path) -> None:
         store.queue_pop("missing")
 
 
-@pytest.mark.parametrize("kind", ["tcp", "hash", "file"])
-def test_queue_pop_waits_for_a_push_from_another_thread(impl: Any, kind: str, tmp_path: Path) -> None:
-    store = make(impl, kind, tmp_path)
+@kinds("tcp", "hash", "file")
+def test_queue_pop_waits_for_a_push_from_another_thread(impl: Any, kind: str, tmp_path: Path,
+                                                         request: pytest.FixtureRequest) -> None:
+    store = make(impl, kind, tmp_path, request)
     if impl.name == "torch" and kind == "file":
         with pytest.raises(NotImplementedError):  # torch's FileStore has no queues (see test_queues)
             store.queue_pop("b", block=False)
@@ -132,9 +144,9 @@ def test_file_store_queues_across_processes(tmp_path: Path, spawn: Any) -> None:
 # --- clone, has_extended_api, fallbacks ---------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["tcp", "hash", "file", "prefix"])
-def test_clone(impl: Any, kind: str, tmp_path: Path) -> None:
-    a = make(impl, kind, tmp_path)
+@kinds("tcp", "hash", "file", "prefix")
+def test_clone(impl: Any, kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    a = make(impl, kind, tmp_path, request)
     b = a.clone()
     assert isinstance(b, impl.Store)
     a.set("foo", "bar")
@@ -296,9 +308,9 @@ def test_master_times_out_waiting_for_workers_in_torchs_words(impl: Any) -> None
         impl.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=1))
 
 
-@pytest.mark.parametrize("kind", ["tcp", "hash", "file"])
-def test_get_and_wait_timeouts(impl: Any, kind: str, tmp_path: Path) -> None:
-    store = make(impl, kind, tmp_path)
+@kinds("tcp", "hash", "file")
+def test_get_and_wait_timeouts(impl: Any, kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    store = make(impl, kind, tmp_path, request)
     with pytest.raises(RuntimeError, match="[t -i]imeout"):
         store.wait(["bad_key"], timedelta(seconds=0.25))
     store.set_timeout(timedelta(seconds=0.25))

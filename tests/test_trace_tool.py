@@ -1,4 +1,4 @@
-"""``nccl-pg trace`` (nccl_pg/diagnostics/trace.py) on the dumps of real runs.
+"""``nccl-pg trace`` (nccl_pg/diagnostics/trace/) on the dumps of real runs.
 
 Faulty runs are real worlds of processes on the host backend (a rank that
 skips a collective, ranks that disagree on a size, a rank killed); the dumps
@@ -16,15 +16,14 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import socket
 import subprocess
 import sys
-import textwrap
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness.procs import run_scripts
+from harness.trace_dumps import NCCL_PG, entry, problems, report_of, run_trace, spawn_world, torch_dump, write
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -39,60 +38,10 @@ except ImportError:
     HAVE_TORCH = False
 needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="needs torch (make install-test installs its CPU build)")
 
-_PRELUDE = '''
-import os, sys, time
-import numpy as np
-rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-prefix = os.environ["DUMP_PREFIX"]
-
-def wait_for(paths, timeout=30.0):
-    end = time.monotonic() + timeout
-    while not all(os.path.exists(p) for p in paths):
-        if time.monotonic() > end:
-            raise TimeoutError(f"missing some of {paths} after {timeout} s")
-        time.sleep(0.05)
-'''
-
-_NCCL_PG = '''
-import nccl_pg as dist
-from nccl_pg.diagnostics.flight_recorder import dump_flight_recorder, dump_flight_recorder_json
-store = dist.FileStore(os.environ["TEST_STORE"], world)
-'''
-
-
-def spawn_world(body: str, world: int, directory: Path, env: Mapping[str, str] | None = None,
-                timeout: float = 45.0) -> list[tuple[int, str]]:
-    """Run ``body`` in ``world`` interpreters (RANK, WORLD_SIZE, TEST_STORE,
-    DUMP_PREFIX set; dumps go to ``directory``); each rank's (exit code,
-    output). Ranks still running at ``timeout`` are killed."""
-    directory.mkdir(parents=True, exist_ok=True)
-    script = directory.parent / f"{directory.name}.py"
-    script.write_text(_PRELUDE + textwrap.dedent(body))
-    fixed = {"TEST_STORE": str(directory.parent / f"{directory.name}.store"),
-             "DUMP_PREFIX": str(directory / "trace_"), "NCCL_PG_DEBUG_INFO_TEMP_FILE": str(directory / "trace_"),
-             "NCCL_PG_ASYNC_ERROR_HANDLING": "0"}
-    return run_scripts(script, world, {**fixed, **(env or {})}, timeout=timeout)
-
-
-def run_trace(directory: Path, *args: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    """``nccl-pg trace DIR ARGS`` in this process: (exit status, stdout)."""
-    capsys.readouterr()
-    code = cli.main(["trace", str(directory), *args])
-    return code, capsys.readouterr().out
-
-
-def report_of(directory: Path, *args: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, dict[str, Any]]:
-    code, out = run_trace(directory, "--json", *args, capsys=capsys)
-    return code, json.loads(out)
-
-
-def problems(report: Mapping[str, Any], kind: str) -> list[dict[str, Any]]:
-    return [p for p in report["problems"] if p["kind"] == kind]
-
 
 # --- runs ------------------------------------------------------------------------------------
 
-_CONSISTENT = _NCCL_PG + '''
+_CONSISTENT = NCCL_PG + '''
 dist.init_process_group("host", store=store, rank=rank, world_size=world, timeout=30)
 sub = dist.new_group([0, 1])
 a = np.full((3, 4), float(rank), np.float32)
@@ -127,7 +76,7 @@ dist.destroy_process_group()
 
 # Rank 2 skips the world's second all_reduce and enters the second all_reduce of group [1, 2]
 # instead, which rank 1 never issues: both time out (2 s) and every rank dumps.
-_SKIP = _NCCL_PG + '''
+_SKIP = NCCL_PG + '''
 dist.init_process_group("host", store=store, rank=rank, world_size=world, timeout=30)
 sub = dist.new_group([1, 2])
 a = np.full((3, 4), float(rank), np.float32)
@@ -145,7 +94,7 @@ wait_for([prefix + str(r) for r in range(world)])
 '''
 
 # Rank 1's second all_reduce has 5 elements, the others' 4: the host backend fails it; every rank dumps.
-_SIZES = _NCCL_PG + '''
+_SIZES = NCCL_PG + '''
 dist.init_process_group("host", store=store, rank=rank, world_size=world, timeout=10)
 dist.all_reduce(np.ones(4, np.float32))
 try:
@@ -156,7 +105,7 @@ wait_for([prefix + str(r) for r in range(world)])
 '''
 
 # Rank 2 is killed (SIGKILL) after the first all_reduce; the others' second one fails: they dump, it cannot.
-_KILLED = _NCCL_PG + '''
+_KILLED = NCCL_PG + '''
 import signal
 dist.init_process_group("host", store=store, rank=rank, world_size=world, timeout=3)
 dist.all_reduce(np.ones(4, np.float32))
@@ -221,9 +170,15 @@ def test_rank_skipping_a_collective(runs: Any, capsys: pytest.CaptureFixture[str
     code, out = run_trace(directory, capsys=capsys)
     assert code == 1
     assert "rank 2 never joined all_reduce #2 on group '0' (default_pg), which ranks 0, 1 have issued" in out
-    assert f"rank 2 is in all_reduce #2 on group {sub!r}" in out
+    assert f"rank 2 (host {socket.gethostname()}, pid {where['pid']}) is in all_reduce #2 on group {sub!r}" in out
+    # where rank 2 is now: the user's line that waits on the collective, in the script the ranks ran
+    script = directory.parent / "skip.py"
+    line = script.read_text().splitlines().index("    w.wait()") + 1
+    assert (where["at"]["file"], where["at"]["line"], where["at"]["source"]) == (str(script), line, "python")
+    assert f"at {script}:{line} in <module>: w.wait()" in out
     assert "first collective that did not complete anywhere" in out
-    assert "rank 2: missing from all_reduce #2 on group '0'" in report["verdict"]
+    assert f"rank 2 (host {socket.gethostname()}, pid {where['pid']}, at {script}:{line} in <module>): missing " \
+           f"from all_reduce #2 on group '0'" in report["verdict"], report["verdict"]
 
 
 @pytest.mark.timeout(90)
@@ -296,46 +251,14 @@ def test_chrome_trace(runs: Any, tmp_path: Path, capsys: pytest.CaptureFixture[s
 # --- hand-built dumps: the analyzer's rules (PyTorch's documented layout, no torch needed) ----------
 
 
-def _entry(record_id: int, seq: int, name: str = "nccl:all_reduce", state: str = "completed",
-           sizes: Any = ((4,),), dtype: str = "Float", p2p_seq: int = 0, pg: tuple[str, str] = ("0", "default_pg"),
-           **extra: Any) -> dict[str, Any]:
-    """One entry as PyTorch's recorder (version 2.10) writes it."""
-    e = {"record_id": record_id, "pg_id": 0, "process_group": pg, "thread_name": "MainThread", "thread_id": 1,
-         "collective_seq_id": seq, "p2p_seq_id": p2p_seq, "op_id": record_id + 1, "profiling_name": name,
-         "time_created_ns": 1_700_000_000_000_000_000 + record_id * 1000, "input_sizes": [list(s) for s in sizes],
-         "input_dtypes": [dtype] * len(sizes), "output_sizes": [list(s) for s in sizes],
-         "output_dtypes": [dtype] * len(sizes), "state": state, "time_discovered_started_ns": None,
-         "time_discovered_completed_ns": None, "retired": state == "completed", "timeout_ms": 600000,
-         "is_p2p": " " in name, "frames": []}
-    e.update(extra)
-    return e
-
-
-def _torch_dump(entries: list[dict[str, Any]], ranks: str = "[0, 1, 2]",
-                groups: Mapping[str, tuple[str, str]] | None = None) -> dict[str, Any]:
-    """A whole dump as torch's ``_dump_nccl_trace`` pickles it."""
-    groups = groups or {"0": ("default_pg", ranks)}
-    return {"version": "2.10", "comm_lib_version": "2.21.5",
-            "pg_config": {n: {"name": n, "desc": d, "ranks": r} for n, (d, r) in groups.items()},
-            "pg_status": {"0": {"last_enqueued_collective": max((e["collective_seq_id"] for e in entries), default=-1),
-                                "last_started_collective": -1, "last_completed_collective": -1}},
-            "entries": entries}
-
-
-def _write(directory: Path, dumps: Mapping[int, dict[str, Any]], prefix: str = "nccl_trace_rank_") -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    for rank, d in dumps.items():
-        (directory / f"{prefix}{rank}").write_bytes(pickle.dumps(d))
-    return directory
-
 
 @pytest.mark.timeout(30)
 def test_hand_built_pytorch_dump_missing_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """HAND-BUILT to PyTorch's documented layout (reference §2), torch's file names: rank 1 missing from all_reduce #3."""
-    d = _write(tmp_path, {
-        0: _torch_dump([_entry(0, 1), _entry(1, 2, "nccl:broadcast"), _entry(2, 3, state="scheduled")]),
-        1: _torch_dump([_entry(0, 1), _entry(1, 2, "nccl:broadcast")]),
-        2: _torch_dump([_entry(0, 1), _entry(1, 2, "nccl:broadcast"), _entry(2, 3, state="started")]),
+    d = write(tmp_path, {
+        0: torch_dump([entry(0, 1), entry(1, 2, "nccl:broadcast"), entry(2, 3, state="scheduled")]),
+        1: torch_dump([entry(0, 1), entry(1, 2, "nccl:broadcast")]),
+        2: torch_dump([entry(0, 1), entry(1, 2, "nccl:broadcast"), entry(2, 3, state="started")]),
     })
     code, report = report_of(d, capsys=capsys)
     assert code == 1 and report["prefix"] == "nccl_trace_rank_"
@@ -349,18 +272,18 @@ def test_hand_built_pytorch_dump_missing_rank(tmp_path: Path, capsys: pytest.Cap
 @pytest.mark.timeout(30)
 def test_hand_built_op_and_dtype_mismatch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """HAND-BUILT: rank 2 skipped broadcast #2 (op mismatch, with the skip named); a dtype mismatch on rank 0."""
-    ok = [_entry(0, 1, dtype="Float"), _entry(1, 2, "nccl:broadcast"), _entry(2, 3, "nccl:all_gather",
+    ok = [entry(0, 1, dtype="Float"), entry(1, 2, "nccl:broadcast"), entry(2, 3, "nccl:all_gather",
                                                                            state="scheduled")]
-    d = _write(tmp_path / "op", {0: _torch_dump(ok), 1: _torch_dump(ok),
-                                 2: _torch_dump([_entry(0, 1), _entry(1, 2, "nccl:all_gather", state="scheduled")])})
+    d = write(tmp_path / "op", {0: torch_dump(ok), 1: torch_dump(ok),
+                                 2: torch_dump([entry(0, 1), entry(1, 2, "nccl:all_gather", state="scheduled")])})
     code, report = report_of(d, capsys=capsys)
     assert code == 1
     (op,) = problems(report, "op_mismatch")
     assert op["ranks"] == [2] and op["seq"] == 2 and op["ops"] == {"0": "broadcast", "1": "broadcast",
                                                                    "2": "all_gather"}
     assert "rank 2 seems to have skipped broadcast #2" in op["message"]
-    d = _write(tmp_path / "dtype", {0: _torch_dump([_entry(0, 1, dtype="Half")]),
-                                    1: _torch_dump([_entry(0, 1)]), 2: _torch_dump([_entry(0, 1)])})
+    d = write(tmp_path / "dtype", {0: torch_dump([entry(0, 1, dtype="Half")]),
+                                    1: torch_dump([entry(0, 1)]), 2: torch_dump([entry(0, 1)])})
     code, report = report_of(d, capsys=capsys)
     (dt,) = problems(report, "dtype_mismatch")
     assert code == 1 and dt["ranks"] == [0] and dt["op"] == "all_reduce"
@@ -369,10 +292,10 @@ def test_hand_built_op_and_dtype_mismatch(tmp_path: Path, capsys: pytest.Capture
 @pytest.mark.timeout(30)
 def test_hand_built_ring_wrap_and_p2p(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """HAND-BUILT: rank 0's ring wrapped (first record_id 3): older entries are not blamed; a send without recv is."""
-    r0 = [_entry(i, i + 1) for i in range(3, 6)] + [
-        _entry(6, 0, "nccl:send 0->1", state="scheduled", p2p_seq=1)]
-    r1 = [_entry(i, i + 1) for i in range(0, 6)]
-    d = _write(tmp_path, {0: _torch_dump(r0, "[0, 1]"), 1: _torch_dump(r1, "[0, 1]")})
+    r0 = [entry(i, i + 1) for i in range(3, 6)] + [
+        entry(6, 0, "nccl:send 0->1", state="scheduled", p2p_seq=1)]
+    r1 = [entry(i, i + 1) for i in range(0, 6)]
+    d = write(tmp_path, {0: torch_dump(r0, "[0, 1]"), 1: torch_dump(r1, "[0, 1]")})
     code, report = report_of(d, capsys=capsys)
     assert code == 1
     assert problems(report, "ranks_missing") == [] and problems(report, "op_mismatch") == []
@@ -380,7 +303,7 @@ def test_hand_built_ring_wrap_and_p2p(tmp_path: Path, capsys: pytest.CaptureFixt
     assert p2p["ranks"] == [1] and p2p["op"] == "send" and p2p["peer"] == 0
     assert any("older entries dropped" in n for n in report["notes"])
     # without the stray send: consistent, exit 0
-    d = _write(tmp_path / "ok", {0: _torch_dump(r0[:-1], "[0, 1]"), 1: _torch_dump(r1, "[0, 1]")})
+    d = write(tmp_path / "ok", {0: torch_dump(r0[:-1], "[0, 1]"), 1: torch_dump(r1, "[0, 1]")})
     code, report = report_of(d, capsys=capsys)
     assert code == 0, report["problems"]
 
@@ -388,12 +311,12 @@ def test_hand_built_ring_wrap_and_p2p(tmp_path: Path, capsys: pytest.CaptureFixt
 @pytest.mark.timeout(30)
 def test_hand_built_send_recv_pairing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """HAND-BUILT: the k-th send a->b pairs with the k-th recv at b; sizes compared; a recv with no send is blamed on the sender."""
-    r0 = [_entry(0, 0, "nccl:send 0->1", p2p_seq=1), _entry(1, 0, "nccl:send 0->1", state="scheduled", p2p_seq=2,
+    r0 = [entry(0, 0, "nccl:send 0->1", p2p_seq=1), entry(1, 0, "nccl:send 0->1", state="scheduled", p2p_seq=2,
                                                             sizes=((4,),))]
-    r1 = [_entry(0, 0, "nccl:recv 1<-0", p2p_seq=1), _entry(1, 0, "nccl:recv 1<-0", state="scheduled", p2p_seq=2,
+    r1 = [entry(0, 0, "nccl:recv 1<-0", p2p_seq=1), entry(1, 0, "nccl:recv 1<-0", state="scheduled", p2p_seq=2,
                                                             sizes=((5,),)),
-          _entry(2, 0, "nccl:recv 1<-0", state="scheduled", p2p_seq=3)]
-    d = _write(tmp_path, {0: _torch_dump(r0, "[0, 1]"), 1: _torch_dump(r1, "[0, 1]")})
+          entry(2, 0, "nccl:recv 1<-0", state="scheduled", p2p_seq=3)]
+    d = write(tmp_path, {0: torch_dump(r0, "[0, 1]"), 1: torch_dump(r1, "[0, 1]")})
     code, report = report_of(d, capsys=capsys)
     assert code == 1
     (mismatch,) = problems(report, "p2p_mismatch")
@@ -409,7 +332,7 @@ def test_hand_built_send_recv_pairing(tmp_path: Path, capsys: pytest.CaptureFixt
 def test_no_dumps_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """An empty directory (or a wrong --prefix): exit 2 and a message, not a crash."""
     assert cli.main(["trace", str(tmp_path)]) == 2
-    _write(tmp_path, {0: _torch_dump([_entry(0, 1)], "[0]")})
+    write(tmp_path, {0: torch_dump([entry(0, 1)], "[0]")})
     assert cli.main(["trace", str(tmp_path), "--prefix", "other_"]) == 2
     assert "no readable dump" in capsys.readouterr().err
     assert cli.main(["trace", str(tmp_path)]) == 0
@@ -450,6 +373,11 @@ def test_pytorch_gloo_dump_is_read(tmp_path: Path, capsys: pytest.CaptureFixture
     assert code == 1
     (missing,) = problems(report, "ranks_missing")
     assert (missing["ranks"], missing["op"], missing["seq"]) == ([1], "all_reduce", 3)
+    # torch's dumps hold no thread stacks, but each entry's stack at issue: where rank 1 issued its last one
+    script = d.parent / "gloo.py"
+    line = script.read_text().splitlines().index("dist.broadcast(x, src=0)") + 1
+    at = missing["where"][0]["at"]
+    assert (at["file"], at["line"], at["source"]) == (str(script), line, "issue"), at
     assert report["groups"][0]["ranks"] == [0, 1]  # Gloo's pg_config names the group "", its entries "0"
     # Gloo's recorder leaves every state "scheduled" and retires an op when it ends, failed or not: the
     # tool takes retired for completed there, so the timed-out all_reduce is not "not completed".
@@ -494,13 +422,14 @@ def _dump_file(draw: Any) -> bytes:
     if kind == "value":
         return pickle.dumps(draw(_values))
     names = ["nccl:all_reduce", "nccl:broadcast", "nccl:send 0->1", "nccl:recv 1<-0", "gloo:all_reduce", "?", ""]
-    entries = [_entry(i, draw(st.integers(0, 4)), draw(st.sampled_from(names)),
+    entries = [entry(i, draw(st.integers(0, 4)), draw(st.sampled_from(names)),
                       state=draw(st.sampled_from(["completed", "scheduled", "started"])))
                for i in range(draw(st.integers(0, 4)))]
-    d: dict[str, Any] = _torch_dump(entries, ranks=draw(st.sampled_from(["[0, 1]", "[0, 1, 2]", "[0,", "[]", "x"])))
+    d: dict[str, Any] = torch_dump(entries, ranks=draw(st.sampled_from(["[0, 1]", "[0, 1, 2]", "[0,", "[]", "x"])))
     d["entries"] = [_mangled(draw, e) for e in entries]
-    for k in draw(st.lists(st.sampled_from(["pg_config", "entries", "version", "rank", "reason", "time"]),
-                           max_size=2)):
+    d.update(host="h", pid=1, threads={"MainThread (1)": ['  File "/u/t.py", line 3, in f\n    x()\n']})
+    for k in draw(st.lists(st.sampled_from(["pg_config", "entries", "version", "rank", "reason", "time", "host",
+                                            "pid", "threads"]), max_size=2)):
         d[k] = draw(_values)
     if kind == "json":
         return json.dumps(d, default=repr).encode()
@@ -508,12 +437,20 @@ def _dump_file(draw: Any) -> bytes:
     return raw[:draw(st.integers(0, len(raw)))] if kind == "truncated" else raw
 
 
+_STACKS_HEAD = (b"# nccl_pg C-level stacks: rank 0, pid 2, host h, main thread 0x1\n"
+                b"Current thread 0x0000000000000001 (most recent call first):\n")
+
+
 @pytest.mark.timeout(120)
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(files=st.lists(_dump_file(), min_size=1, max_size=4))
-def test_trace_survives_malformed_dumps(files: list[bytes]) -> None:
-    """``nccl-pg trace`` on folders of mangled dumps: never a traceback; each file is either read or reported
-    as not a readable dump (naming it), the others analyzed; the exit status is 0, 1 or 2."""
+@given(files=st.lists(_dump_file(), min_size=1, max_size=4),
+       stacks=st.lists(st.one_of(st.none(), st.binary(max_size=200), st.binary(max_size=200).map(_STACKS_HEAD.__add__),
+                                 st.text(max_size=200).map(lambda t: _STACKS_HEAD + f'  File "{t}", line 1 in f\n'
+                                                           .encode())), min_size=5, max_size=5))
+def test_trace_survives_malformed_dumps(files: list[bytes], stacks: list[bytes | None]) -> None:
+    """``nccl-pg trace`` on folders of mangled dumps (and C-level stacks files, also of ranks without a
+    dump): never a traceback; each file is either read or reported as not a readable dump (naming it), the
+    others analyzed; the exit status is 0, 1 or 2."""
     import contextlib
     import io
     import tempfile
@@ -521,9 +458,12 @@ def test_trace_survives_malformed_dumps(files: list[bytes]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for r, data in enumerate(files):
             (Path(tmp) / f"trace_{r}").write_bytes(data)
+        for r, data in enumerate(stacks):
+            if data is not None:
+                (Path(tmp) / f"trace_{r}.stacks").write_bytes(data)
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = cli.main(["trace", tmp, "--json", "--chrome-trace", os.path.join(tmp, "timeline.json")])
+            code = cli.main(["trace", tmp, "--json", "--stacks", "--chrome-trace", os.path.join(tmp, "timeline.json")])
         assert code in (trace.EXIT_OK, trace.EXIT_PROBLEMS, trace.EXIT_NO_DUMPS)
         if code == trace.EXIT_NO_DUMPS:
             assert err.getvalue().count("not a readable dump") == len(files), err.getvalue()

@@ -4,9 +4,12 @@ over the same buffer, and its overhead on an all_reduce; one run.
 On a GPU (CuPy and the NCCL backend): for each dtype, the check kernel
 (nccl_pg's ``find_nan`` on the caller's stream, timed with CUDA events) over
 a ``--gib`` GiB buffer, against a CuPy sum over the same bytes (the read
-bandwidth reference) and PyTorch's ``torch.isnan(x).any()`` when torch with
-CUDA is installed; then a ``--mb`` MB float32 all_reduce on a world-size-1
-NCCL group with the check off, raise and async.
+bandwidth reference), a device-to-device copy of them (the device's copy
+bandwidth: bytes copied per second, each read once and written once) and
+PyTorch's ``torch.isnan(x).any()`` when torch with CUDA is installed; then a
+``--mb`` MB float32 all_reduce on a world-size-1 NCCL group with the check
+off, raise and async. Each dtype's figures are printed as they are measured
+(to stderr), so a run cut short keeps them.
 
 Without a GPU: the host backend's numpy check over the same buffer sizes,
 against numpy reading the same bytes (``np.sum`` of a float64 view, the
@@ -119,6 +122,11 @@ def gpu_rows(nbytes: int, reps: int) -> list[dict[str, Any]]:
         return cp.cuda.get_elapsed_time(start, end) / 1e3 / reps
 
     read = gpu_time(lambda: raw.view(cp.float32).sum())
+    dst = cp.empty_like(raw)
+    copy = gpu_time(lambda: cp.cuda.runtime.memcpyAsync(dst.data.ptr, raw.data.ptr, nbytes,
+                                                        cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr))
+    print(f"# reference: read {nbytes / read / 1e9:.1f} GB/s, copy {nbytes / copy / 1e9:.1f} GB/s (bytes copied)",
+          file=sys.stderr, flush=True)
     torch = _torch_cuda()
     rows = []
     for name, dt in DTYPES.items():
@@ -130,7 +138,9 @@ def gpu_rows(nbytes: int, reps: int) -> list[dict[str, Any]]:
             assert s.first() is None
             s.release(True)
         row = {"dtype": name, "check_GBps": nbytes / check / 1e9, "read_GBps": nbytes / read / 1e9,
-               "ratio": read / check, "torch_GBps": None}
+               "ratio": read / check, "copy_GBps": nbytes / copy / 1e9, "torch_GBps": None}
+        print(f"# {name}: check {row['check_GBps']:.1f} GB/s, {100 * row['ratio']:.0f}% of read",
+              file=sys.stderr, flush=True)
         if torch is not None and hasattr(torch, name):
             t = torch.zeros(nbytes // dt.itemsize, dtype=getattr(torch, name), device=f"cuda:{dev}")
             try:
@@ -177,13 +187,17 @@ def gpu_allreduce(mb: int, reps: int) -> dict[str, float]:
 
 # ------------------------------------------------------------------ report -----------
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=1.0, help="buffer size of the throughput rows (GiB)")
     ap.add_argument("--mb", type=int, default=256, help="all_reduce size for the overhead rows (MB)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", help="also write the results here")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     nbytes = int(args.gib * 2**30) // 16 * 16
     gpu = backends.gpu_count() > 0
     print(f"# NaN check, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.node()}, "
@@ -194,13 +208,14 @@ def main() -> None:
         print("# no GPU here: host backend (numpy) figures; the GPU figures need a GPU (make bench on a GPU machine)")
         rows, ar, where = host_rows(nbytes, args.reps), host_allreduce(args.mb, args.reps), "host backend (numpy)"
     print(f"\n{where}: check of a {nbytes / 2**30:.2f} GiB buffer, best of {args.reps}")
-    print("| dtype | check GB/s | read GB/s (same buffer) | check / read |" + (" torch isnan().any() GB/s |" if gpu else ""))
-    print("|---|---|---|---|" + ("---|" if gpu else ""))
+    print("| dtype | check GB/s | read GB/s (same buffer) | check / read |"
+          + (" copy GB/s (bytes copied) | torch isnan().any() GB/s |" if gpu else ""))
+    print("|---|---|---|---|" + ("---|---|" if gpu else ""))
     for r in rows:
         extra = ""
         if gpu:
             t = r["torch_GBps"]
-            extra = f" {t:.0f} |" if isinstance(t, float) else f" {t or 'no torch+CUDA'} |"
+            extra = f" {r['copy_GBps']:.1f} |" + (f" {t:.0f} |" if isinstance(t, float) else f" {t or 'no torch+CUDA'} |")
         print(f"| {r['dtype']} | {r['check_GBps']:.1f} | {r['read_GBps']:.1f} | {100 * r['ratio']:.0f}% |{extra}")
     world = "world size 1" if gpu else "2 thread ranks"
     print(f"\nall_reduce of {args.mb} MB float32, {world}, median of {args.reps} (s/op):")

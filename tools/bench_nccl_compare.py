@@ -328,6 +328,14 @@ def _spawn(name: str, cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
     return {"peer": name, "failed": f"exit code {proc.returncode}: " + " | ".join(tail)}
 
 
+def _progress(r: dict[str, Any]) -> str:
+    """One peer's result in a line, as it arrives."""
+    if "overhead_us" not in r:
+        return str(r.get("skipped") or r.get("failed"))
+    bw = ", ".join(f"{_human(int(size))} {_median(times):.1f} µs" for size, times in r["bw_us"].items())
+    return f"1 KB all_reduce {_median(r['overhead_us']):.2f} µs/op; {bw}"
+
+
 def _median(values: list[float]) -> float:
     return statistics.median(values)
 
@@ -437,8 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in order:
             print(f"pass {k + 1}/{args.repeat}: {name} ...", file=sys.stderr, flush=True)
             r = _spawn(name, cfg, args.timeout)
-            if "skipped" in r or "failed" in r:
-                print(f"  {name}: {r.get('skipped') or r.get('failed')}", file=sys.stderr, flush=True)
+            print(f"  {name}: {_progress(r)}", file=sys.stderr, flush=True)  # a run cut short keeps this much
             got.append(r)
         passes.append(got)
     res = merge(passes, args.peers)

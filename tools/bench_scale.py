@@ -348,7 +348,7 @@ async def _diagnosis_round(server: Server, port: int, n: int, timeout: float, si
     parked = {r: rank.park([signal], 120.0) for r, rank in ranks.items()}
 
     async def answer(r: int, rank: Rank) -> None:
-        """What the library's listener does (diagnosis.Channel), over the wire."""
+        """What the library's listener does (channel.Channel), over the wire."""
         await rank.reply(parked[r])  # the parked wait returns: the signal is set
         await rank.get(signal)
         issued = seq - 1 if r in behind else seq

@@ -20,6 +20,10 @@ exec in a threaded process is unsafe.
 - Signals: the launcher signals the rank's whole process group, which
   reaches the rank directly; the guard passes on only what someone sends to
   it alone.
+- Killing: the launcher never SIGKILLs the guard while it is alive (that
+  would orphan what the rank started outside its process group, with no
+  subreaper left). It sends the guard ``KILL_SIGNAL``; the guard SIGKILLs
+  the rank and every process below it, then exits as the rank did.
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ import time
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
-_WATCHED = {signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
-_CLEANUP_BUDGET = 5.0  # seconds to kill and reap every descendant
+KILL_SIGNAL = signal.SIGUSR1  # from the launcher: kill the rank and all below it now
+_WATCHED = {signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGHUP, KILL_SIGNAL}
+CLEANUP_BUDGET = 5.0  # seconds to kill and reap every descendant
 
 
 def _prctl(libc: ctypes.CDLL, option: int, value: int, what: str) -> None:
@@ -80,8 +85,8 @@ def _reap(rank: int, status: list[int]) -> None:
 
 def _kill_descendants(rank: int, status: list[int]) -> None:
     """SIGKILL everything below us until nothing is left (new orphans are
-    reparented to us while we work), bounded by _CLEANUP_BUDGET."""
-    deadline = time.monotonic() + _CLEANUP_BUDGET
+    reparented to us while we work), bounded by CLEANUP_BUDGET."""
+    deadline = time.monotonic() + CLEANUP_BUDGET
     while time.monotonic() < deadline:
         pids = _descendants(os.getpid())
         if not pids:
@@ -123,6 +128,9 @@ def _supervise(rank: int, launcher: int) -> None:
         if os.getppid() != launcher:  # our parent-death signal: the launcher is gone
             _kill_descendants(rank, status)
             os._exit(128 + signal.SIGKILL)
+        if info.si_signo == KILL_SIGNAL and info.si_pid == launcher:
+            _kill_descendants(rank, status)
+            _exit_like(status[0] if status else signal.SIGKILL)  # a status: killed by SIGKILL
         if info.si_pid != launcher:  # sent to the guard alone: it was meant for the rank
             try:
                 os.kill(rank, info.si_signo)

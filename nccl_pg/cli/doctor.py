@@ -4,9 +4,12 @@ Probes, each isolated (one that fails or raises prints what failed, and the
 others still run): nccl_pg and Python versions, the NCCL library (through
 nccl4py), the CUDA driver and runtime versions and NVRTC (cuda.bindings),
 the GPUs (name, memory, compute capability), P2P reachability between every
-pair of GPUs, whether the CUDA kernels in ``kernels/`` compile (NVRTC) and
-load, a one-rank all_reduce on the host backend, and a one-rank all_reduce
-on the NCCL backend on each GPU (each in its own process, with a deadline).
+pair of GPUs, the NaN check's kernels (``kernels/nan_check.cu``) compiled by
+the NVRTC the check would use and loaded on every GPU as the check loads them
+(or exactly why they cannot load: no driver, a driver older than that NVRTC's
+code, ...), a one-rank all_reduce on the host backend, and a one-rank
+all_reduce on the NCCL backend on each GPU (each in its own process, with a
+deadline).
 
 Probes that need a GPU are skipped on a machine without one ("no GPU"), so
 the command also runs, and passes, on CPU-only machines.
@@ -31,7 +34,7 @@ from typing import Any
 EXIT_STATUS_HELP = "exit status: 0 when every probe that applies passes (skipped ones do not count), 1 otherwise"
 OK, SKIP, FAIL, INFO = "ok", "skip", "FAIL", "info"
 SANITY_TIMEOUT = 120.0  # seconds for one GPU's one-rank all_reduce, NCCL init included
-DEFAULT_ARCH = "compute_80"  # NVRTC target when no GPU says which
+DEFAULT_ARCH = "sm_80"  # what the kernels compile for where no GPU says which
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -142,26 +145,22 @@ class Doctor:
 
     def runtime(self) -> Outcome:
         import cuda.bindings
-        from cuda.bindings import runtime
 
-        err, ver = runtime.cudaRuntimeGetVersion()
-        _check(err, "cudaRuntimeGetVersion")
+        ver = _runtime_version()
         return OK, f"CUDA runtime {ver // 1000}.{ver % 1000 // 10} ({ver}), cuda-bindings {cuda.bindings.__version__}"
 
     def nvrtc(self) -> Outcome:
-        from cuda.bindings import nvrtc
+        from .. import kernels
 
-        try:
-            err, major, minor = nvrtc.nvrtcVersion()
-        except Exception as exc:
+        try:  # the NVRTC the NaN check would use: that of the runtime's CUDA major
+            nv = kernels.select_nvrtc(_runtime_version() // 1000)
+        except kernels.KernelLoadError as exc:
             msg = str(exc).strip().splitlines()[0]
             if not self.gpus:  # CPU machines compile kernels only where the NVRTC wheel is installed (CI)
-                raise _Skip(f"NVRTC not loadable ({msg}); needed with a GPU, and to compile kernels/ "
-                            "(pip install nvidia-cuda-nvrtc)") from None
-            raise RuntimeError(f"NVRTC not loadable: {msg}") from None
-        _check(err, "nvrtcVersion")
+                raise _Skip(f"{msg}; needed with a GPU, and to compile kernels/") from None
+            raise
         self.nvrtc_ok = True
-        return OK, f"NVRTC {major}.{minor}"
+        return OK, f"{nv}, {nv.how}", {"version": ".".join(map(str, nv.version)), "path": nv.path}
 
     def find_gpus(self) -> Outcome:
         if self.gpu_error:
@@ -227,24 +226,27 @@ class Doctor:
         return OK, detail, {"matrix": matrix}
 
     def kernels(self) -> Outcome:
-        sources = _kernel_sources()
-        if not sources:
-            raise _Skip("no .cu sources found (neither nccl_pg/_kernels/ nor the checkout's kernels/)")
+        from .. import kernels
+        from ..comm.nccl import _lib, nan
+
         if not self.nvrtc_ok:
             if not self.gpus:
-                raise _Skip(f"{len(sources)} source(s) in kernels/, not compiled: no NVRTC here (see the nvrtc probe)")
-            raise RuntimeError("NVRTC not loadable (see the nvrtc probe)")
-        from cuda.bindings import nvrtc
-
-        arch = f"compute_{self.gpus[0]['cc'].replace('.', '')}" if self.gpus else DEFAULT_ARCH
-        done = []
-        for src in sources:
-            ptx = _nvrtc_compile(nvrtc, src, arch)
-            if self.gpus:
-                _load_module(ptx)
-            done.append(src.name)
-        return OK, f"{len(done)} source(s) compile for {arch}" + (" and load" if self.gpus else "") + \
-            f": {', '.join(done)}"
+                raise _Skip("not compiled: no NVRTC here (see the nvrtc probe)")
+            raise RuntimeError("not compiled: NVRTC not loadable (see the nvrtc probe)")
+        rt = _lib.cudart()
+        driver = int(rt.cudaDriverGetVersion()[1] or 0)
+        err, count = rt.cudaGetDeviceCount()
+        if driver == 0 or int(err) != 0 or not count:  # compile only, and say why nothing loads them
+            why = ("no CUDA driver (cudaDriverGetVersion() = 0)" if driver == 0 else
+                   f"no GPU (cudaGetDeviceCount: {_errname(err) if int(err) else 0})")
+            nv = kernels.nvrtc()
+            size = len(kernels.compile_source(kernels.NAN_CHECK, DEFAULT_ARCH))
+            raise _Skip(f"{kernels.NAN_CHECK} compiles with {nv} for {DEFAULT_ARCH} ({size} bytes); not loaded: {why}")
+        reports = [nan.load_kernels(device) for device in range(int(count))]
+        return OK, "\n         ".join(str(r) for r in reports), \
+            {"loaded": [{"device": r.device, "arch": r.arch, "nvrtc": ".".join(map(str, r.nvrtc.version)),
+                         "nvrtc_path": r.nvrtc.path, "driver": r.driver_version, "runtime": r.runtime_version,
+                         "functions": r.functions} for r in reports]}
 
     def host_sanity(self) -> Outcome:
         import numpy as np
@@ -347,55 +349,13 @@ def _check(err: Any, what: str) -> None:
         raise RuntimeError(f"{what} failed: {_errname(err)}")
 
 
-def _kernel_sources() -> list[Path]:
-    """The .cu files of kernels/ (installed in the package as _kernels, or the checkout's top level)."""
-    here = Path(__file__).resolve().parents[1]
-    for d in (here / "_kernels", here.parent / "kernels"):
-        if d.is_dir():
-            found = sorted(d.glob("*.cu"))
-            if found:
-                return found
-    return []
+def _runtime_version() -> int:
+    """cudaRuntimeGetVersion() of the runtime nccl_pg uses (it answers without a driver)."""
+    from ..comm.nccl import _lib
 
-
-def _nvrtc_compile(nvrtc: Any, src: Path, arch: str) -> bytes:
-    err, prog = nvrtc.nvrtcCreateProgram(src.read_bytes(), src.name.encode(), 0, [], [])
-    _check(err, f"nvrtcCreateProgram({src.name})")
-    try:
-        opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17", b"-default-device"]
-        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        if int(err) != 0:
-            _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-            log = b" " * size
-            nvrtc.nvrtcGetProgramLog(prog, log)
-            text = log.decode(errors="replace").strip().splitlines()
-            raise RuntimeError(f"{src.name} does not compile for {arch}: {text[0] if text else _errname(err)}")
-        err, size = nvrtc.nvrtcGetPTXSize(prog)
-        _check(err, "nvrtcGetPTXSize")
-        ptx = b" " * size
-        (err,) = nvrtc.nvrtcGetPTX(prog, ptx)
-        _check(err, "nvrtcGetPTX")
-        return ptx
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
-
-
-def _load_module(ptx: bytes) -> None:
-    from cuda.bindings import driver
-
-    err, dev = driver.cuDeviceGet(0)
-    _check(err, "cuDeviceGet")
-    err, ctx = driver.cuDevicePrimaryCtxRetain(dev)
-    _check(err, "cuDevicePrimaryCtxRetain")
-    try:
-        (err,) = driver.cuCtxPushCurrent(ctx)
-        _check(err, "cuCtxPushCurrent")
-        err, mod = driver.cuModuleLoadData(ptx)
-        _check(err, "cuModuleLoadData")
-        driver.cuModuleUnload(mod)
-        driver.cuCtxPopCurrent()
-    finally:
-        driver.cuDevicePrimaryCtxRelease(dev)
+    err, ver = _lib.cudart().cudaRuntimeGetVersion()
+    _check(err, "cudaRuntimeGetVersion")
+    return int(ver)
 
 
 def _sanity_child(device: int) -> int:

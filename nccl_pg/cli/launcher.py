@@ -4,8 +4,17 @@ The launcher hosts the rendezvous TCPStore itself, so that rank 0 dying does
 not take the store down for the others. Each rank runs in its own session, so
 that signalling its process group reaches everything it started. One
 single-threaded loop multiplexes the ranks' output pipes, signals (through a
-wakeup pipe) and deadlines; nothing else touches the ranks, so there are no
-races between threads over who reaps or kills what.
+wakeup pipe) and deadlines; nothing else signals or reaps the ranks, so there
+are no races between threads over who reaps or kills what.
+
+Before it stops a job (``--max-time``, the first rank to fail, a signal), it
+asks the ranks why (autopsy.py, on a thread of its own that only talks to
+the store and reads files; bounded by ``--autopsy-time``), and it keeps a
+record of the job for `nccl-pg why` (jobs.py), removed when it exits.
+Stopping is SIGTERM to each rank's process group, then, after the grace
+period, the kill signal to each rank's guard (_rank_guard.py), which kills
+the rank and everything below it, its own sessions included; only a guard
+that does not do so in time is SIGKILLed.
 """
 
 from __future__ import annotations
@@ -25,7 +34,9 @@ from .. import env
 from ..errors import DistError
 from ..store import TCPStoreServer
 from ..timeouts import option_seconds
-from . import elastic
+from . import elastic, jobs
+from ._rank_guard import CLEANUP_BUDGET, KILL_SIGNAL
+from .autopsy import AUTOPSY_TIME, Autopsy
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 EXIT_STATUS_HELP = ("exit status: 0 when every rank exits 0; otherwise that of the first rank to fail (128+N for "
@@ -35,6 +46,8 @@ EXIT_MAX_TIME = 124  # as timeout(1)
 # Seconds between SIGTERM and SIGKILL for ranks asked to stop (torchrun's default wait is 30 s; a rank here
 # only needs to flush output and run its handlers).
 GRACE_PERIOD = 5.0
+# After the guards are told to kill: their own bound, and a second for them to exit.
+GUARD_KILL_WAIT = CLEANUP_BUDGET + 1.0
 READ_SIZE = 65536
 MAX_LINE = 1 << 20  # a longer line without a newline is written out in pieces
 
@@ -48,6 +61,8 @@ class LaunchConfig:
     grace_period: float = GRACE_PERIOD
     max_time: float | None = None
     prefix: bool = True
+    autopsy_time: float = AUTOPSY_TIME  # 0: stop without asking the ranks why
+    report_dir: str | None = None  # the autopsy's report (default: beside the dumps)
     elastic: bool = False  # replace a rank that dies (cli/elastic.py)
     max_replacements: int = 0
 
@@ -65,6 +80,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds between SIGTERM and SIGKILL when stopping ranks (default: 5)")
     parser.add_argument("--max-time", type=option_seconds, default=None, metavar="S",
                         help="stop the whole job after S seconds and exit 124")
+    parser.add_argument("--autopsy-time", type=_seconds_or_zero, default=AUTOPSY_TIME, metavar="S",
+                        help="before stopping the job (--max-time, a failed rank, a signal), ask the ranks why for at "
+                             f"most S seconds: print the verdict and write a report (default: {AUTOPSY_TIME:g}; 0: do "
+                             "not ask)")
+    parser.add_argument("--report-dir", metavar="DIR",
+                        help="where the autopsy's report goes (default: beside the ranks' debug dumps)")
     parser.add_argument("--no-prefix", dest="prefix", action="store_false",
                         help="let ranks write straight to the terminal instead of prefixing lines with [rankN]:")
     elastic.add_arguments(parser)
@@ -83,8 +104,12 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         parser.error(f"script not found: {args.target} (use -m to run a module)")
     return LaunchConfig(nproc=args.nproc, command=command, master_addr=args.master_addr,
                         master_port=args.master_port, grace_period=args.grace_period,
-                        max_time=args.max_time, prefix=args.prefix, elastic=args.elastic,
-                        max_replacements=args.max_replacements)
+                        max_time=args.max_time, prefix=args.prefix, autopsy_time=args.autopsy_time,
+                        report_dir=args.report_dir, elastic=args.elastic, max_replacements=args.max_replacements)
+
+
+def _seconds_or_zero(raw: str) -> float:
+    return 0.0 if raw.strip() in ("0", "0.0") else option_seconds(raw)
 
 
 def _positive_int(raw: str) -> int:
@@ -202,6 +227,15 @@ class _Rank:
         except ProcessLookupError:
             pass
 
+    def kill(self) -> None:
+        """Ask the guard to kill the rank and everything below it (a SIGKILL of
+        the group would kill the guard too, orphaning what the rank started in
+        other sessions)."""
+        try:
+            os.kill(self.pid, KILL_SIGNAL)
+        except ProcessLookupError:
+            pass
+
     def exited(self) -> bool:
         """True once the rank has exited; it is left unreaped (a zombie)."""
         return os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
@@ -222,9 +256,15 @@ class _Job:
         self.pending_signals: list[int] = []
         self.exit_code: int | None = None  # set when the job starts stopping
         started = time.monotonic()
+        self.started_wall = time.time() - 1.0  # (file times are coarser than the clock)
         self.max_time_at = None if config.max_time is None else started + config.max_time
-        self.kill_at: float | None = None  # SIGKILL what is still running then
+        self.kill_at: float | None = None  # tell the guards to kill what is still running then
+        self.hard_kill_at: float | None = None  # SIGKILL the groups of guards that did not do it by then
         self.drain_until: float | None = None  # bound on output after the last rank exits
+        self.server: TCPStoreServer | None = None
+        self.store: tuple[str, int, str] | None = None  # the rendezvous store's address, port and secret
+        self.autopsy: Autopsy | None = None
+        self.stop_after_autopsy: tuple[int, str] | None = None  # the signal and reason of the stop it holds back
         self.membership: elastic.Membership | None = None  # --elastic: the records, the replacements
         self.common_env: dict[str, str] = {}  # what every rank's environment holds (a replacement's too)
 
@@ -236,15 +276,20 @@ class _Job:
         old_handlers[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, lambda *_: None)  # only to wake select
         self.selector.register(self.wake_r, selectors.EVENT_READ)
         server = None
+        record = None
         try:
             secret = env.STORE_SECRET.get() or secrets.token_hex(16)
             server = _start_store(self.config, secret)
             if server is None:
                 return 1
+            self.server, self.store = server, (self.config.master_addr, server.port, secret)
+            record = _record(self.config, server.port, secret)
             self._spawn_all(server.port, secret)
             self._supervise()
         finally:
             self._kill_remaining()
+            if record is not None:
+                jobs.remove(record)
             for stream in self.streams.values():  # left open only when leaving on an exception
                 stream.pipe.close()
             if self.membership is not None:
@@ -321,12 +366,17 @@ class _Job:
             self._check_deadlines()
 
     def _timeout(self) -> float | None:
-        deadlines = [t for t in (self.max_time_at, self.kill_at, self.drain_until) if t is not None]
+        autopsy = self.autopsy.deadline if self.autopsy is not None and self.stop_after_autopsy else None
+        deadlines = [t for t in (self.max_time_at, self.kill_at, self.hard_kill_at, self.drain_until, autopsy)
+                     if t is not None]
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def _handle_signals(self) -> None:
         while self.pending_signals:
             signum = self.pending_signals.pop(0)
+            if self.stop_after_autopsy is not None:  # asked again while the autopsy runs: stop now
+                _log(f"received {_signame(signum)} during the autopsy; not waiting for it")
+                self._end_autopsy()
             self._stop(signum, 128 + signum, f"received {_signame(signum)}")
 
     def _reap(self) -> None:
@@ -364,11 +414,20 @@ class _Job:
             self.max_time_at = None
             if self.exit_code is None and self._live():
                 self._stop(signal.SIGTERM, EXIT_MAX_TIME, f"--max-time {self.config.max_time:g} s expired")
+        if self.stop_after_autopsy is not None and self.autopsy is not None and (
+                self.autopsy.done() or now >= self.autopsy.deadline or not self._live()):
+            self._end_autopsy()
         if self.kill_at is not None and now >= self.kill_at:
             self.kill_at = None
             for rank in self._live():
                 _log(f"rank {rank.rank} (pid {rank.pid}) still running after the "
-                     f"{self.config.grace_period:g} s grace period; sending SIGKILL")
+                     f"{self.config.grace_period:g} s grace period; sending SIGKILL to it and everything it started")
+                rank.kill()
+            self.hard_kill_at = now + GUARD_KILL_WAIT
+        if self.hard_kill_at is not None and now >= self.hard_kill_at:
+            self.hard_kill_at = None
+            for rank in self._live():
+                _log(f"rank {rank.rank}'s guard (pid {rank.pid}) did not end it; sending SIGKILL to its group")
                 rank.signal_group(signal.SIGKILL)
         if self.drain_until is not None and now >= self.drain_until:
             # Only a process that left its rank's session can still hold a pipe open.
@@ -377,9 +436,23 @@ class _Job:
 
     def _stop(self, signum: int, exit_code: int, reason: str) -> None:
         """Start stopping the job (or forward a further signal while stopping);
-        the first reason decides the exit status."""
-        if self.exit_code is None:
+        the first reason decides the exit status. The first stop of a running
+        job asks the ranks why before it signals them."""
+        first = self.exit_code is None
+        if first:
             self.exit_code = exit_code
+        if self.stop_after_autopsy is not None:
+            _log(f"{reason} (while the autopsy runs)")
+            return
+        # Someone to ask: a process group's listener parks a wait on the store (none does in a job without one).
+        if first and self._live() and self.config.autopsy_time > 0 and self.server is not None and \
+                self.store is not None and self.server.num_waiters > 0:
+            addr, port, secret = self.store
+            _log(f"{reason}; asking the ranks why (at most {self.config.autopsy_time:g} s) before stopping them")
+            self.autopsy = Autopsy(addr, port, secret, self.config.nproc, reason, self.config.autopsy_time,
+                                   self.config.report_dir, self._wake, self._gone, self.started_wall)
+            self.stop_after_autopsy = (signum, reason)
+            return
         live = self._live()
         if not live:
             _log(reason)
@@ -391,10 +464,49 @@ class _Job:
         if self.kill_at is None:
             self.kill_at = time.monotonic() + self.config.grace_period
 
+    def _gone(self) -> dict[int, str]:
+        """How the ranks reaped so far ended (read by the autopsy's thread: a snapshot)."""
+        return {r.rank: describe(r.returncode) for r in list(self.ranks) if r.returncode is not None}
+
+    def _wake(self) -> None:
+        """From another thread: make the loop look at its deadlines now."""
+        try:
+            os.write(self.wake_w, b"\0")
+        except OSError:  # full (the loop is awake anyway) or closed (it has ended)
+            pass
+
+    def _end_autopsy(self) -> None:
+        """Print what the autopsy found (or that it ran out of time), then do the stop it held back."""
+        assert self.autopsy is not None and self.stop_after_autopsy is not None
+        signum, reason = self.stop_after_autopsy
+        self.stop_after_autopsy = None
+        for line in self.autopsy.lines if self.autopsy.done() else [
+                f"autopsy: no verdict within {self.config.autopsy_time:g} s; stopping the ranks anyway"]:
+            _log(line)
+        self._stop(signum, self.exit_code or 0, reason)
+
     def _kill_remaining(self) -> None:
-        """Last resort on every path out, an exception included: no rank survives the launcher."""
-        for rank in self._live():
+        """Last resort on every path out, an exception included: no rank, nor
+        anything a rank started, survives the launcher. The guards kill their
+        rank's processes (all sessions); a guard that does not, is killed with
+        its group."""
+        live = self._live()
+        for rank in live:
+            rank.kill()
+        deadline = time.monotonic() + GUARD_KILL_WAIT
+        while any(not r.exited() for r in live) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for rank in live:
             rank.reap()
+
+
+def _record(config: LaunchConfig, port: int, secret: str) -> str | None:
+    """The job's record for `nccl-pg why` (None, with a warning, if it cannot be written)."""
+    try:
+        return jobs.write(config.master_addr, port, secret, config.nproc, config.command)
+    except OSError as exc:
+        _log(f"warning: no record of this job for `nccl-pg why` ({exc})")
+        return None
 
 
 def _start_store(config: LaunchConfig, secret: str) -> TCPStoreServer | None:

@@ -1,7 +1,8 @@
 """The `nccl-pg` command: `nccl-pg run` (the launcher), `nccl-pg store`
 (a standalone rendezvous store server), `nccl-pg trace` (the
-flight-recorder dump analyzer), `nccl-pg bench` (a nccl-tests-like
-benchmark) and `nccl-pg doctor` (checks of the GPU stack)."""
+flight-recorder dump analyzer), `nccl-pg why` (ask a running job who holds
+it up), `nccl-pg bench` (a nccl-tests-like benchmark) and `nccl-pg doctor`
+(checks of the GPU stack)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from .. import env
 from ..diagnostics import trace
 from ..errors import DistError
 from ..store import TCPStoreServer
-from . import bench, doctor, launcher
+from . import bench, doctor, launcher, why
 
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
@@ -49,6 +50,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         epilog=trace.EXIT_STATUS_HELP)
     trace.add_arguments(trace_parser)
 
+    why_parser = commands.add_parser(
+        "why", help="ask a running job what each rank is doing and who holds it up",
+        description=why.__doc__.split("\n\n", 2)[2].replace("``", ""), epilog=why.EXIT_STATUS_HELP)
+    why.add_arguments(why_parser)
+
     bench_parser = commands.add_parser(
         "bench", help="nccl-tests-like benchmark of the collectives (NCCL or host backend)",
         description=bench.__doc__.split(": ", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -72,6 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return launcher.launch(launcher.config_from_args(args, run_parser))
     if args.command == "trace":
         return trace.run(args)
+    if args.command == "why":
+        return why.run(args)
     return serve_store(args.host, args.port)
 
 

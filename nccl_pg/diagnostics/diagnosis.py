@@ -2,17 +2,14 @@
 is; in steady state, send the store nothing.
 
 Signals. The ranks of a job share a store (a group's PrefixStores all sit on
-one; ``group_view.root_of``). Per such store, each process keeps one thread
-(``Channel``) parked in ``store.wait`` on the key of the next incident,
-``nccl_pg/diag/<gen>/signal``: the server holds the wait and answers it when
-the key is set, so a healthy job costs one parked request per process,
-renewed every ``PARK`` seconds. A rank raises incident ``gen`` by creating
-that key (``compare_set``, so two ranks never take the same number; a later
-incident takes the next). Each listener then answers with one ``multi_set``
-of its progress on every group it is in (``<gen>/<group>/<rank>``) and an
-``add`` to the count of each timed-out group it is in (the answer that
+one; ``group_view.root_of``). Per such store, each process keeps a
+``Channel`` (channel.py): a listener parked on the key of the next incident
+(the protocol: incidents.py). Answering a timeout, each listener writes one
+``multi_set`` of its progress on every group it is in (``<gen>/<group>/<rank>``)
+and an ``add`` to the count of each timed-out group it is in (the answer that
 completes a count sets one key, which the timed-out rank waits on), writes
-its debug dump if asked, and parks on ``gen + 1``.
+its debug dump if asked, and parks on ``gen + 1``. A channel ends with the
+last group on its store (``release``) and at exit (``close_all``).
 
 Timeouts. The ranks whose operation timed out on a group claim the incident
 (an ``add`` on a key of the group and the operation): the first raises the
@@ -30,11 +27,7 @@ hung store never piles up threads.
 from __future__ import annotations
 
 import collections
-import json
 import logging
-import os
-import secrets
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -42,21 +35,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import Culprit
-from ..store import FileStore, HashStore, Store
+from ..store import Store
 from . import progress
+from .channel import PARK, Channel, join
 from .group_view import GroupView
+from .incidents import NS, all_key, answer_key, count_key, present, signal_key
 from .progress import Answer
+
+__all__ = ["PARK", "Diagnosis", "Timeout", "all_key", "answer_key", "budget", "count_key", "signal_key"]
 
 log = logging.getLogger(__name__)
 
-# Deadline of the parked wait. Renewing it is a healthy job's only store traffic: one request per process
-# every 10 minutes (17 requests/s at 10,000 processes, well under 0.1% of a store server's throughput). A
-# listener whose groups are all gone leaves at its next renewal, or at once if its store is closed.
-PARK = 600.0
-# The same for a store in a file, where renewing costs no server anything: its listener then leaves within
-# a second of its last group. (A HashStore lives in this process: its incidents are delivered to its one
-# channel directly, with no listener thread.)
-FILE_PARK = 1.0
 # How long a timed-out rank waits for the others' answers: a tenth of the operation's timeout, at most 2 s,
 # so that the error follows the timeout closely whatever it is.
 BUDGET_SHARE, BUDGET_CAP = 0.1, 2.0
@@ -65,41 +54,12 @@ FINISH_MIN = 0.2
 # Operations of a group that time out within this long after its last diagnosis here are explained by it:
 # a burst of async operations timing out together is one incident.
 REUSE = 1.0
-# Earlier incidents searched for what a silent rank last said.
-LOOKBACK = 3
-# A listener whose store failed (rather than timing the park out) retries after 1, 2, 4, ... s, at most this.
-RETRY_CAP = 60.0
-
-_NS = "nccl_pg/diag"
-_LATEST = f"{_NS}/latest"  # a hint of the newest incident, for listeners that start late
-
-
 def budget(timeout: float) -> float:
     return min(BUDGET_CAP, BUDGET_SHARE * timeout)
 
 
 def _finish_time(b: float) -> float:
     return max(b, FINISH_MIN)
-
-
-def signal_key(gen: int) -> str:
-    """The key whose creation raises incident ``gen``."""
-    return f"{_NS}/{gen}/signal"
-
-
-def answer_key(gen: int, ident: str, rank: int) -> str:
-    """Where rank ``rank`` of group ``ident`` answers incident ``gen``."""
-    return f"{_NS}/{gen}/{ident}/{rank}"
-
-
-def count_key(gen: int, ident: str) -> str:
-    """How many ranks of group ``ident`` answered incident ``gen`` (``add``)."""
-    return f"{_NS}/{gen}/{ident}/answered"
-
-
-def all_key(gen: int, ident: str) -> str:
-    """Set by the answer that completes ``count_key``: every rank answered."""
-    return f"{_NS}/{gen}/{ident}/all"
 
 
 @dataclass
@@ -120,195 +80,6 @@ class Timeout:
     @property
     def key(self) -> tuple[str, str]:
         return self.view.ident, "c" if self.peers is None else "p"
-
-
-@dataclass
-class _Signal:
-    reason: str
-    origin: str  # the raising channel's token
-    answer: bool
-    dump: bool
-    claims: list[str]  # the timed-out operations it is about: ranks that timed out on them too dumped already
-    # groups whose answers are counted (ident -> size): the rank whose answer completes a group's count sets its
-    # all_key, one key for the raiser to wait on (a wait on every rank's key would cost the server O(N) per answer)
-    counted: dict[str, int]
-
-    def encode(self) -> bytes:
-        return json.dumps({"reason": self.reason, "origin": self.origin, "answer": self.answer, "dump": self.dump,
-                           "claims": self.claims, "counted": self.counted, "time": time.time()}).encode()
-
-    @classmethod
-    def decode(cls, raw: bytes) -> _Signal | None:
-        try:
-            d = json.loads(raw)
-            return cls(str(d["reason"]), str(d["origin"]), bool(d["answer"]), bool(d["dump"]),
-                       [str(c) for c in d["claims"]], {str(k): int(v) for k, v in d["counted"].items()})
-        except (ValueError, KeyError, TypeError):
-            return None
-
-
-class Channel:
-    """One store's incidents, for this process: the listener thread, the
-    incidents raised here, and this process's dumps for them."""
-
-    def __init__(self, store: Store, views: Callable[[], list[GroupView]], write_dump: Callable[[str, int],
-                 str | None], dumps: Callable[[], bool], gone: Callable[[Channel], bool]) -> None:
-        self.store = store
-        self.token = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
-        self._views, self._write_dump, self._dumps, self._gone = views, write_dump, dumps, gone
-        self._lock = threading.Lock()
-        self.latest = 0  # newest incident seen or raised here
-        self.recent: collections.deque[int] = collections.deque(maxlen=LOOKBACK + 1)
-        # this rank's dumps by what they were for (incident numbers, timed-out operations' claims)
-        self._dumped: collections.OrderedDict[str, str | None] = collections.OrderedDict()
-        self._dumping = threading.Lock()  # held while a dump is written (not the channel's: that one stays quick)
-        self._job: Callable[[], None] | None = None  # this store's incident work, queued or running
-        self._jobs = threading.Condition(self._lock)
-        self._runner: threading.Thread | None = None
-        # in-process stores need no listener: every rank on them is in this process, on this channel
-        self.thread = None if isinstance(store, HashStore) else \
-            threading.Thread(target=self._listen, name="nccl_pg-signals", daemon=True)
-
-    def views(self) -> list[GroupView]:
-        return self._views()
-
-    # --- the listener ---------------------------------------------------------------------
-
-    def _listen(self) -> None:
-        gen: int | None = None
-        retry = 1.0
-        park = FILE_PARK if isinstance(self.store, FileStore) else PARK
-        while True:
-            if self._gone(self):  # every group on this store is gone: so is the listener
-                return
-            t0 = time.monotonic()
-            try:
-                if gen is None:
-                    gen = self._newest()
-                self.store.wait([signal_key(gen + 1)], park)
-            except Exception as exc:
-                if time.monotonic() - t0 < park / 2:  # not the park running out: the store failed
-                    log.debug("nccl_pg: signal listener on %r: %s; retrying in %.0f s", self.store, exc, retry)
-                    time.sleep(retry)
-                    retry = min(retry * 2, RETRY_CAP)
-                continue
-            retry = 1.0
-            gen += 1
-            try:
-                self._on_signal(gen)
-            except Exception as exc:  # the store went away meanwhile: the next wait says so
-                log.debug("nccl_pg: answering incident %d on %r failed: %s", gen, self.store, exc)
-
-    def _newest(self) -> int:
-        """The newest incident (answering older ones would be wrong): the hint,
-        then forward past any raised since it was written."""
-        gen = int(self.store.compare_set(_LATEST, "", "0") or b"0")
-        while self.store.check([signal_key(gen + 1)]):
-            gen += 1
-        self._saw(gen)
-        return gen
-
-    def _saw(self, gen: int) -> None:
-        with self._lock:
-            self.latest = max(self.latest, gen)
-            if gen and gen not in self.recent:
-                self.recent.append(gen)
-
-    def _on_signal(self, gen: int) -> None:
-        sig = _Signal.decode(self.store.get(signal_key(gen)))
-        self._saw(gen)
-        if sig is None:
-            return
-        if sig.answer:
-            self.answer(gen, sig.counted)
-        if sig.dump and sig.origin != self.token and self._dumps():
-            self.dump_once([f"gen {gen}", *sig.claims], f"signalled: {sig.reason}")
-
-    def answer(self, gen: int, counted: dict[str, int]) -> None:
-        """This process's progress on every group it has on this store (one
-        request), then one ``add`` per group whose answers are counted."""
-        views = [v for v in self.views() if v.state() != "destroyed"]
-        if not views:
-            return
-        self.store.multi_set([answer_key(gen, v.ident, v.rank) for v in views],
-                             [progress.snapshot(v).encode() for v in views])
-        for ident, n in collections.Counter(v.ident for v in views if v.ident in counted).items():
-            if self.store.add(count_key(gen, ident), n) == counted[ident]:
-                self.store.set(all_key(gen, ident), b"1")
-
-    # --- incident work ----------------------------------------------------------------------
-
-    def run(self, job: Callable[[], None]) -> bool:
-        """Run ``job`` on this store's incident thread (one per store, kept:
-        no thread or connection per incident). False, and not run, while an
-        earlier job has not finished: the store has not answered it yet."""
-        with self._lock:
-            if self._job is not None:
-                return False
-            self._job = job
-            if self._runner is None:
-                self._runner = threading.Thread(target=self._run_jobs, name="nccl_pg-incident", daemon=True)
-                self._runner.start()
-            self._jobs.notify_all()
-        return True
-
-    def _run_jobs(self) -> None:
-        while True:
-            with self._lock:
-                while self._job is None:
-                    self._jobs.wait()
-                job = self._job
-            try:
-                job()
-            except Exception:
-                log.exception("nccl_pg: incident work on %r failed", self.store)
-            with self._lock:
-                self._job = job = None  # type: ignore[assignment]
-
-    # --- raising ----------------------------------------------------------------------------
-
-    def raise_signal(self, reason: str, answer: bool, dump: bool, claims: list[str] | None = None,
-                     counted: dict[str, int] | None = None) -> int:
-        """A new incident; returns its number."""
-        with self._lock:
-            gen = self.latest + 1
-        value = _Signal(reason, self.token, answer, dump, claims or [], counted or {}).encode()
-        while self.store.compare_set(signal_key(gen), "", value) != value:
-            gen += 1  # taken by another incident: the next one
-        self._saw(gen)
-        if self.thread is None:
-            self._on_signal(gen)
-            return gen
-        try:
-            self.store.set(_LATEST, str(gen))
-        except Exception as exc:  # only a hint
-            log.debug("nccl_pg: could not note incident %d: %s", gen, exc)
-        return gen
-
-    # --- dumps ---------------------------------------------------------------------------------
-
-    def earlier(self, gen: int) -> list[int]:
-        """Incidents before ``gen`` seen here, newest first (at most LOOKBACK)."""
-        with self._lock:
-            return sorted((g for g in self.recent if g < gen), reverse=True)[:LOOKBACK]
-
-    def rank(self) -> int:
-        """The global rank this process's dumps for this store are named after."""
-        views = sorted(self.views(), key=lambda v: v.uid)
-        return views[0].global_rank(views[0].rank) if views else -1
-
-    def dump_once(self, about: list[str], reason: str) -> str | None:
-        """This rank's dump for an incident, known by any of ``about``
-        (its number, the claims of its timed-out operations): written once,
-        whether the signal or this rank's own timeout comes first."""
-        with self._dumping:
-            seen = [a for a in about if a in self._dumped]
-            path = self._dumped[seen[0]] if seen else self._write_dump(reason, self.rank())
-            for a in about:
-                self._dumped[a] = path
-            while len(self._dumped) > 64:
-                self._dumped.popitem(last=False)
-            return path
 
 
 @dataclass
@@ -336,20 +107,6 @@ class _Outcome:
             self.cond.notify_all()
 
 
-def _present(store: Store, keys: list[str], deadline: float) -> list[str]:
-    """The keys that exist, by halving: about 2 log2(n/k) ``check`` requests
-    per missing key. Keys not reached by ``deadline`` count as missing."""
-    found: list[str] = []
-    todo = [keys] if keys else []
-    while todo and time.monotonic() < deadline:
-        ks = todo.pop()
-        if store.check(ks):
-            found += ks
-        elif len(ks) > 1:
-            todo += [ks[len(ks) // 2:], ks[:len(ks) // 2]]
-    return found
-
-
 @dataclass(frozen=True)
 class _Claim:
     """A group's first operation of a kind to time out in a batch."""
@@ -374,7 +131,7 @@ class _Incident:
         self.claims: dict[tuple[str, str], _Claim] = {}
         for r in sorted(requests, key=lambda r: r.seq):
             if r.key not in self.claims:
-                self.claims[r.key] = _Claim(f"{_NS}/claim/{r.view.ident}/{r.key[1]}{r.seq}", r.view, r.seq,
+                self.claims[r.key] = _Claim(f"{NS}/claim/{r.view.ident}/{r.key[1]}{r.seq}", r.view, r.seq,
                                             r.peers, r.what)
         self.out = _Outcome()
 
@@ -415,13 +172,13 @@ class _Incident:
         t0 = time.monotonic()
         try:
             store.wait(awaited, self.budget)
-            present = list(keys)
+            found = list(keys)
         except Exception:  # someone did not answer in time (or the store failed: the search says)
-            present = _present(store, list(keys), t0 + self.budget + _finish_time(self.budget))
+            found = present(store, list(keys), t0 + self.budget + _finish_time(self.budget))
         waited = min(time.monotonic() - t0, self.budget)
         answers: dict[tuple[str, int], Answer] = {}
-        if present:
-            for k, raw in zip(present, store.multi_get(present), strict=True):
+        if found:
+            for k, raw in zip(found, store.multi_get(found), strict=True):
                 a = Answer.decode(raw)
                 if a is not None:
                     answers[keys[k]] = a
@@ -439,7 +196,7 @@ class _Incident:
         deadline = self.start + self.budget + _finish_time(self.budget)
         for g in self.channel.earlier(gen):
             todo = {answer_key(g, i, p): (i, p) for i, p in silent if (i, p) not in old}
-            found = _present(store, list(todo), deadline)
+            found = present(store, list(todo), deadline)
             if found:
                 for k, raw in zip(found, store.multi_get(found), strict=True):
                     a = Answer.decode(raw)
@@ -453,7 +210,7 @@ class _Incident:
         try:
             store.wait(keys, self.budget + _finish_time(self.budget))
         except Exception:
-            keys = _present(store, keys, self.hard_deadline)
+            keys = present(store, keys, self.hard_deadline)
         got = {}
         if keys:
             for k, raw in zip(keys, store.multi_get(keys), strict=True):
@@ -515,6 +272,7 @@ class Diagnosis:
         self._all_views, self._write_dump, self._dumps = views, write_dump, dumps
         self._lock = threading.Lock()
         self._channels: dict[int, Channel] = {}
+        self._ended: list[Channel] = []  # channels closed whose threads may not have left yet
         self._queue: collections.deque[Timeout | Callable[[], None]] = collections.deque()
         self._cond = threading.Condition(self._lock)
         self._worker: threading.Thread | None = None
@@ -548,7 +306,30 @@ class Diagnosis:
                 return False
             if self._channels.get(id(ch.store)) is ch:
                 del self._channels[id(ch.store)]
-            return True
+            # closed, its threads may still be on their way out of a store call: joined at exit
+            self._ended = [c for c in self._ended if any(t.is_alive() for t in c.threads())] + [ch]
+        ch.close()
+        return True
+
+    def release(self, view: GroupView) -> None:
+        """``view``'s group is destroyed: its store's channel (listener and
+        incident thread) ends if no other group uses the store."""
+        with self._lock:
+            ch = self._channels.get(id(view.root))
+        if ch is not None:
+            self._forget(ch)
+
+    def close_all(self, timeout: float) -> list[threading.Thread]:
+        """At exit: end every channel and wait for their threads (at most
+        ``timeout`` seconds), so that none is inside a store's blocking call
+        when the interpreter finalizes; returns those still running."""
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+            channels += self._ended
+            self._ended = []
+        for ch in channels:
+            ch.close()
+        return join([t for ch in channels for t in ch.threads()], timeout)
 
     # --- the diagnosis thread -------------------------------------------------------------------
 

@@ -18,14 +18,13 @@ which the next dump on that host removes.
 Reading (``read``) treats a file as untrusted: no symbolic link followed, a
 file not owned by this user refused, and pickles loaded by an unpickler that
 resolves no global (our dumps and PyTorch's hold only plain data), so no
-code runs from a dump's bytes.
+code runs from a dump's bytes; what decoding may cost is bounded first
+(``untrusted``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
-import json
 import os
 import pickle
 import socket
@@ -39,8 +38,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from .. import env
-from . import flight_recorder
+from . import flight_recorder, untrusted
 from .group_view import GroupView
+from .untrusted import NotADump as NotADump  # raised by read; defined where decoding is
 
 
 def _group(view: GroupView) -> dict[str, Any]:
@@ -69,13 +69,9 @@ def report(reason: str, rank: int, groups: Sequence[GroupView]) -> dict[str, Any
     return out
 
 
-# The largest file read as a dump (ours are a few MB; a ring of 10^7 entries with stacks would be more).
-MAX_DUMP_BYTES = 1 << 30
+# The largest file read as a dump (ours: under 1 MB for the default 2,000 entries).
+MAX_DUMP_BYTES = untrusted.MAX_BYTES
 _TMP = ".nccl_pg_dump."  # temporary files: <_TMP><host>.<pid>.<random>.tmp
-
-
-class NotADump(ValueError):
-    """A file that is not a readable dump (the message says why)."""
 
 
 def private_dir() -> str:
@@ -161,19 +157,22 @@ def _alive(pid: int) -> bool:
     return True
 
 
-class _PlainData(pickle.Unpickler):
-    """Builds dicts, lists, tuples, strings and numbers; refuses every global
-    (a class, a function: the only ways a pickle runs code)."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(f"it refers to {module}.{name}; a dump holds plain data only")
-
-
 def read(path: str) -> dict[str, Any]:
     """A dump written by us or by PyTorch (pickle), or a JSON dump, from an
     untrusted file: NotADump (saying why) for a link, a file that is not this
     user's or not a regular file, one too large, or bytes that do not decode
-    to a dict of plain data."""
+    to a dict of plain data within the bounds of ``untrusted``."""
+    return read_decoded(path).value
+
+
+def read_decoded(path: str) -> untrusted.Decoded:
+    """``read``, with what decoding the file built (``Decoded.values``)."""
+    return untrusted.decode(read_bytes(path, MAX_DUMP_BYTES))
+
+
+def read_bytes(path: str, limit: int) -> bytes:
+    """The bytes of an untrusted file: NotADump for a link (not followed), a
+    file that is not regular or not this user's, or one over ``limit`` bytes."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
@@ -186,20 +185,9 @@ def read(path: str) -> dict[str, Any]:
             raise NotADump("not a regular file")
         if st.st_uid != os.getuid():
             raise NotADump(f"owned by uid {st.st_uid}, not by this user (uid {os.getuid()}): refused")
-        if st.st_size > MAX_DUMP_BYTES:
-            raise NotADump(f"{st.st_size} bytes, over the {MAX_DUMP_BYTES}-byte limit")
-        data = f.read(MAX_DUMP_BYTES + 1)
-    try:
-        if data[:1] in (b"{", b"["):
-            value = json.loads(data)
-        else:
-            value = _PlainData(io.BytesIO(data)).load()
-    except RecursionError:
-        raise NotADump("nested too deeply") from None
-    except MemoryError:
-        raise NotADump("too large to decode") from None
-    except Exception as exc:
-        raise NotADump(f"{'JSON' if data[:1] in (b'{', b'[') else 'pickle'}: {exc}") from None
-    if not isinstance(value, dict):
-        raise NotADump(f"it holds a {type(value).__name__}, not a dict")
-    return value
+        if st.st_size > limit:
+            raise NotADump(f"{st.st_size} bytes, over the {limit}-byte limit")
+        data = f.read(limit + 1)
+    if len(data) > limit:  # it grew after fstat
+        raise NotADump(f"over the {limit}-byte limit")
+    return data

@@ -53,6 +53,10 @@ def _no_activity() -> Activity:
     return Activity()
 
 
+def _no_device() -> str | None:
+    return None
+
+
 @dataclass(eq=False)
 class GroupView:
     """What diagnostics read of a group. ``ident`` names the group the same
@@ -60,7 +64,8 @@ class GroupView:
     ``counts`` returns (last collective issued, last completed, last
     point-to-point operation issued); ``state`` returns None while open,
     else "aborted", "revoked" or "destroyed"; ``activity`` the counters and
-    pending operations for a dump."""
+    pending operations for a dump; ``device`` the device its communicator
+    is bound to, in words ("cuda:1"), None when there is none."""
 
     ident: str
     uid: int
@@ -74,14 +79,16 @@ class GroupView:
     name: str = "0"
     backend: str = ""
     activity: Callable[[], Activity] = field(default=_no_activity)
+    device: Callable[[], str | None] = field(default=_no_device)
 
     @classmethod
     def of(cls, store: Store, name: str, uid: int, desc: str, rank: int, size: int,
            global_rank: Callable[[int], int], counts: Callable[[], tuple[int, int, int]],
            state: Callable[[], str | None], backend: str = "",
-           activity: Callable[[], Activity] = _no_activity) -> GroupView:
+           activity: Callable[[], Activity] = _no_activity, device: Callable[[], str | None] = _no_device) -> GroupView:
         root, path = root_of(store)
-        return cls(f"{path}|{name}", uid, desc, rank, size, root, global_rank, counts, state, name, backend, activity)
+        return cls(f"{path}|{name}", uid, desc, rank, size, root, global_rank, counts, state, name, backend, activity,
+                   device)
 
     def name_of(self, r: int) -> str:
         """Group rank ``r`` in words ("1 (global 2)")."""

@@ -208,7 +208,13 @@ class GroupCore:
         return GroupView.of(self._store, self.group_name, self.uid, self.group_desc, self._rank, self._size,
                             global_rank, _weakly(self._progress_counts, (0, 0, 0)),
                             _weakly(self._state_name, GroupState.DESTROYED.value), self._backend.name,
-                            _weakly(self._activity, Activity()))
+                            _weakly(self._activity, Activity()), _weakly(self._device_name, None))
+
+    def _device_name(self) -> str | None:
+        d = self._device
+        if d is None or isinstance(d, str):
+            return d
+        return f"cuda:{d}" if isinstance(d, int) else str(d)
 
     def _progress_counts(self) -> tuple[int, int, int]:
         return self._seq, self._completed_seq, self._seq_p2p
@@ -397,6 +403,7 @@ class GroupCore:
         if mode in (1, 3):
             print(f"nccl_pg: rank {self._global_rank_of(self._rank)}: {error}; ending the process "
                   f"(NCCL_PG_ASYNC_ERROR_HANDLING={mode})", file=sys.stderr, flush=True)
+            watchdog.get().ending()
             os.abort()
 
     def close_for_blocking_wait(self, error: BaseException) -> None:
@@ -446,6 +453,7 @@ class GroupCore:
             watchdog.get().drain(self, lambda: list(self._pending), _ABORTED_DRAIN)
         with self._lock:
             self._state = GroupState.DESTROYED
+        watchdog.get().diagnosis.release(self.diag)  # the store's listener ends with its last group
         if comm is not None:
             if comm.state is CommState.INITIALIZING:
                 comm.abort()  # a nonblocking init still waiting for peers would hold destroy up

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from .. import env
-from ..diagnostics import diagnosis, dump, group_view
+from ..diagnostics import diagnosis, dump, group_view, stacks
 from . import forks
 
 if TYPE_CHECKING:
@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 # 1.25 timeouts), and at least once a second so that a short timeout is not overshot by much.
 _HEARTBEAT_CHECKS = 4
 _HEARTBEAT_CHECK_MAX = 1.0
+# At exit, the longest wait for the diagnosis threads to leave their store calls: an incident in progress ends
+# within its budget (2 s at most) and the time to read the answers.
+_EXIT_JOIN = 5.0
 
 
 class Watched(Protocol):
@@ -79,6 +82,8 @@ class Watchdog:
         self._pipe: tuple[int, int, str] | None = None  # (rank, fd, path) of the dump pipe
         self._pipe_refused: int | None = None  # the rank whose pipe could not be made or was not ours
         self.diagnosis = diagnosis.Diagnosis(group_view.views, self.write_dump, lambda: self._dump_on_timeout)
+        # C-level stack dumps (a signal's handler, a timer at the pending operations' deadline), with the dumps
+        self._stacks = stacks.CStacks(env.STACKS_SIGNAL.get(), self._interval) if self._dump_on_timeout else None
         self._owner = forks.Owner()
         atexit.register(self._at_exit)
         self._start("poller", self._poll_loop)
@@ -158,6 +163,7 @@ class Watchdog:
                 except Exception:
                     log.exception("watchdog: checking %r failed", pg)
             self._check_pipe()
+            self._keep_stacks([w for w in works if id(w) not in done])
             # The loop variables would keep the last Work, and through it its group, alive until the next poll
             # that has one: a group its user dropped (``del pg``) must be freed now.
             groups = works = w = pg = backend = None  # type: ignore[assignment]
@@ -187,6 +193,23 @@ class Watchdog:
             owner = fn = None  # type: ignore[assignment]  # (references to a group: see _poll_loop)
 
     # --- dumps --------------------------------------------------------------------------
+
+    def ending(self) -> None:
+        """The process is about to end itself (SIGABRT): no C-level stack dump
+        may start now (one racing the teardown can crash the process)."""
+        if self._stacks is not None:
+            self._stacks.cancel()
+
+    def _keep_stacks(self, pending: list[Work]) -> None:
+        """The C-level stacks' file once a group is open, and their timer at
+        the earliest deadline of the operations pending (stacks.py)."""
+        if self._stacks is None:
+            return
+        if self._stacks.file is None:
+            views = [v for v in group_view.views() if v.state() is None]
+            if not views or not self._stacks.open(views[0].global_rank(views[0].rank)):
+                return
+        self._stacks.keep(min((w.deadline for w in pending), default=None))
 
     def _check_pipe(self) -> None:
         """A byte written to ``<dump prefix><rank>.pipe`` asks for a dump
@@ -235,6 +258,14 @@ class Watchdog:
     def _at_exit(self) -> None:
         if self._owner.here():  # a forked child's exit must not unlink its parent's pipe
             self._close_pipe(for_good=True)
+            if self._stacks is not None:
+                self._stacks.close()
+            # No thread of ours may still be inside a store's blocking call when the interpreter finalizes (torch's
+            # store client aborts the process if its call returns then): end the listeners and incident threads.
+            left = self.diagnosis.close_all(_EXIT_JOIN)
+            if left:
+                log.warning("nccl_pg: %d diagnosis thread(s) still in a store call at exit: %s", len(left),
+                            ", ".join(t.name for t in left))
 
     def _close_pipe(self, for_good: bool = False) -> None:
         if for_good:  # at exit: the poller, still running, must not create the pipe again
@@ -275,6 +306,7 @@ class Watchdog:
                 path = self.write_dump(reason, rank)
                 print(f"nccl_pg: rank {rank}: {reason}; dump: {path}; ending the process with SIGABRT",
                       file=sys.stderr, flush=True)
+                self.ending()
                 os.kill(os.getpid(), signal.SIGABRT)
 
 

@@ -364,6 +364,11 @@ class Work:
         """When it was issued (``time.monotonic()``)."""
         return self._issued_mono
 
+    @property
+    def deadline(self) -> float:
+        """When it times out (``time.monotonic()``)."""
+        return self._issued_mono + self._timeout
+
     def is_success(self) -> bool:
         return self.is_completed() and self._error is None
 

@@ -68,6 +68,17 @@ def check_amount(amount: object) -> int:
     return amount
 
 
+def added(key: str, old: bytes, amount: int) -> int:
+    """add()'s rule for every store: ``old`` is a decimal integer, the sum fits in 64 bits."""
+    try:
+        value = int(old) + amount
+    except ValueError:
+        raise DistStoreError(f"add() on key {key!r} whose value {old[:40]!r} is not an integer") from None
+    if not -(2**63) <= value < 2**63:
+        raise DistStoreError(f"add() on key {key!r} overflows 64 bits")
+    return value
+
+
 def check_multi_set(keys: Sequence[str], values: Sequence[Value]) -> tuple[list[str], list[bytes]]:
     keys = check_keys(keys)
     values = list(values)
@@ -199,6 +210,13 @@ class Store:
             self.set(f"{key}/released", b"1")
         self.wait([f"{key}/released"], seconds)
 
+    def parking(self) -> Parking:
+        """A long wait another thread can end (``Parking.close``). The
+        default waits on this store in short slices, looking between them
+        whether it was closed: cheap where a wait costs no server anything
+        (in-process and file stores); a store with a server overrides it."""
+        return Parking(self)
+
     def close(self) -> None:
         """Release connections or files; the store is unusable afterwards."""
 
@@ -207,6 +225,43 @@ class Store:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Unparked(DistStoreError):
+    """A parked wait ended by ``Parking.close``."""
+
+
+class Parking:
+    """One wait at a time on a store that another thread can end: the
+    diagnosis listener parks one for minutes, and must leave with the last
+    group on its store and before the interpreter finalizes (a thread still
+    inside a foreign library's blocking call then can abort the process).
+    ``wait`` returns when the keys exist, raises DistStoreError at its
+    timeout or a failure, and Unparked once ``close`` was called."""
+
+    SLICE = 0.1  # seconds between two looks at whether it was closed (the default waits in slices)
+
+    def __init__(self, store: Store, slice_s: float = SLICE) -> None:
+        self.store = store
+        self.slice = slice_s
+        self.closed = False
+
+    def wait(self, keys: Sequence[str], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.closed:
+                raise Unparked(f"the wait for {list(keys)!r} on {self.store!r} was ended")
+            left = deadline - time.monotonic()
+            try:
+                self.store.wait(keys, max(min(left, self.slice), 0.001))
+                return
+            except DistStoreError as exc:  # a slice's timeout ("timeout: ..."), else a failure
+                if left <= self.slice or not str(exc).startswith("timeout"):
+                    raise
+
+    def close(self) -> None:
+        """End the wait in progress (and any later one); idempotent, from any thread."""
+        self.closed = True
 
 
 class KeyValueState:
@@ -219,13 +274,7 @@ class KeyValueState:
         self.queues: dict[str, deque[bytes]] = {}  # only non-empty ones
 
     def add(self, key: str, amount: int) -> int:
-        old = self.data.get(key, b"0")
-        try:
-            value = int(old) + amount
-        except ValueError:
-            raise DistStoreError(f"add() on key {key!r} whose value {old[:40]!r} is not an integer") from None
-        if not -(2**63) <= value < 2**63:
-            raise DistStoreError(f"add() on key {key!r} overflows 64 bits")
+        value = added(key, self.data.get(key, b"0"), amount)
         self.data[key] = str(value).encode()
         return value
 

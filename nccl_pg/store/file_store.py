@@ -14,6 +14,12 @@ of the file and is truncated by the next writer; any other damage (a head or
 data that fails its checksum) raises DistStoreError instead of silently
 dropping the records after it.
 
+A write that fails or comes up short (a full disk) raises DistStoreError
+and leaves the store as it was: the part written is cut off again (under the
+exclusive lock, so no reader saw it) and nothing was applied in memory (an
+operation computes its records from the state, and applies them only once
+they are in the file).
+
 Users are counted in the file: with ``world_size`` > 0 the file is removed
 once ``world_size`` users have closed it and none has it open (torch's rule);
 with ``world_size`` unknown, when its last user closes it.
@@ -21,6 +27,7 @@ with ``world_size`` unknown, when its last user closes it.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import struct
@@ -61,6 +68,14 @@ def record(kind: int, key: str, value: bytes = b"") -> bytes:
     k = key.encode()
     part = _HEAD_PART.pack(kind, len(k), len(value), zlib.crc32(value, zlib.crc32(k)))
     return part + struct.pack("<I", zlib.crc32(part)) + k + value
+
+
+def _added(state: KeyValueState, key: str, amount: int) -> bytes:
+    """The value add(key, amount) would store, with add()'s checks; ``state`` is left alone."""
+    scratch = KeyValueState()
+    if key in state.data:
+        scratch.data[key] = state.data[key]
+    return str(scratch.add(key, amount)).encode()
 
 
 def _apply(state: KeyValueState, kind: int, key: str, value: bytes) -> bool:
@@ -108,8 +123,7 @@ class FileStore(Store):
         while True:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
             try:
-                self._update(lambda: [(_SET, _USERS_KEY, str(self._state.add(_USERS_KEY, 1)).encode())],
-                             deadline)
+                self._update(lambda: [(_SET, _USERS_KEY, _added(self._state, _USERS_KEY, 1))], deadline)
                 return
             except _Replaced:  # the last user of an earlier file removed it as we opened it
                 os.close(self._fd)
@@ -177,7 +191,7 @@ class FileStore(Store):
         if self._offset == 0:
             if size == 0:
                 if repair:  # a new file: the exclusive lock is ours
-                    os.write(fd, MAGIC)
+                    self._write(fd, MAGIC)
                     self._offset = len(MAGIC)
                 return
             if size >= len(MAGIC) and os.pread(fd, len(MAGIC), 0) != MAGIC:
@@ -186,7 +200,7 @@ class FileStore(Store):
             if size < len(MAGIC):  # a creator died while writing the header
                 if repair:
                     os.ftruncate(fd, 0)
-                    os.write(fd, MAGIC)
+                    self._write(fd, MAGIC)
                     self._offset = len(MAGIC)
                 return
             self._offset = len(MAGIC)
@@ -216,18 +230,38 @@ class FileStore(Store):
             os.ftruncate(fd, self._offset)
 
     def _update(self, change: Callable[[], Change], deadline: float | None = None) -> Change:
-        """Under the exclusive lock, run ``change`` on the fresh state, apply
-        and log the records it returns (and return them)."""
+        """Under the exclusive lock, run ``change`` on the fresh state (it
+        must not modify it), log the records it returns, then apply them
+        (and return them)."""
         with self._locked(fcntl.LOCK_EX, self._op_deadline() if deadline is None else deadline) as fd:
             records = change()
+            log = b"".join([record(kind, key, value) for kind, key, value in records])
+            if log:
+                self._write(fd, log)
+                self._offset += len(log)
             state = self._state
             for kind, key, value in records:
                 _apply(state, kind, key, value)
-            log = b"".join([record(kind, key, value) for kind, key, value in records])
-            if log:
-                os.write(fd, log)
-                self._offset += len(log)
             return records
+
+    def _write(self, fd: int, data: bytes) -> None:
+        """Append ``data`` whole (under the exclusive lock, at the end of what
+        was replayed), or cut off what part of it was written and raise."""
+        view, done = memoryview(data), 0
+        try:
+            while done < len(data):
+                n = os.write(fd, view[done:])
+                if n == 0:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                done += n
+        except OSError as exc:
+            try:
+                os.ftruncate(fd, self._offset)
+                left = "the store is as it was"
+            except OSError:  # a reader stops before the cut record, and the next writer removes it
+                left = "the store is as it was (the cut record it left at the end is ignored by every reader)"
+            raise DistStoreError(f"{self!r}: could not write to the file ({exc.strerror or exc}; wrote {done} of "
+                                 f"{len(data)} bytes: is the disk full?); {left}") from None
 
     def _op_deadline(self) -> float:
         return time.monotonic() + self.timeout
@@ -266,7 +300,7 @@ class FileStore(Store):
 
     def add(self, key: str, amount: int) -> int:
         key, amount = check_key(key), check_amount(amount)
-        return int(self._update(lambda: [(_SET, key, str(self._state.add(key, amount)).encode())])[0][2])
+        return int(self._update(lambda: [(_SET, key, _added(self._state, key, amount))])[0][2])
 
     def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:
         key = check_key(key)
@@ -275,8 +309,11 @@ class FileStore(Store):
 
         def change() -> Change:
             before = self._state.data.get(key)
-            result.append(self._state.compare_set(key, expected, desired))
-            after = self._state.data.get(key)
+            scratch = KeyValueState()  # compare_set's rule, on a copy of the one key
+            if before is not None:
+                scratch.data[key] = before
+            result.append(scratch.compare_set(key, expected, desired))
+            after = scratch.data.get(key)
             return [] if after is None or after == before else [(_SET, key, after)]
 
         self._update(change)
@@ -359,12 +396,11 @@ class FileStore(Store):
             return
 
         def leave() -> Change:
-            users = self._state.add(_USERS_KEY, -1)
-            finished = self._state.add(_FINISHED_KEY, 1)
-            if users <= 0 and (self.world_size <= 0 or finished >= self.world_size):
+            users, finished = _added(self._state, _USERS_KEY, -1), _added(self._state, _FINISHED_KEY, 1)
+            if int(users) <= 0 and (self.world_size <= 0 or int(finished) >= self.world_size):
                 os.unlink(self.path)  # under the lock, so nobody joins a file about to vanish
                 return []
-            return [(_SET, _USERS_KEY, str(users).encode()), (_SET, _FINISHED_KEY, str(finished).encode())]
+            return [(_SET, _USERS_KEY, users), (_SET, _FINISHED_KEY, finished)]
 
         try:
             self._update(leave)

@@ -1,5 +1,5 @@
-"""Init methods: turn ``tcp://``, ``file://`` or ``env://`` into a store, a
-rank and a world size.
+"""Init methods: turn ``tcp://``, ``file://``, ``etcd://`` or ``env://`` into
+a store, a rank and a world size.
 
 ``env://`` reads the variables of torchrun / ``nccl-pg run`` (RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), and falls back to those of
@@ -140,8 +140,14 @@ def rendezvous(
         if not path:
             raise ValueError(f"init_method {init_method!r}: expected file:///absolute/path")
         source = f"file://{path}"
+    elif url.scheme == "etcd":
+        job = unquote(url.path).removeprefix("/")
+        if not url.netloc or not job:
+            raise ValueError(f"init_method {init_method!r}: expected etcd://host:port[,host:port...]/job")
+        source = f"etcd://{url.netloc}/{job}"
     else:
-        raise ValueError(f"init_method {init_method!r}: unsupported scheme; use env://, tcp://host:port or file:///path")
+        raise ValueError(f"init_method {init_method!r}: unsupported scheme; use env://, tcp://host:port, "
+                         f"file:///path or etcd://host:port[,host:port...]/job")
 
     if world_size < 1:
         raise ValueError(f"{source}: world_size must be given and >= 1, got {world_size}")
@@ -150,6 +156,10 @@ def rendezvous(
 
     if url.scheme == "file":
         store: Store = FileStore(path, world_size, timeout=seconds)
+    elif url.scheme == "etcd":
+        from .etcd_store import EtcdStore  # only jobs on etcd load its client
+
+        store = EtcdStore(url.netloc, job, timeout=seconds)
     else:
         agent_store = url.scheme == "env" and env.USE_AGENT_STORE.get(environ)
         store = TCPStore(host, port, world_size=world_size, is_master=rank == 0 and not agent_store,

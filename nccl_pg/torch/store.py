@@ -9,6 +9,9 @@ which the host communicator's init and the watchdog catch.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -18,7 +21,7 @@ from typing import Any, TypeVar
 import torch.distributed as tdist
 
 from ..errors import DistNetworkError, DistStoreError, QueueEmptyError
-from ..store.base import Store, Value, check_key, check_keys, to_bytes
+from ..store.base import Parking, Store, Unparked, Value, check_key, check_keys, to_bytes
 from ..timeouts import Timeout
 
 T = TypeVar("T")
@@ -61,6 +64,11 @@ class TorchStore(Store):
 
     def __repr__(self) -> str:
         return f"TorchStore({self._torch!r})"
+
+    @property
+    def torch_store(self) -> Any:
+        """The torch store this adapts."""
+        return self._torch
 
     def set(self, key: str, value: Value) -> None:
         _ours(lambda: self._torch.set(check_key(key), to_bytes(value, key)), f"set({key!r})")
@@ -122,6 +130,16 @@ class TorchStore(Store):
     def clone(self) -> TorchStore:
         return TorchStore(_ours(self._torch.clone, "clone()"), self.timeout)
 
+    def parking(self) -> Parking:
+        """torch's TCPStore client has no way to end a wait from another
+        thread, and a thread still inside it when the interpreter finalizes
+        aborts the process (it re-enters Python from a C++ destructor): the
+        parked wait runs on a clone whose socket ``close()`` shuts down.
+        torch's other stores (FileStore, HashStore) cost no server anything
+        to wait on: short slices."""
+        port = _tcp_port(self._torch)
+        return Parking(self) if port is None else _SocketParking(self, port)
+
     def queue_push(self, key: str, value: Value) -> None:
         _ours(lambda: self._torch.queue_push(check_key(key), to_bytes(value, key)), f"queue_push({key!r})")
 
@@ -139,3 +157,90 @@ class TorchStore(Store):
 
     def queue_len(self, key: str) -> int:
         return int(_ours(lambda: self._torch.queue_len(check_key(key)), f"queue_len({key!r})"))
+
+
+def _tcp_port(store: Any) -> int | None:
+    """The server port of the torch TCPStore under ``store``'s PrefixStores, if that is what it is."""
+    while isinstance(store, tdist.distributed_c10d.PrefixStore):
+        store = store.underlying_store
+    return int(store.port) if type(store).__name__ == "TCPStore" else None  # (torch's stubs omit the class)
+
+
+def _sockets() -> set[tuple[int, str]]:
+    """This process's socket descriptors, with what each names ("socket:[inode]"): a number closed and
+    reused meanwhile is a new entry."""
+    out = set()
+    for n in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{n}")
+            if target.startswith("socket:"):
+                out.add((int(n), target))
+    return out
+
+
+def _client_of(fd: int, port: int) -> bool:
+    """Whether socket ``fd`` is a TCP client connection to ``port`` (not a server's end of one)."""
+    with contextlib.suppress(OSError):
+        s = socket.socket(fileno=os.dup(fd))
+        try:
+            return s.type == socket.SOCK_STREAM and s.getpeername()[1] == port and s.getsockname()[1] != port
+        finally:
+            s.close()
+    return False
+
+
+class _SocketParking(Parking):
+    """A wait on a clone of a torch TCPStore whose socket is known (the one
+    descriptor the clone opened to the server's port), so that ``close``
+    can shut it down: the wait then fails at once (torch logs the lost
+    connection as a warning) and raises Unparked. Where the socket cannot be
+    told apart, the wait is an ordinary one, which ``close`` cannot end."""
+
+    def __init__(self, store: TorchStore, port: int) -> None:
+        super().__init__(store)
+        self._adapter, self._port = store, port
+        self._lock = threading.Lock()
+        self._clone: Any = None
+        self._fd: int | None = None
+
+    def _open(self) -> None:
+        for _ in range(3):  # another thread connecting to the server at that moment makes it ambiguous
+            before = _sockets()
+            clone = _ours(self._adapter.torch_store.clone, "clone()")
+            mine = [fd for fd, _ in sorted(_sockets() - before) if _client_of(fd, self._port)]
+            with self._lock:
+                self._clone = clone
+                self._fd = mine[0] if len(mine) == 1 else None
+            if self._fd is not None:
+                return
+
+    def wait(self, keys: Sequence[str], timeout: float) -> None:
+        if self.closed:
+            raise Unparked(f"the wait for {list(keys)!r} on {self._adapter!r} was ended")
+        if self._clone is None:
+            self._open()
+            if self.closed:  # closed while the clone was made, before close() could see its socket
+                raise Unparked(f"the wait for {list(keys)!r} on {self._adapter!r} was ended")
+        if self._fd is None:  # (torch logs every timed-out wait: slices would fill the log)
+            self._adapter.wait(keys, timeout)
+            return
+        ks = check_keys(keys)
+        try:
+            _ours(lambda: self._clone.wait(ks, timedelta(seconds=timeout)), f"wait({ks!r})")
+        except RuntimeError as exc:
+            if self.closed:
+                raise Unparked(f"the wait for {ks!r} on {self._adapter!r} was ended") from exc
+            if isinstance(exc, DistStoreError) or "timeout" not in str(exc).lower():
+                raise
+            raise DistStoreError(f"timeout: wait({ks!r}) on {self._adapter!r}: {exc}") from exc
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            fd = self._fd
+            if fd is None:
+                return
+            with contextlib.suppress(OSError):  # the clone is alive (we hold it): the descriptor is still its own
+                s = socket.socket(fileno=os.dup(fd))
+                s.shutdown(socket.SHUT_RDWR)
+                s.close()

@@ -19,7 +19,7 @@ from nccl_pg.comm.base import CommConfig
 from nccl_pg.comm.host import HostCommunicator
 from nccl_pg.errors import DistBackendError
 from nccl_pg.reduce_op import ReduceOp
-from nccl_pg.store import PrefixStore
+from nccl_pg.store import PrefixStore, TCPStore
 
 
 def matrix(ctx: Ctx) -> dict:
@@ -275,6 +275,36 @@ def frozen_in_init(ctx: Ctx) -> dict:
     """The victim: joins the communicator's rendezvous, then freezes before
     the connections are made. The parent kills it."""
     HostCommunicator.create(_FreezeOnPeerAddresses("comm", ctx.store), ctx.n, ctx.rank,
+                            CommConfig(timeout=60))
+    return {}
+
+
+class _StopAfterCounting(PrefixStore):
+    """The store of a rank that stops (SIGSTOP) or dies (SIGKILL) the moment
+    its count of the rendezvous comes back as the last one: the others'
+    store wait for "all joined" then has nobody to end it."""
+
+    def __init__(self, prefix: str, store: TCPStore, n: int, how: str) -> None:
+        super().__init__(prefix, store)
+        self.n, self.how = n, how
+
+    def add(self, key: str, amount: int) -> int:
+        value = super().add(key, amount)
+        if key == "joined" and amount == 1 and value == self.n:
+            self.underlying_store.add("stopped", 1)  # answered: the parent sees it whatever comes next
+            os.kill(os.getpid(), signal.SIGSTOP if self.how == "stop" else signal.SIGKILL)
+        return value
+
+
+def counts_last_then_stops(ctx: Ctx) -> dict:
+    """The victim: once every other rank has counted itself in, joins the
+    rendezvous, counts itself last and stops there (args["how"]: "stop" or
+    "kill"). The parent kills it."""
+    deadline = time.monotonic() + 30
+    while ctx.store.add("comm/joined", 0) < ctx.n - 1:
+        assert time.monotonic() < deadline, "the other ranks never counted themselves in"
+        time.sleep(0.01)
+    HostCommunicator.create(_StopAfterCounting("comm", ctx.store, ctx.n, ctx.args["how"]), ctx.n, ctx.rank,
                             CommConfig(timeout=60))
     return {}
 

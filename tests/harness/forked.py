@@ -104,7 +104,9 @@ def _child(scenario: Callable[..., Any], rank: int, world_size: int, backend: st
            env: Mapping[str, str], kwargs: Mapping[str, Any], conn: mpc.Connection) -> None:
     code = 0
     try:
-        if backend == "nccl":  # every rank drives GPU 0: each process must look like its own host
+        # Every rank drives GPU 0: each process must look like its own host, unless NCCL >= 2.30 is told to
+        # share the GPU (NCCL_MULTI_RANK_GPU_ENABLE=1, as backends.pick_gpu does).
+        if backend == "nccl" and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE", "0") in ("", "0"):
             for name, value in {"NCCL_HOSTID": f"rank{rank}", **backends.SAME_GPU_ENV}.items():
                 os.environ.setdefault(name, value)
         os.environ.update(env)

@@ -75,6 +75,21 @@ class ThreadWorld:
         destroy_all(self.comms)
 
 
+def start_thread(target: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
+    """Run ``target`` in a thread; the list receives its result or exception."""
+    out: list[object] = []
+
+    def run() -> None:
+        try:
+            out.append(target())
+        except Exception as exc:
+            out.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
 def returns_within(seconds: float, fn: Callable[[], object]) -> object:
     """Call fn in a thread; fail if it has not returned within ``seconds``."""
     box: dict[str, object] = {}

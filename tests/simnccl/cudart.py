@@ -62,6 +62,8 @@ import numpy as np
 from cuda.bindings import driver as real_driver  # type: ignore[import-untyped]
 from cuda.bindings import runtime as real_runtime  # type: ignore[import-untyped]
 
+from . import module_load  # the driver's versions and module loads (the NVRTC/driver pairing)
+
 E = real_runtime.cudaError_t
 OK = E.cudaSuccess
 _MODE = real_runtime.cudaStreamCaptureMode
@@ -494,12 +496,12 @@ def cudaDeviceGetStreamPriorityRange() -> Any:  # noqa: N802
 
 def cudaDriverGetVersion() -> Any:  # noqa: N802
     _count("cudaDriverGetVersion")
-    return (OK, 13000)
+    return (OK, module_load.VERSIONS.driver)
 
 
 def cudaRuntimeGetVersion() -> Any:  # noqa: N802
     _count("cudaRuntimeGetVersion")
-    return (OK, 13000)
+    return (OK, module_load.VERSIONS.runtime)
 
 
 def cudaGetErrorName(error: Any) -> Any:  # noqa: N802
@@ -1088,10 +1090,10 @@ def cuDeviceGetCount() -> Any:  # noqa: N802
 
 
 def cuDriverGetVersion() -> Any:  # noqa: N802
-    return (real_driver.CUresult.CUDA_SUCCESS, 13000)
+    return (real_driver.CUresult.CUDA_SUCCESS, module_load.VERSIONS.driver)
 
 
-_DRIVER_FUNCTIONS: list[Callable[..., Any]] = [cuInit, cuDeviceGetCount, cuDriverGetVersion]
+_DRIVER_FUNCTIONS: list[Callable[..., Any]] = [cuInit, cuDeviceGetCount, cuDriverGetVersion, *module_load.FUNCTIONS]
 
 
 def _param_names(fn: Callable[..., Any]) -> list[str]:

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ...reduce_op import ReduceOp
-from .transport import ANY, NO_ROOT, Mesh, Meta, Recv, Send, WireNames
+from .transport import ANY, EMPTY, NO_ROOT, NO_SIZE, Mesh, Meta, Recv, Send, WireNames, empty_target
 
 # Kinds of operation, sent in every message header (names for error messages).
 OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter",
@@ -33,24 +33,40 @@ WIRE_NAMES = WireNames(OPS, DTYPES, tuple(op.name for op in ReduceOp))
 
 
 class Tag(NamedTuple):
-    """What every message of one operation carries for the peers to check."""
+    """What every message of one collective carries for the peers to check."""
 
     kind: int
     meta: Meta
+    number: int  # the collective's, on this communicator
+    rooted: bool  # its exchanges watch the connections they do not read (see transport)
 
 
 _code_of: dict[np.dtype, int] = {}  # dtype -> its code, by the dtype itself (``dtype.name`` costs microseconds)
 
 
-def tag(kind: str, dtype: np.dtype, op: ReduceOp | None = None, root: int = NO_ROOT) -> Tag:
+def tag(mesh: Mesh, kind: str, dtype: np.dtype, size: int = NO_SIZE, op: ReduceOp | None = None,
+        root: int = NO_ROOT) -> Tag:
+    """The tag of a collective beginning now; ``size``: the bytes of its
+    buffer that every rank must give alike."""
     code = _code_of.get(dtype)
     if code is None:
         code = _code_of[dtype] = _DTYPE_CODE.get(dtype.name, ANY)
-    return Tag(KIND[kind], (code, ANY if op is None else _OP_CODE[op], root))
+    return Tag(KIND[kind], (code, ANY if op is None else _OP_CODE[op], root, size), mesh.next_collective(),
+               root != NO_ROOT)
 
 
 def _x(mesh: Mesh, t: Tag, sends: list[Send], recvs: list[Recv]) -> None:
-    mesh.exchange(t.kind, sends, recvs, t.meta)
+    mesh.exchange(t.kind, sends, recvs, t.meta, number=t.number, watch=t.rooted)
+
+
+def _to_root(root: int) -> list[Send]:
+    """A non-root's empty message to the root of a collective that sends it nothing back to check against."""
+    return [(root, EMPTY)]
+
+
+def _from_others(mesh: Mesh, root: int) -> list[Recv]:
+    """The root's receipt of every other rank's empty message."""
+    return [(p, empty_target(), None) for p in range(mesh.nranks) if p != root]
 
 SMALL_BYTES = 64 * 1024  # below this, one-round algorithms win on latency
 CHUNK_BYTES = 1 << 20  # ring/chain chunk
@@ -143,7 +159,7 @@ def all_reduce(mesh: Mesh, send: np.ndarray, recv: np.ndarray, op: ReduceOp, sca
     if n == 1:
         _alone(mine, recv, op)
         return
-    t = tag("all_reduce", send.dtype, op)
+    t = tag(mesh, "all_reduce", send.dtype, send.nbytes, op)
     combine = combiner(op, send.dtype)
     if send.nbytes <= SMALL_BYTES * max(1, n // 2):
         parts = _all_gather_small(mesh, t, mine)
@@ -202,17 +218,20 @@ def _ring_all_gather(mesh: Mesh, t: Tag, buf: np.ndarray, segs: list[tuple[int, 
 
 
 def broadcast(mesh: Mesh, send: np.ndarray, recv: np.ndarray, root: int) -> None:
+    """Every non-root also sends the root an empty message (in the exchange
+    that receives its data: no round trip), so that the root hears from
+    every rank and a disagreement on the root or the size fails there too."""
     n, me = mesh.nranks, mesh.rank
-    t = tag("broadcast", recv.dtype, root=root)
+    t = tag(mesh, "broadcast", recv.dtype, recv.nbytes, root=root)
     if me == root and send is not recv:
         np.copyto(recv, send)
     if n == 1:
         return
     if recv.nbytes <= SMALL_BYTES:
         if me == root:
-            _x(mesh, t, [(p, u8(recv)) for p in range(n) if p != root], [])
+            _x(mesh, t, [(p, u8(recv)) for p in range(n) if p != root], _from_others(mesh, root))
         else:
-            _x(mesh, t, [], [(root, u8(recv), None)])
+            _x(mesh, t, _to_root(root), [(root, u8(recv), None)])
         return
     if mesh.tree_broadcast:
         _tree_broadcast(mesh, t, recv, root)
@@ -223,13 +242,13 @@ def broadcast(mesh: Mesh, send: np.ndarray, recv: np.ndarray, root: int) -> None
     nxt, prv = (me + 1) % n, (me - 1) % n
     parts = chunks(0, recv.size, recv.itemsize)
     if pos == 0:
-        _x(mesh, t, [(nxt, u8(recv[a:b])) for a, b in parts], [])
+        _x(mesh, t, [(nxt, u8(recv[a:b])) for a, b in parts], _from_others(mesh, root))
         return
     if pos == n - 1:
-        _x(mesh, t, [], [(prv, u8(recv[a:b]), None) for a, b in parts])
+        _x(mesh, t, _to_root(root), [(prv, u8(recv[a:b]), None) for a, b in parts])
         return
     for k in range(len(parts) + 1):
-        sends: list[Send] = [(nxt, u8(recv[slice(*parts[k - 1])]))] if k > 0 else []
+        sends: list[Send] = [(nxt, u8(recv[slice(*parts[k - 1])]))] if k > 0 else _to_root(root)
         recvs: list[Recv] = [(prv, u8(recv[slice(*parts[k])]), None)] if k < len(parts) else []
         _x(mesh, t, sends, recvs)
 
@@ -238,14 +257,17 @@ def _tree_broadcast(mesh: Mesh, t: Tag, buf: np.ndarray, root: int) -> None:
     """Binomial tree, whole buffer per step: ceil(log2 n) steps. Slower than
     the chain when every rank has its own core, but when a host's ranks
     outnumber its CPUs the chain's many handoffs between time-sliced ranks
-    cost more than the extra steps (measured in docs/BENCHMARKS.md)."""
+    cost more than the extra steps (measured in docs/BENCHMARKS.md). A
+    non-root's empty message to the root goes with its receive; the root
+    collects them with its last send."""
     n, v = mesh.nranks, (mesh.rank - root) % mesh.nranks
     mask = 1
     while mask < n:
         if v < mask and v + mask < n:
-            _x(mesh, t, [((v + mask + root) % n, u8(buf))], [])
+            last = v == 0 and 2 * mask >= n
+            _x(mesh, t, [((v + mask + root) % n, u8(buf))], _from_others(mesh, root) if last else [])
         elif mask <= v < 2 * mask:
-            _x(mesh, t, [], [((v - mask + root) % n, u8(buf), None)])
+            _x(mesh, t, _to_root(root), [((v - mask + root) % n, u8(buf), None)])
         mask <<= 1
 
 
@@ -258,15 +280,15 @@ def reduce(mesh: Mesh, send: np.ndarray, recv: np.ndarray | None, op: ReduceOp, 
         assert recv is not None
         _alone(mine, recv, op)
         return
-    t = tag("reduce", send.dtype, op, root)
+    t = tag(mesh, "reduce", send.dtype, send.nbytes, op, root)
     combine = combiner(op, send.dtype)
-    if send.nbytes <= SMALL_BYTES:
+    if send.nbytes <= SMALL_BYTES:  # (the root sends every rank an empty message: see gather)
         if me != root:
-            _x(mesh, t, [(root, u8(mine))], [])
+            _x(mesh, t, [(root, u8(mine))], [(root, empty_target(), None)])
             return
         theirs = np.empty((n, send.size), dtype=send.dtype)
         peers = [p for p in range(n) if p != root]
-        _x(mesh, t, [], [(p, u8(theirs[p]), None) for p in peers])
+        _x(mesh, t, [(p, EMPTY) for p in peers], [(p, u8(theirs[p]), None) for p in peers])
         theirs[root] = mine
         assert recv is not None
         _reduce_in_rank_order(list(theirs), recv, combine)
@@ -290,7 +312,7 @@ def reduce(mesh: Mesh, send: np.ndarray, recv: np.ndarray | None, op: ReduceOp, 
 def all_gather(mesh: Mesh, send: np.ndarray, recv: np.ndarray) -> None:
     """``recv`` holds n blocks of send.size, in rank order."""
     n, me = mesh.nranks, mesh.rank
-    t = tag("all_gather", send.dtype)
+    t = tag(mesh, "all_gather", send.dtype, send.nbytes)
     blocks = recv.reshape(n, send.size)
     if blocks[me].ctypes.data != send.ctypes.data:
         np.copyto(blocks[me], send)
@@ -311,7 +333,7 @@ def reduce_scatter(mesh: Mesh, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
     if n == 1:
         _alone(mine[0], recv, op)
         return
-    t = tag("reduce_scatter", send.dtype, op)
+    t = tag(mesh, "reduce_scatter", send.dtype, recv.nbytes, op)
     combine = combiner(op, send.dtype)
     if recv.nbytes <= SMALL_BYTES:
         theirs = np.empty((n, recv.size), dtype=recv.dtype)
@@ -339,27 +361,34 @@ def all_to_all(mesh: Mesh, send: np.ndarray, recv: np.ndarray, send_counts: Sequ
     if recv[r_off[me]:r_off[me + 1]].ctypes.data != send[s_off[me]:s_off[me + 1]].ctypes.data:
         np.copyto(recv[r_off[me]:r_off[me + 1]], send[s_off[me]:s_off[me + 1]])
     peers = [p for p in range(n) if p != me]
-    _x(mesh, tag("all_to_all", send.dtype), [(p, u8(send[s_off[p]:s_off[p + 1]])) for p in peers],
+    _x(mesh, tag(mesh, "all_to_all", send.dtype), [(p, u8(send[s_off[p]:s_off[p + 1]])) for p in peers],
                   [(p, u8(recv[r_off[p]:r_off[p + 1]]), None) for p in peers])
 
 
 def gather(mesh: Mesh, send: np.ndarray, recv: np.ndarray | None, root: int) -> None:
+    """The root also sends every rank an empty message (in the same
+    exchange: no round trip), so that a rank that only sends hears from the
+    root and a disagreement on the root or the size fails there too."""
     n, me = mesh.nranks, mesh.rank
+    t = tag(mesh, "gather", send.dtype, send.nbytes, root=root)
     if me != root:
-        _x(mesh, tag("gather", send.dtype, root=root), [(root, u8(send))], [])
+        _x(mesh, t, [(root, u8(send))], [(root, empty_target(), None)])
         return
     assert recv is not None
     blocks = recv.reshape(n, send.size)
     np.copyto(blocks[me], send)
-    _x(mesh, tag("gather", send.dtype, root=root), [], [(p, u8(blocks[p]), None) for p in range(n) if p != me])
+    peers = [p for p in range(n) if p != me]
+    _x(mesh, t, [(p, EMPTY) for p in peers], [(p, u8(blocks[p]), None) for p in peers])
 
 
 def scatter(mesh: Mesh, send: np.ndarray | None, recv: np.ndarray, root: int) -> None:
+    """Every non-root also sends the root an empty message (see broadcast)."""
     n, me = mesh.nranks, mesh.rank
+    t = tag(mesh, "scatter", recv.dtype, recv.nbytes, root=root)
     if me != root:
-        _x(mesh, tag("scatter", recv.dtype, root=root), [], [(root, u8(recv), None)])
+        _x(mesh, t, _to_root(root), [(root, u8(recv), None)])
         return
     assert send is not None
     blocks = send.reshape(n, recv.size)
     np.copyto(recv, blocks[me])
-    _x(mesh, tag("scatter", recv.dtype, root=root), [(p, u8(blocks[p])) for p in range(n) if p != me], [])
+    _x(mesh, t, [(p, u8(blocks[p])) for p in range(n) if p != me], _from_others(mesh, root))

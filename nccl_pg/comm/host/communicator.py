@@ -16,12 +16,13 @@ import numpy as np
 from ... import env
 from ...errors import DistBackendError, DistStoreError
 from ...reduce_op import ReduceOp
-from ...store import Store, TCPStore
+from ...store import Store
 from ..base import CommConfig, CommState, Communicator, Stream, check_dtype, check_reduction
 from . import algorithms as alg
+from .connect import MeshBuilder, listen
 from .membership import Membership
 from .stream import INLINE_BYTES, HostEvent, HostStream
-from .transport import Mesh, MeshBuilder, MeshTimeoutError, Recv, Send, listen
+from .transport import Mesh, MeshTimeoutError, Recv, Send
 
 # Stream threads wait this much past the init deadline before giving up on init themselves.
 _INIT_GRACE = 2.0
@@ -46,8 +47,9 @@ def _host_address(store: Store) -> str:
     inner = getattr(store, "underlying_store", store)
     while hasattr(inner, "underlying_store"):
         inner = inner.underlying_store
-    if isinstance(inner, TCPStore):
-        return inner.local_address()
+    local_address = getattr(inner, "local_address", None)  # TCPStore's and EtcdStore's
+    if callable(local_address):
+        return str(local_address())
     return "127.0.0.1"
 
 
@@ -199,7 +201,9 @@ class HostCommunicator(Membership, Communicator):
 
     def _rendezvous(self, store: Store, deadline: float) -> _Bootstrap:
         """O(1) store requests per rank, whatever the number of ranks: publish
-        our address, count ourselves in, wait for the last rank to say all
+        our address, count ourselves in (and mark that we did, unless we are
+        the last, who says all joined instead: so a rank stopped between its
+        count and its word can be named), wait for the last rank to say all
         joined (or an aborting rank to say it never will), then fetch the
         lower ranks' addresses in one request (the higher ones connect to us)."""
         listener = listen(_host_address(store))
@@ -213,6 +217,8 @@ class HostCommunicator(Membership, Communicator):
             store.set(f"addr/{self.rank}", _ADDR_RECORD.pack(token, port) + host.encode())
             if store.add("joined", 1) == self.nranks:
                 store.compare_set("all", b"", _ALL_JOINED)
+            else:
+                store.set(f"counted/{self.rank}", b"")
             try:
                 store.wait(["all"], timeout=max(deadline - time.monotonic(), 0.001))
             except DistStoreError:
@@ -240,32 +246,41 @@ class HostCommunicator(Membership, Communicator):
         return _Bootstrap(listener, lower, token)
 
     def _rendezvous_timeout(self, store: Store) -> DistBackendError:
-        """Name the ranks that never published their address: a bisection of
-        ``check`` requests (a few per absent rank, bounded), not one per rank."""
-        absent: list[int] = []
+        """Name the ranks that never published their address, or else the
+        ones that counted themselves in but went no further: bisections of
+        ``check`` requests (a few per such rank, bounded), not one per rank."""
         budget = [_EXPLAIN_CHECKS]
 
-        def search(lo: int, hi: int) -> None:
+        def search(prefix: str, lo: int, hi: int, found: list[int]) -> list[int]:
             if budget[0] <= 0:
-                return
+                return found
             budget[0] -= 1
-            if store.check([f"addr/{r}" for r in range(lo, hi)]):
-                return
+            if store.check([f"{prefix}{r}" for r in range(lo, hi)]):
+                return found
             if hi - lo == 1:
-                absent.append(lo)
-                return
+                found.append(lo)
+                return found
             mid = (lo + hi) // 2
-            search(lo, mid)
-            search(mid, hi)
+            search(prefix, lo, mid, found)
+            return search(prefix, mid, hi, found)
 
         head = (f"timeout: {self.name}: rank {self.rank}: Timed out after {self.config.timeout:g} s waiting for "
                 f"the other ranks to join the communicator")
         try:
             joined = store.add("joined", 0)
-            search(0, self.nranks)
+            absent = search("addr/", 0, self.nranks, [])
+            # Everyone counted, yet nobody said so: the last to count (who has no mark) stopped before it could.
+            silent = search("counted/", 0, self.nranks, []) if not absent and joined >= self.nranks else []
         except Exception as exc:  # the store itself may be gone; say what is known
             return DistBackendError(f"{head}; the store could not tell who is missing ({exc})")
         more = " (and maybe others: the search stopped at its budget)" if budget[0] <= 0 else ""
+        if len(silent) == 1:
+            return DistBackendError(f"{head}: all {self.nranks} ranks counted themselves in, but rank {silent[0]} "
+                                    f"counted itself in last but never announced that all had joined: it stopped "
+                                    f"there (frozen, or killed during init?)")
+        if silent:
+            return DistBackendError(f"{head}: all {self.nranks} ranks counted themselves in, but ranks {silent}"
+                                    f"{more} stopped right after (frozen, or killed during init?)")
         return DistBackendError(f"{head}: {joined} of {self.nranks} joined; ranks {absent}{more} never joined")
 
     def _wake_rendezvous(self) -> None:

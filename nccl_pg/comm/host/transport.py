@@ -4,10 +4,24 @@ and the engine that moves data over it.
 Every algorithm is a sequence of ``exchange()`` steps: a set of sends and
 receives that progress together on non-blocking sockets (so paired sends
 never deadlock, whatever their size). Each message carries a header with a
-per-peer sequence number, the operation's kind, dtype, reduction op, root and
-size, so ranks that disagree (one in all_reduce, another in broadcast; float32
+per-peer sequence number, the operation's kind, dtype, reduction op, root,
+size (of the operation's buffer, whatever the message carries of it) and
+number (collectives are numbered in issue order, the same on every rank), so
+ranks that disagree (one in all_reduce, another in broadcast; float32
 against int32; SUM against MAX; different roots or sizes) get an error naming
 the peer and both values, instead of garbage or a hang.
+
+A rooted collective can only be checked where messages flow, and a root that
+only sends hears from nobody: so in every rooted collective the root and
+each other rank exchange at least one message both ways (the algorithms add
+an empty one where no data goes: ``EMPTY``), in the same exchange as the
+data, costing no round trip. A rank blocked in a rooted collective also
+watches the connections it does not read from (``watch``): a message of the
+same collective there, whose fields differ from its own, is a disagreement
+too (a rank that named another root sent it). So a rank whose call disagrees
+with a peer it depends on fails in that collective, naming both values; no
+rank waits for data that will not come; and a rank completes only with the
+data of the root it named, which agreed with it.
 
 Peer death shows up as EOF or a reset on that peer's socket; the mesh is then
 broken: it says goodbye to every peer (a last frame naming the rank whose
@@ -21,18 +35,12 @@ directions run at the same time (a send to rank 1 while a receive from rank 1
 waits), which the host backend's point-to-point lanes rely on. A goodbye holds
 every sending direction, so that it never cuts into another lane's message.
 
-``MeshBuilder`` connects the mesh at init: every connection, outgoing and
-incoming, progresses at once on non-blocking sockets with the init deadline,
-a connection must prove it belongs to this communicator (its token) before it
-counts, strangers and silent connections are dropped without delaying the
-others, and ``cancel()`` (abort) ends the build at once.
+``connect.MeshBuilder`` connects the mesh at init.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import hmac
 import itertools
 import math
 import os
@@ -45,16 +53,19 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from ...errors import DistBackendError, DistNetworkError
+from ...errors import DistBackendError
 
-# per-peer seq, op kind, dtype code, reduction-op code, root (in a goodbye: the culprit), payload bytes
-HEADER = struct.Struct("<QBBBxiQ")
-# communicator token, sender's rank, communicator size
-HELLO = struct.Struct("<16sII")
+# per-peer seq, op kind, dtype code, reduction-op code, root (in a goodbye: the culprit), payload bytes, the
+# operation's size in bytes, the collective's number
+HEADER = struct.Struct("<QBBBxiQQI4x")
 ANY = 255  # dtype or op code of a message whose dtype or op is not checked (point-to-point, raw bytes)
 NO_ROOT = -1
-Meta = tuple[int, int, int]  # (dtype code, op code, root) of an operation, checked against every peer's
-NO_META: Meta = (ANY, ANY, NO_ROOT)
+NO_SIZE = 2**64 - 1
+NO_NUMBER = 2**32 - 1  # the number of a message outside the collectives (point-to-point, init)
+# (dtype code, op code, root, size in bytes) of an operation, checked against every peer's
+Meta = tuple[int, int, int, int]
+NO_META: Meta = (ANY, ANY, NO_ROOT, NO_SIZE)
+_UNSET = NO_META  # a field given as this on either side is not compared
 GOODBYE = 255  # op kind of the last frame a rank sends on each connection when it leaves a broken mesh
 _GOODBYE_MAX = 2000  # bytes of reason text in a goodbye
 _FAREWELL_BUDGET = 0.25  # seconds a failing rank spends finishing half-sent messages and saying goodbye
@@ -88,6 +99,14 @@ class PeerLostError(DistBackendError):
     def __init__(self, message: str, culprit: int, reason: str) -> None:
         super().__init__(message)
         self.culprit, self.reason = culprit, reason
+
+
+EMPTY = memoryview(b"")  # the data of a message that only carries its header (see the module's docstring)
+
+
+def empty_target() -> memoryview:
+    """Where an EMPTY message is received."""
+    return memoryview(bytearray())
 
 
 @dataclass
@@ -133,6 +152,7 @@ class Mesh:
         # Ranks of this mesh on this host (peers reached at our own address), us included.
         self.local_ranks = 1 + sum(s.getpeername()[0] == s.getsockname()[0] for s in socks.values())
         self.tree_broadcast = False  # agreed on by all ranks at init (see HostCommunicator)
+        self.collectives = 0  # collectives begun (their numbers in message headers)
         for s in socks.values():
             s.setblocking(False)
         self._send_seq = [0] * nranks
@@ -146,6 +166,12 @@ class Mesh:
         self._closed = False
         self._partial: dict[int, list[memoryview]] = {}  # per peer: the rest of a message half sent
         self._said_goodbye = False
+
+    def next_collective(self) -> int:
+        """The number of a collective beginning now (on every rank, collectives begin in the same order)."""
+        number = self.collectives
+        self.collectives = (number + 1) % NO_NUMBER
+        return number
 
     def local_address(self) -> str | None:
         """The address this rank's connections use (None for one rank)."""
@@ -215,7 +241,7 @@ class Mesh:
         self._said_goodbye = True
         culprit, reason = self._culprit()
         text = reason.encode(errors="replace")[:_GOODBYE_MAX]
-        frame = memoryview(HEADER.pack(0, GOODBYE, ANY, ANY, culprit, len(text)) + text)
+        frame = memoryview(HEADER.pack(0, GOODBYE, ANY, ANY, culprit, len(text), NO_SIZE, NO_NUMBER) + text)
         pending = {p: [*self._partial.pop(p, []), frame] for p in self._socks if p != culprit}
         deadline = time.monotonic() + _FAREWELL_BUDGET
         poller = select.poll()
@@ -286,16 +312,19 @@ class Mesh:
                 self._try_farewell(_FAREWELL_BUDGET)
 
     def exchange(self, kind: int, sends: list[Send], recvs: list[Recv], meta: Meta = NO_META,
-                 deadline: float | None = None) -> None:
+                 deadline: float | None = None, number: int = NO_NUMBER, watch: bool = False) -> None:
         """Deliver every send and fill every receive, all progressing at once;
         per peer, messages go in list order. ``on_done`` callbacks run as each
         receive completes (e.g. to reduce a chunk while the next arrives).
-        ``meta``: the operation's dtype, reduction op and root, which every
-        peer's messages must match. ``deadline`` (time.monotonic()): raise
-        MeshTimeoutError naming the peers still owing data (collectives
-        have none: the watchdog times them out)."""
+        ``meta``: the operation's dtype, reduction op, root and size, which
+        every peer's messages must match; ``number``: the collective's (from
+        next_collective()). ``watch``: while blocked, also look at the
+        connections this exchange does not read from, for a message of this
+        collective that disagrees (rooted collectives). ``deadline``
+        (time.monotonic()): raise MeshTimeoutError naming the peers still
+        owing data (collectives have none: the watchdog times them out)."""
         with self._directions((p for p, _ in sends), (p for p, _, _ in recvs)):
-            self._exchange(kind, sends, recvs, meta, deadline)
+            self._exchange(kind, sends, recvs, meta, deadline, number, watch)
 
     def recv_any(self, kind: int, target: memoryview) -> int:
         """Fill ``target`` with the first ``kind`` message to arrive from any
@@ -328,7 +357,7 @@ class Mesh:
                         continue  # the rest of the header is on its way
                     their_kind = _kind(head)
                     if their_kind in (kind, GOODBYE):
-                        self._exchange(kind, [], [(peer, target, None)], NO_META, None)
+                        self._exchange(kind, [], [(peer, target, None)], NO_META, None, NO_NUMBER, False)
                         return peer
                     elsewhere[peer] = their_kind
                     poller.unregister(fd)
@@ -336,11 +365,12 @@ class Mesh:
             raise DistBackendError(f"{self.name}: rank {self.rank} waits to receive from any rank, but every peer "
                                    f"has gone on to another operation ({detail}): ranks issued different operations")
 
-    def _exchange(self, kind: int, sends: list[Send], recvs: list[Recv], meta: Meta, deadline: float | None) -> None:
+    def _exchange(self, kind: int, sends: list[Send], recvs: list[Recv], meta: Meta, deadline: float | None,
+                  number: int, watch: bool) -> None:
         outs: dict[int, deque[_Out]] = {}
         ins: dict[int, deque[_In]] = {}
         for peer, data in sends:
-            hdr = HEADER.pack(self._send_seq[peer], kind, *meta, data.nbytes)
+            hdr = HEADER.pack(self._send_seq[peer], kind, meta[0], meta[1], meta[2], data.nbytes, meta[3], number)
             self._send_seq[peer] += 1
             parts = [memoryview(hdr), data.cast("B")] if data.nbytes else [memoryview(hdr)]
             outs.setdefault(peer, deque()).append(_Out(parts))
@@ -350,9 +380,12 @@ class Mesh:
         poller = select.poll()
         poller.register(self._wake_r, select.POLLIN)
         masks: dict[int, int] = {}
+        watched: set[int] = set()  # peers we read nothing from, whose next message we look at (``watch``)
+        held: list[threading.Lock] = []
 
         def update(peer: int) -> None:
-            mask = (select.POLLOUT if outs.get(peer) else 0) | (select.POLLIN if ins.get(peer) else 0)
+            mask = (select.POLLOUT if outs.get(peer) else 0) | (
+                select.POLLIN if ins.get(peer) or peer in watched else 0)
             fd = self._socks[peer].fileno()
             if mask != masks.get(peer, 0):
                 if peer in masks and masks[peer]:
@@ -361,26 +394,85 @@ class Mesh:
                     poller.register(fd, mask)
                 masks[peer] = mask
 
-        for peer in set(outs) | set(ins):
-            if peer not in self._socks:
-                raise DistBackendError(f"{self.name}: no connection to rank {peer}")
-            self._progress_out(peer, outs, ins)  # most small messages go out without a poll
-            update(peer)
-        while any(outs.values()) or any(ins.values()):
-            wait = None if deadline is None else max(math.ceil((deadline - time.monotonic()) * 1000), 0)
-            events = poller.poll(wait)
-            if not events and deadline is not None and time.monotonic() >= deadline:
-                late = sorted(p for p in set(outs) | set(ins) if outs.get(p) or ins.get(p))
-                raise MeshTimeoutError(f"{self.name}: ranks {late} did not answer before the deadline", late)
-            for fd, ev in events:
-                if fd == self._wake_r:
-                    raise self.error or DistBackendError(f"{self.name}: aborted")
-                peer = self._fd_peer[fd]
-                if ev & (select.POLLIN | _POLLERR) and ins.get(peer):
-                    self._progress_in(kind, meta, peer, ins)
-                if ev & (select.POLLOUT | _POLLERR) and outs.get(peer):
-                    self._progress_out(peer, outs, ins)
+        try:
+            for peer in set(outs) | set(ins):
+                if peer not in self._socks:
+                    raise DistBackendError(f"{self.name}: no connection to rank {peer}")
+                self._progress_out(peer, outs, ins)  # most small messages go out without a poll
                 update(peer)
+            while any(outs.values()) or any(ins.values()):
+                if watch and not held:  # about to block: watch the connections we do not read
+                    held = self._watch({p for p, q in ins.items() if q}, watched)
+                    for peer in watched:
+                        update(peer)
+                wait = None if deadline is None else max(math.ceil((deadline - time.monotonic()) * 1000), 0)
+                events = poller.poll(wait)
+                if not events and deadline is not None and time.monotonic() >= deadline:
+                    late = sorted(p for p in set(outs) | set(ins) if outs.get(p) or ins.get(p))
+                    raise MeshTimeoutError(f"{self.name}: ranks {late} did not answer before the deadline", late)
+                for fd, ev in events:
+                    if fd == self._wake_r:
+                        raise self.error or DistBackendError(f"{self.name}: aborted")
+                    peer = self._fd_peer[fd]
+                    if ev & (select.POLLIN | _POLLERR) and ins.get(peer):
+                        self._progress_in(kind, meta, number, peer, ins)
+                    elif (ev & (select.POLLIN | _POLLERR) and peer in watched
+                          and self._look(kind, meta, number, peer, bool(outs.get(peer)))):
+                        watched.discard(peer)  # its next message is for later: nothing more to see there
+                    if ev & (select.POLLOUT | _POLLERR) and outs.get(peer):
+                        self._progress_out(peer, outs, ins)
+                    update(peer)
+        finally:
+            for lock in held:
+                lock.release()
+
+    def _watch(self, reading: set[int], watched: set[int]) -> list[threading.Lock]:
+        """Take the receiving direction of every peer not in ``reading``
+        whose direction is free (another lane may be reading it: its bytes
+        are not ours to look at), and add those peers to ``watched``."""
+        held = []
+        for peer in self._socks:
+            if peer not in reading:
+                lock = self._locks[(peer, 1)]
+                if lock.acquire(blocking=False):
+                    held.append(lock)
+                    watched.add(peer)
+        return held
+
+    def _look(self, kind: int, meta: Meta, number: int, peer: int, sending: bool) -> bool:
+        """Look (without reading it) at the next message from a peer this
+        exchange reads nothing from (``sending``: but sends to). Raise if it
+        belongs to this collective and disagrees with it, or if a peer we
+        send to left (its goodbye, its end: the send would never finish).
+        True once there is nothing more to see: a message of a later
+        collective, one that agrees (read later in this collective), or the
+        goodbye or end of a peer this exchange does not depend on (read at
+        the next operation: a rank that timed out must not turn the other
+        ranks' own timeouts, which name who is missing, into "lost the
+        connection")."""
+        sock = self._socks[peer]
+        try:
+            head = sock.recv(HEADER.size, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as exc:
+            if sending:
+                raise self._lost(peer, exc.strerror or str(exc)) from None
+            return True
+        if not head:
+            if sending:
+                raise self._lost(peer, "end of stream")
+            return True
+        if len(head) < HEADER.size:
+            return False  # the rest of the header is on its way
+        _, their_kind, dtype, op, root, nbytes, size, their_number = HEADER.unpack(head)
+        if their_kind == GOODBYE:
+            if sending:
+                sock.recv(HEADER.size)  # ours to read: we hold this direction
+                raise self._goodbye(peer, root, nbytes)
+        elif their_number == number:
+            self._compare(kind, meta, number, peer, their_kind, (dtype, op, root, size), their_number)
+        return True
 
     def _lost(self, peer: int, why: str, pending: deque[_In] | None = None) -> PeerLostError:
         """The connection to ``peer`` failed on a send: a goodbye may wait
@@ -415,7 +507,7 @@ class Mesh:
                 continue
             header += chunk
             if len(header) == HEADER.size:
-                _, kind, _, _, root, nbytes = HEADER.unpack(header)
+                _, kind, _, _, root, nbytes, _, _ = HEADER.unpack(header)
                 if kind == GOODBYE:
                     return self._goodbye(peer, root, nbytes)
                 header, skip = bytearray(), nbytes
@@ -447,7 +539,7 @@ class Mesh:
             if full:  # the socket buffer is full: wait for POLLOUT rather than try again now
                 return
 
-    def _progress_in(self, kind: int, meta: Meta, peer: int, ins: dict[int, deque[_In]]) -> None:
+    def _progress_in(self, kind: int, meta: Meta, number: int, peer: int, ins: dict[int, deque[_In]]) -> None:
         sock, queue = self._socks[peer], ins[peer]
         while queue:
             cur = queue[0]
@@ -459,7 +551,7 @@ class Mesh:
                     cur.got_header += n
                     if cur.got_header < HEADER.size:
                         continue
-                    self._check_header(kind, meta, peer, cur)
+                    self._check_header(kind, meta, number, peer, cur)
                 if cur.got < cur.target.nbytes:
                     n = sock.recv_into(cur.target[cur.got:])
                     if n == 0:
@@ -477,25 +569,38 @@ class Mesh:
             if cur.on_done is not None:
                 cur.on_done()
 
-    def _check_header(self, kind: int, meta: Meta, peer: int, cur: _In) -> None:
-        seq, their_kind, dtype, op, root, nbytes = HEADER.unpack(cur.header)
+    def _check_header(self, kind: int, meta: Meta, number: int, peer: int, cur: _In) -> None:
+        seq, their_kind, dtype, op, root, nbytes, size, their_number = HEADER.unpack(cur.header)
         if their_kind == GOODBYE:
             raise self._goodbye(peer, root, nbytes)
         if seq != self._recv_seq[peer]:
             raise DistBackendError(f"{self.name}: message {seq} from rank {peer} arrived when message "
                                    f"{self._recv_seq[peer]} was due; the stream is corrupt")
         self._recv_seq[peer] += 1
-        theirs = (dtype, op, root)
-        if their_kind != kind or _differ(theirs, meta):
-            raise DistBackendError(
-                f"{self.name}: rank {peer} is in {self._describe(their_kind, theirs)} while rank {self.rank} is in "
-                f"{self._describe(kind, meta)}: ranks issued different operations"
-            )
+        self._compare(kind, meta, number, peer, their_kind, (dtype, op, root, size), their_number)
         if nbytes != cur.target.nbytes:
             raise DistBackendError(
                 f"{self.name}: in {self._op_name(kind)}, rank {peer} sent {nbytes} bytes where rank "
                 f"{self.rank} expected {cur.target.nbytes}: array sizes differ across ranks"
             )
+
+    def _compare(self, kind: int, meta: Meta, number: int, peer: int, their_kind: int, theirs: Meta,
+                 their_number: int) -> None:
+        """Raise, naming both sides, where a peer's message disagrees with our operation."""
+        differ = _fields_that_differ(theirs, meta)
+        if their_kind == kind and not differ:
+            if NO_NUMBER in (number, their_number) or number == their_number:
+                return
+            raise DistBackendError(
+                f"{self.name}: rank {peer} is in {self._op_name(kind)} #{their_number} while rank {self.rank} is "
+                f"in {self._op_name(kind)} #{number}: ranks issued different numbers of collectives")
+        if their_kind == kind and differ == ["size"]:
+            raise DistBackendError(
+                f"{self.name}: in {self._op_name(kind)}, rank {peer} has {theirs[3]} bytes where rank {self.rank} "
+                f"has {meta[3]}: array sizes differ across ranks")
+        why = "ranks issued different operations" if their_kind != kind else f"ranks disagree on its {', '.join(differ)}"
+        raise DistBackendError(f"{self.name}: rank {peer} is in {self._describe(their_kind, theirs)} while rank "
+                               f"{self.rank} is in {self._describe(kind, meta)}: {why}")
 
     def _goodbye(self, peer: int, culprit: int, nbytes: int) -> PeerLostError:
         """The peer left the mesh: read why, and blame the rank it names."""
@@ -524,10 +629,11 @@ class Mesh:
         return _name(self._names.kinds, kind, "op")
 
     def _describe(self, kind: int, meta: Meta) -> str:
-        dtype, op, root = meta
+        dtype, op, root, size = meta
         fields = [_name(self._names.dtypes, dtype, "dtype")] if dtype != ANY else []
         fields += [_name(self._names.ops, op, "reduction")] if op != ANY else []
         fields += [f"root {root}"] if root != NO_ROOT else []
+        fields += [f"{size} bytes"] if size != NO_SIZE else []
         return f"{self._op_name(kind)}({', '.join(fields)})" if fields else self._op_name(kind)
 
 
@@ -543,9 +649,13 @@ def _readable(sock: socket.socket, deadline: float) -> bool:
 
 
 def _differ(theirs: Meta, ours: Meta) -> bool:
-    """Fields both sides give (not ANY / NO_ROOT) must be equal."""
-    unset = (ANY, ANY, NO_ROOT)
-    return any(a != b and a != u and b != u for a, b, u in zip(theirs, ours, unset, strict=True))
+    """Fields both sides give (not ANY / NO_ROOT / NO_SIZE) must be equal."""
+    return bool(_fields_that_differ(theirs, ours))
+
+
+def _fields_that_differ(theirs: Meta, ours: Meta) -> list[str]:
+    return [name for name, a, b, u in zip(("dtype", "reduction", "root", "size"), theirs, ours, _UNSET, strict=True)
+            if a != b and a != u and b != u]
 
 
 def _name(names: tuple[str, ...], code: int, what: str) -> str:
@@ -555,275 +665,3 @@ def _name(names: tuple[str, ...], code: int, what: str) -> str:
 def _kind(header: bytes) -> int:
     """The operation kind a message header carries."""
     return int(HEADER.unpack(header)[1])
-
-
-# --- building the mesh ------------------------------------------------------------
-
-_HELLO_TIMEOUT = 2.0  # seconds an incoming connection may stay silent before it is dropped
-_MAX_PENDING = 64  # unproven incoming connections kept at once, besides one per rank still expected
-_RETRY_FIRST, _RETRY_MAX = 0.01, 0.2  # backoff between connection attempts to a listener not up (yet)
-
-
-def listen(host: str) -> socket.socket:
-    try:
-        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        sock = socket.socket(infos[0][0], socket.SOCK_STREAM)
-        sock.bind(infos[0][4])
-        sock.listen(1024)
-    except OSError as exc:
-        raise DistNetworkError(f"host communicator: cannot listen on {host}: {exc}") from None
-    return sock
-
-
-def _tune(sock: socket.socket) -> socket.socket:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    return sock
-
-
-@dataclass
-class _Dial:
-    """Our connection to a lower rank: connect, send our hello, read its answer."""
-
-    addr: tuple[str, int]
-    sock: socket.socket | None = None
-    stage: str = "idle"  # idle (retry at ``retry_at``) -> connecting -> hello -> done
-    answer: bytearray = field(default_factory=bytearray)
-    retry_at: float = 0.0
-    backoff: float = _RETRY_FIRST
-    error: str = "no attempt yet"
-
-
-@dataclass
-class _Caller:
-    """An incoming connection that has not proven yet which rank it is."""
-
-    sock: socket.socket
-    since: float
-    hello: bytearray = field(default_factory=bytearray)
-
-
-class MeshBuilder:
-    """Connects one rank to every other: out to each lower rank, and in from
-    each higher one through ``listener`` (up before our address was
-    published). Each connection carries a hello both ways (token, rank,
-    size), so a connection counts only once the other side proved it
-    belongs to this communicator, and a frozen peer (whose kernel accepts
-    connections for it) is told from a live one."""
-
-    def __init__(self, rank: int, nranks: int, listener: socket.socket, token: bytes, name: str) -> None:
-        self.rank, self.nranks, self.name = rank, nranks, name
-        self._listener, self._token = listener, token
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._cancelled = False
-        self._closed = False
-        self._lock = threading.Lock()
-
-    def cancel(self) -> None:
-        """End ``build()`` at once (abort); safe from any thread."""
-        with self._lock:
-            self._cancelled = True
-            if not self._closed:
-                try:
-                    os.write(self._wake_w, b"x")
-                except OSError:
-                    pass
-
-    def _close(self) -> None:
-        with self._lock:
-            self._closed = True
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-
-    def _hello(self) -> bytes:
-        return HELLO.pack(self._token, self.rank, self.nranks)
-
-    def build(self, lower: dict[int, tuple[str, int]], deadline: float, timeout: float) -> dict[int, socket.socket]:
-        """The connections to every other rank.
-        Raises MeshTimeoutError naming the ranks missing at ``deadline``
-        (``timeout`` seconds after init began), or DistBackendError when
-        cancelled or when a peer is not of this communicator."""
-        dials = {peer: _Dial(addr) for peer, addr in lower.items()}
-        callers: dict[int, _Caller] = {}
-        expected = set(range(self.rank + 1, self.nranks))
-        done: dict[int, socket.socket] = {}
-        poller = select.poll()
-        poller.register(self._wake_r, select.POLLIN)
-        self._listener.setblocking(False)
-        if expected:
-            poller.register(self._listener, select.POLLIN)
-        dial_fds: dict[int, int] = {}
-
-        def drop_dial(peer: int, why: str) -> None:
-            d = dials[peer]
-            if d.sock is not None:
-                dial_fds.pop(d.sock.fileno(), None)
-                poller.unregister(d.sock)
-                d.sock.close()
-            d.sock, d.stage, d.error = None, "idle", why
-            d.retry_at, d.backoff = time.monotonic() + d.backoff, min(d.backoff * 2, _RETRY_MAX)
-
-        def drop_caller(fd: int) -> None:
-            c = callers.pop(fd)
-            poller.unregister(fd)
-            c.sock.close()
-
-        try:
-            while dials or expected:
-                now = time.monotonic()
-                if self._cancelled:
-                    raise DistBackendError(f"{self.name}: aborted during init on rank {self.rank}")
-                if now >= deadline:
-                    raise self._timeout(dials, expected, timeout)
-                for peer, d in dials.items():
-                    if d.stage == "idle" and d.retry_at <= now:
-                        self._dial(peer, d)
-                        if d.sock is None:
-                            drop_dial(peer, d.error)
-                        else:
-                            dial_fds[d.sock.fileno()] = peer
-                            poller.register(d.sock, select.POLLOUT)
-                for fd in [fd for fd, c in callers.items() if now - c.since > _HELLO_TIMEOUT]:
-                    drop_caller(fd)  # silent: a stranger, or a peer that will dial again
-                wake = min([deadline] + [d.retry_at for d in dials.values() if d.stage == "idle"]
-                           + [c.since + _HELLO_TIMEOUT for c in callers.values()])
-                for fd, ev in poller.poll(max(math.ceil((wake - now) * 1000), 1)):
-                    if fd == self._wake_r:
-                        continue  # cancelled: raised at the top of the loop
-                    if fd == self._listener.fileno():
-                        self._accept(poller, callers, len(expected) + _MAX_PENDING, drop_caller)
-                    elif fd in dial_fds:
-                        peer = dial_fds[fd]
-                        d = dials[peer]
-                        try:
-                            if self._progress_dial(peer, d, ev, poller):
-                                del dials[peer], dial_fds[fd]
-                                poller.unregister(fd)
-                                assert d.sock is not None
-                                done[peer] = _tune(d.sock)
-                        except OSError as exc:
-                            drop_dial(peer, exc.strerror or str(exc))
-                    elif fd in callers:
-                        proven = self._progress_caller(callers[fd], expected)
-                        if proven is None:
-                            continue
-                        c = callers.pop(fd)
-                        poller.unregister(fd)
-                        if proven < 0:
-                            c.sock.close()
-                            continue
-                        expected.discard(proven)
-                        done[proven] = _tune(c.sock)
-        except BaseException:
-            for sock in done.values():
-                sock.close()
-            for d in dials.values():
-                if d.sock is not None:
-                    d.sock.close()
-            raise
-        finally:
-            for c in callers.values():
-                c.sock.close()
-            self._close()
-        return done
-
-    def _dial(self, peer: int, d: _Dial) -> None:
-        host, port = d.addr
-        try:
-            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-            sock = socket.socket(infos[0][0], socket.SOCK_STREAM)
-        except OSError as exc:
-            d.error = f"cannot reach {host}:{port}: {exc}"
-            return
-        sock.setblocking(False)
-        err = sock.connect_ex(infos[0][4])
-        if err not in (0, errno.EINPROGRESS):
-            sock.close()
-            d.error = f"{os.strerror(err)} at {host}:{port}"
-            return
-        d.sock, d.stage, d.answer = sock, "connecting", bytearray()
-
-    def _progress_dial(self, peer: int, d: _Dial, ev: int, poller: select.poll) -> bool:
-        """True once the peer's answer proved it is rank ``peer`` of this communicator."""
-        assert d.sock is not None
-        if d.stage == "connecting":
-            err = d.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            if err:
-                raise OSError(err, f"{os.strerror(err)} at {d.addr[0]}:{d.addr[1]}")
-            d.sock.send(self._hello())  # a few bytes into an empty socket buffer: they fit
-            d.stage = "hello"
-            poller.modify(d.sock, select.POLLIN)
-            return False
-        chunk = d.sock.recv(HELLO.size - len(d.answer))
-        if not chunk:
-            raise OSError(errno.ECONNRESET, f"rank {peer} closed the connection before answering the hello")
-        d.answer += chunk
-        if len(d.answer) < HELLO.size:
-            return False
-        token, their_rank, their_size = HELLO.unpack(d.answer)
-        if not hmac.compare_digest(token, self._token) or their_rank != peer:
-            raise DistBackendError(f"{self.name}: the listener at {d.addr[0]}:{d.addr[1]}, published as rank "
-                                   f"{peer}'s, belongs to another communicator or rank")
-        if their_size != self.nranks:
-            raise DistBackendError(f"{self.name}: rank {peer} has a communicator of {their_size} ranks; rank "
-                                   f"{self.rank} has {self.nranks}: ranks disagree on the group size")
-        return True
-
-    def _accept(self, poller: select.poll, callers: dict[int, _Caller], limit: int,
-                drop: Callable[[int], None]) -> None:
-        while True:
-            try:
-                sock, _ = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:  # out of descriptors, say: the silent ones go first, then we try again
-                if callers:
-                    drop(min(callers, key=lambda fd: callers[fd].since))
-                return
-            sock.setblocking(False)
-            callers[sock.fileno()] = _Caller(sock, time.monotonic())
-            poller.register(sock, select.POLLIN)
-            if len(callers) > limit:
-                drop(min(callers, key=lambda fd: callers[fd].since))
-
-    def _progress_caller(self, c: _Caller, expected: set[int]) -> int | None:
-        """The rank a caller proved to be (after answering it), -1 to drop
-        it, None while its hello is incomplete."""
-        try:
-            chunk = c.sock.recv(HELLO.size - len(c.hello))
-        except (BlockingIOError, InterruptedError):
-            return None
-        except OSError:
-            return -1
-        if not chunk:
-            return -1
-        c.hello += chunk
-        if len(c.hello) < HELLO.size:
-            return None
-        token, peer, size = HELLO.unpack(c.hello)
-        if not hmac.compare_digest(token, self._token) or peer not in expected:
-            return -1  # a stranger, or a stale or duplicate connection: not one of ours
-        if size != self.nranks:
-            raise DistBackendError(f"{self.name}: rank {peer} has a communicator of {size} ranks; rank "
-                                   f"{self.rank} has {self.nranks}: ranks disagree on the group size")
-        try:
-            c.sock.send(self._hello())
-        except OSError:
-            return -1  # gone already; it will dial again
-        return peer
-
-    def _timeout(self, dials: dict[int, _Dial], expected: set[int], timeout: float) -> MeshTimeoutError:
-        missing = sorted([*dials, *expected])
-        why = []
-        for peer in sorted(dials):
-            d = dials[peer]
-            if d.stage == "hello":
-                why.append(f"rank {peer} accepted the connection but never answered the hello (frozen?)")
-            else:
-                why.append(f"rank {peer} could not be reached ({d.error})")
-        if expected:
-            why.append(f"ranks {sorted(expected)} never connected to rank {self.rank}")
-        return MeshTimeoutError(f"timeout: {self.name}: rank {self.rank}: Timed out after {timeout:g} s waiting "
-                                f"for ranks {missing} to connect: {'; '.join(why)}", missing)

@@ -2,6 +2,11 @@
 the device's architecture (nccl_pg/kernels.py), loaded once per device and
 launched on a stream.
 
+Loading picks the NVRTC of the CUDA runtime's major and refuses, before
+compiling, an image this driver cannot load (``kernels.check_loadable``:
+which NVRTC, which driver, what to install); ``load_kernels`` is what
+``nccl-pg doctor`` reports.
+
 A scan's result is one 64-bit slot: set to ~0 on the device, lowered by the
 kernels to the first NaN lane, then copied into pinned host memory on the
 same stream, so the host reads it without any call once an event after it
@@ -15,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -50,6 +56,29 @@ class _Slot:
         return ctypes.c_uint64.from_address(self.host).value
 
 
+@dataclass(frozen=True)
+class KernelReport:
+    """What loading the NaN-check kernels on one GPU did."""
+
+    device: int
+    arch: str
+    image_bytes: int
+    nvrtc: kernels.Nvrtc
+    driver_version: int  # cudaDriverGetVersion()
+    runtime_version: int  # cudaRuntimeGetVersion()
+    functions: int
+
+    def __str__(self) -> str:
+        kind = "PTX" if self.arch.startswith("compute_") else "cubin"
+        return (f"GPU {self.device}: {kernels.NAN_CHECK} compiled by {self.nvrtc} for {self.arch} ({kind}, "
+                f"{self.image_bytes} bytes) and loaded (cuModuleLoadData) by a driver for CUDA "
+                f"{_version(self.driver_version)}, runtime {_version(self.runtime_version)}: {self.functions} kernels")
+
+
+def _version(code: int) -> str:
+    return f"{code // 1000}.{code % 1000 // 10}"
+
+
 class _Device:
     """One GPU's loaded kernels, launch shapes and result slots."""
 
@@ -57,15 +86,23 @@ class _Device:
         rt, drv = cudart(), _driver()
         attr = rt.cudaDeviceAttr
         self.device = device
+        runtime = int(check_cuda(rt.cudaRuntimeGetVersion(), "cudaRuntimeGetVersion"))
+        driver = int(check_cuda(rt.cudaDriverGetVersion(), "cudaDriverGetVersion"))
+        nv = kernels.select_nvrtc(runtime // 1000)  # before anything compiles: a loaded NVRTC stays
+        major = check_cuda(rt.cudaDeviceGetAttribute(attr.cudaDevAttrComputeCapabilityMajor, device), "attr")
+        minor = check_cuda(rt.cudaDeviceGetAttribute(attr.cudaDevAttrComputeCapabilityMinor, device), "attr")
+        arch = kernels.arch_for(int(major) * 10 + int(minor))
+        kernels.check_loadable(nv, driver, arch, runtime)  # refused before the device gets a context
         prev = device_guard(device)
         try:
             check_cuda(rt.cudaFree(0), "cudaFree")  # the device's primary context, current from here on
-            major = check_cuda(rt.cudaDeviceGetAttribute(attr.cudaDevAttrComputeCapabilityMajor, device), "attr")
-            minor = check_cuda(rt.cudaDeviceGetAttribute(attr.cudaDevAttrComputeCapabilityMinor, device), "attr")
             sms = check_cuda(rt.cudaDeviceGetAttribute(attr.cudaDevAttrMultiProcessorCount, device), "attr")
-            image = np.frombuffer(kernels.image(kernels.NAN_CHECK, kernels.arch_for(int(major) * 10 + int(minor))),
-                                  np.uint8)  # PTX comes NUL-terminated from NVRTC
-            self._module = check_cuda(drv.cuModuleLoadData(image.ctypes.data), "cuModuleLoadData")
+            image = np.frombuffer(kernels.image(kernels.NAN_CHECK, arch), np.uint8)  # PTX comes NUL-terminated
+            err, self._module = drv.cuModuleLoadData(image.ctypes.data)
+            if int(err) != 0:
+                raise kernels.KernelLoadError(
+                    f"cuModuleLoadData refused the {arch} image of {kernels.NAN_CHECK} compiled by {nv} on GPU "
+                    f"{device} (a driver for CUDA {_version(driver)}): {getattr(err, 'name', err)}")
             self._functions: dict[str, Any] = {}
             self._grid: dict[str, int] = {}  # blocks that fill the GPU: SMs x resident blocks per SM
             for rule in RULES.values():
@@ -75,6 +112,7 @@ class _Device:
                 self._functions[rule.kernel], self._grid[rule.kernel] = f, int(sms) * max(int(per_sm), 1)
         finally:
             restore_device(prev)
+        self.report = KernelReport(device, arch, image.size, nv, driver, runtime, len(self._functions))
         self._lock = threading.Lock()
         self._free: list[_Slot] = []
         self._chunks: list[tuple[int, int]] = []  # (device, host) allocations, kept for the process's life
@@ -119,6 +157,13 @@ def _device(index: int) -> _Device:
         if index not in _devices:
             _devices[index] = _Device(index)
         return _devices[index]
+
+
+def load_kernels(device: int) -> KernelReport:
+    """Compile (or take from the disk cache) and load the kernels on ``device``,
+    as the first NaN check there does; raises ``kernels.KernelLoadError``
+    saying why they cannot load."""
+    return _device(device).report
 
 
 class CudaNanScan:

@@ -1,0 +1,154 @@
+"""The record `nccl-pg run` keeps of a running job, so that `nccl-pg why`
+with no arguments finds the jobs this user started on this machine.
+
+One file per launcher, ``<tmp>/nccl_pg-<uid>/jobs/run-<pid>.json``, in the
+private directory of the dumps (made 0700 and refused unless it is this
+user's), written 0600 through a temporary file renamed into place, removed
+when the launcher exits. It holds the store's address and secret (which the
+ranks also have in their environment), the launcher's pid and start time
+(to tell a record left by a launcher that was killed from a live one: the
+pid may be reused), the number of ranks and the command.
+
+Reading treats each file as untrusted: no symbolic link followed, a regular
+file of this user's of at most ``MAX_BYTES``, JSON with fields of the
+expected types; anything else is skipped with a note. A record whose
+launcher is gone is removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import stat
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..diagnostics import dump
+
+MAX_BYTES = 64 * 1024
+_PREFIX, _SUFFIX = "run-", ".json"
+
+
+@dataclass(frozen=True)
+class Job:
+    launcher_pid: int
+    start_time: int  # the launcher's start time, in clock ticks since boot (/proc/<pid>/stat field 22)
+    host: str
+    port: int
+    secret: str
+    nproc: int
+    command: list[str]
+    started: float  # wall clock
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def folder() -> str:
+    path = os.path.join(dump.private_dir(), "jobs")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise OSError(f"{path} is not a directory of this user's")
+    return path
+
+
+def start_time(pid: int) -> int | None:
+    """A process's start time in clock ticks since boot (None if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def write(host: str, port: int, secret: str, nproc: int, command: list[str]) -> str:
+    """This launcher's record; returns its path (remove it with ``remove``)."""
+    pid = os.getpid()
+    job = Job(pid, start_time(pid) or 0, host, port, secret, nproc, list(command), time.time())
+    where = folder()
+    fd, tmp = tempfile.mkstemp(prefix=".run-", suffix=".tmp", dir=where)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(job), f)
+        path = os.path.join(where, f"{_PREFIX}{pid}{_SUFFIX}")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def _parse(data: Any) -> Job:
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    ints = {k: data.get(k) for k in ("launcher_pid", "start_time", "port", "nproc")}
+    for k, v in ints.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{k} is not a non-negative integer")
+    if not 1 <= ints["port"] <= 65535:  # type: ignore[operator]
+        raise ValueError("port is not a TCP port")
+    for k in ("host", "secret"):
+        if not isinstance(data.get(k), str) or len(data[k]) > 1024:
+            raise ValueError(f"{k} is not a string")
+    command = data.get("command")
+    if not isinstance(command, list) or not all(isinstance(c, str) for c in command):
+        raise ValueError("command is not a list of strings")
+    started = data.get("started")
+    if isinstance(started, bool) or not isinstance(started, (int, float)):
+        raise ValueError("started is not a number")
+    return Job(data["launcher_pid"], data["start_time"], data["host"], data["port"], data["secret"], data["nproc"],
+               command, float(started))
+
+
+def read(path: str) -> Job:
+    """One record, from an untrusted file (ValueError saying why)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ValueError("a symbolic link" if os.path.islink(path) else (exc.strerror or str(exc))) from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise ValueError("not a regular file of this user's")
+        raw = f.read(MAX_BYTES + 1)
+    if len(raw) > MAX_BYTES:
+        raise ValueError(f"over {MAX_BYTES} bytes")
+    try:
+        return _parse(json.loads(raw))
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(str(exc)) from None
+
+
+def running() -> tuple[list[Job], list[str]]:
+    """The live jobs' records (oldest first), and notes on the files skipped;
+    records of launchers that are gone are removed."""
+    jobs, notes = [], []
+    try:
+        where = folder()
+        names = sorted(n for n in os.listdir(where) if n.startswith(_PREFIX) and n.endswith(_SUFFIX))
+    except OSError as exc:
+        return [], [f"no job records: {exc}"]
+    for n in names:
+        path = os.path.join(where, n)
+        try:
+            job = read(path)
+        except ValueError as exc:
+            notes.append(f"{path}: not a job record ({exc}); skipped")
+            continue
+        if start_time(job.launcher_pid) != job.start_time:
+            remove(path)  # its launcher was killed before it could remove it
+            continue
+        jobs.append(job)
+    return sorted(jobs, key=lambda j: j.started), notes

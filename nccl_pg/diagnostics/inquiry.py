@@ -1,0 +1,451 @@
+"""Asking a running job what it is doing (``nccl-pg why``, the launcher's
+autopsy): raise an incident that asks every process for its report
+(report.py), gather the reports within a deadline, ask the processes of this
+host that did not answer for their C-level stacks (stacks.py), line the
+ranks up with the flight-recorder analysis (trace.py) and say, one line per
+problem, who is to blame and where it is.
+
+Everything read back is untrusted input (anyone with the store's secret can
+write the keys; the stacks file is read from the dump directory): a report
+is at most ``cap`` bytes and all of them together at most ``total_cap``, is
+JSON, and only the fields below are taken, each checked for its type; the
+recorder part goes through the trace tool's own checks.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import os
+import re
+import socket
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import DistError
+from ..store import Store
+from . import dump, incidents, report, stacks, trace
+from .incidents import Signal
+
+CAP = 128 * 1024  # bytes of one process's report, by default
+TOTAL_CAP = 64 << 20  # bytes of all reports read, at most
+_BATCH = 8 << 20  # bytes asked for in one multi_get, at most
+STACKS_WAIT = 1.0  # seconds for a silent rank's C-level handler to write its stacks
+DUMP_PREFIX = "rank_"  # the answers as dumps, for the trace tool: <dir>/rank_<r>.json
+
+
+@dataclass
+class Rank:
+    """What is known of one process (its lowest global rank)."""
+
+    rank: int
+    ranks: list[int]
+    answered: str | None  # "store" (its report), "c-stack" (only its C-level handler), None
+    host: str = ""
+    pid: int | None = None
+    devices: list[str] = field(default_factory=list)
+    where: dict[str, Any] | None = None
+    pending: list[str] = field(default_factory=list)  # "all_reduce #2 of group 0 for 3.1 s"
+    stack: list[list[Any]] = field(default_factory=list)  # the focus thread's frames, outermost first
+    cut: list[str] = field(default_factory=list)
+    c_stack_path: str | None = None
+    dump_path: str | None = None  # answered only through a debug dump written before it was asked
+    dump_reason: str = ""
+    gone: str = ""  # how it ended, when it did ("exited with code 1")
+
+    def who(self) -> str:
+        """"rank 1 (host, pid 42, cuda:1)"."""
+        bits = [b for b in (self.host, f"pid {self.pid}" if self.pid else "", ", ".join(self.devices)) if b]
+        return f"rank {self.rank}" + (f" ({', '.join(bits)})" if bits else "")
+
+    def at(self) -> str:
+        """"train.py:123 in eval_step"."""
+        w = self.where
+        if not w or not w.get("file"):
+            return ""
+        return f"{w['file']}:{w['line']} in {w['func']}"
+
+
+@dataclass
+class Inquiry:
+    incident: int | None
+    world: int | None
+    waited: float
+    ranks: dict[int, Rank]  # by rank: every process that answered, and the silent ranks
+    silent: list[int]
+    analysis: dict[str, Any] | None
+    notes: list[str]
+    verdicts: list[dict[str, Any]] = field(default_factory=list)
+    dumps_dir: str | None = None
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _str(v: Any, limit: int = 4096) -> str:
+    return v[:limit] if isinstance(v, str) else ""
+
+
+def _frames(v: Any) -> list[list[Any]]:
+    out = []
+    for f in v if isinstance(v, list) else []:
+        if isinstance(f, list) and len(f) >= 3 and _int(f[1]) is not None:
+            out.append([_str(f[0]), f[1], _str(f[2], 256), _str(f[3], report.LINE_MAX) if len(f) > 3 else ""])
+    return out[-report.DEPTH_MAX:]
+
+
+def checked(raw: bytes, cap: int) -> dict[str, Any] | None:
+    """A report read from the store, as plain values of known types (None
+    if it is over ``cap`` bytes or not a report)."""
+    if len(raw) > cap:
+        return None
+    try:
+        d = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(d, dict) or _int(d.get("rank")) is None:
+        return None
+    ranks = [r for r in d.get("ranks", []) if _int(r) is not None and 0 <= r < 1 << 24] \
+        if isinstance(d.get("ranks"), list) else []
+    w = d.get("where")
+    threads = [{"name": _str(t.get("name"), 256), "ident": _int(t.get("ident")), "main": bool(t.get("main")),
+                "frames": _frames(t.get("frames"))} for t in d.get("threads", []) if isinstance(t, dict)] \
+        if isinstance(d.get("threads"), list) else []
+    groups = [g for g in d.get("groups", []) if isinstance(g, dict)] if isinstance(d.get("groups"), list) else []
+    return {
+        "rank": d["rank"], "ranks": ranks or [d["rank"]], "world": _int(d.get("world")), "pid": _int(d.get("pid")),
+        "host": _str(d.get("host"), 255), "time": d.get("time") if isinstance(d.get("time"), (int, float)) else None,
+        "devices": [_str(x, 64) for x in d.get("devices", []) if isinstance(x, str)]
+        if isinstance(d.get("devices"), list) else [],
+        "where": {"file": _str(w.get("file")), "line": _int(w.get("line")) or 0, "func": _str(w.get("func"), 256),
+                  "code": _str(w.get("code"), report.LINE_MAX), "thread": _str(w.get("thread"), 256)}
+        if isinstance(w, dict) and w.get("file") else None,
+        "threads": threads, "groups": groups,
+        "cut": [_str(c, 256) for c in d.get("cut", []) if isinstance(c, str)] if isinstance(d.get("cut"), list) else [],
+        # for the trace tool, which checks these itself
+        "version": d.get("version"), "pg_config": d.get("pg_config"), "pg_status": d.get("pg_status"),
+        "entries": d.get("entries"), "reason": _str(d.get("reason")),
+    }
+
+
+def _pending(groups: list[dict[str, Any]]) -> list[str]:
+    out = []
+    for g in groups:
+        for p in g.get("pending", []) if isinstance(g.get("pending"), list) else []:
+            if isinstance(p, dict):
+                age = p.get("age_s")
+                out.append(f"{_str(p.get('op'), 64)} #{_int(p.get('seq'))} of group {_str(g.get('name'), 64)} for "
+                           + (f"{age:.1f} s" if isinstance(age, (int, float)) else "? s"))
+    return out
+
+
+def inquire(store: Store, reason: str, timeout: float, cap: int = CAP, world: int | None = None,
+            dump: bool = False, local: Callable[[], Mapping[int, int]] | None = None, signum: int = 0,
+            dumps_dir: str | None = None, total_cap: int = TOTAL_CAP, gone: Callable[[], Mapping[int, str]] | None = None,
+            dump_of: Callable[[int], str | None] | None = None) -> Inquiry:
+    """Ask the job on ``store`` (see the module's docstring). ``world``: its
+    size, if known (else as the first process to answer says); ``local``:
+    {rank: pid} of its processes on this host, for C-level stacks (sent
+    ``signum``); ``dumps_dir``: where the answers are kept as dumps (else a
+    temporary directory, removed); ``gone``: what is known of ranks that
+    ended ({rank: "exited with code 1"}, asked once the answers are in); ``dump_of``: the path of a debug
+    dump a silent rank wrote during this job, if any (it joins the answers
+    in the analysis)."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    notes: list[str] = []
+    cap = max(1024, min(cap, incidents.REPORT_MAX))
+    origin = f"inquiry:{socket.gethostname()}:{os.getpid()}"
+    gen = incidents.raise_signal(store, Signal(reason, origin, answer=False, dump=dump, report=cap),
+                                 incidents.newest(store) + 1)
+    incidents.note_latest(store, gen)
+    try:
+        store.wait([incidents.reports_all_key(gen)], max(deadline - time.monotonic(), 0.001))
+    except DistError:
+        pass  # someone did not answer in time: read what is there
+    waited = time.monotonic() - t0
+    read_by = time.monotonic() + max(1.0, timeout / 2)
+    if world is None and store.check([incidents.reports_world_key(gen)]):
+        w = incidents.parse_gen(store.get(incidents.reports_world_key(gen)))
+        world = w if w is not None and 0 < w < 1 << 24 else None
+    answers = _read(store, gen, world, cap, total_cap, read_by, notes)
+    ranks: dict[int, Rank] = {}
+    covered: set[int] = set()
+    for r, a in sorted(answers.items()):
+        covered.update(a["ranks"])
+        focus = a["threads"][0]["frames"] if a["threads"] else []
+        focus_thread = a["where"]["thread"] if a["where"] else ""
+        for t in a["threads"]:
+            if t["name"] == focus_thread:
+                focus = t["frames"]
+        ranks[r] = Rank(r, a["ranks"], "store", a["host"], a["pid"], a["devices"], a["where"], _pending(a["groups"]),
+                        focus, a["cut"])
+    expected = set(range(world)) if world else set()
+    for a in answers.values():  # members of the groups they are in
+        for g in a["groups"]:
+            if isinstance(g.get("ranks"), list):
+                expected.update(r for r in g["ranks"] if _int(r) is not None and 0 <= r < 1 << 24)
+    silent = sorted(expected - covered)
+    if world is None and not answers:
+        notes.append("no process answered, and the job's size is unknown (give it: --world-size)")
+    pids = dict(local()) if local is not None and silent and signum else {}
+    asked = {r: pids[r] for r in silent if r in pids}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(asked)))) as pool:
+        replies = dict(zip(asked, pool.map(lambda pid: stacks.request(pid, signum, STACKS_WAIT, cap),
+                                           asked.values()), strict=True))
+    for r in silent:
+        ranks[r] = Rank(r, [r], None)
+        pid = pids.get(r)
+        if pid is None:
+            continue
+        ranks[r].pid = pid
+        got = replies.get(r)
+        if got is None:
+            notes.append(f"rank {r} (pid {pid}, this host): no C-level stacks (no handler for signal {signum}, "
+                         "or nothing written)")
+            continue
+        threads = stacks.parse(got["text"], got["header"])
+        if threads:
+            ranks[r].answered, ranks[r].c_stack_path = "c-stack", got["path"]
+            ranks[r].host = socket.gethostname()
+            ranks[r].stack = threads[0]["frames"]
+            ranks[r].where = report.where(ranks[r].stack)
+    ended = dict(gone()) if gone is not None and silent else {}
+    for r in silent:
+        if r in ended:
+            ranks[r].gone = ended[r]
+        path = dump_of(r) if dump_of is not None and ranks[r].answered is None else None
+        old = _from_dump(path, r, notes) if path else None
+        if old is not None:
+            answers[r] = old
+            k = ranks[r]
+            k.answered, k.dump_path, k.host, k.pid = "dump", path, old["host"], old["pid"] or k.pid
+            k.stack = old["threads"][0]["frames"] if old["threads"] else []
+            k.where = report.where(k.stack)
+            k.dump_reason = old["reason"]
+    keep = dumps_dir is not None
+    folder = dumps_dir or tempfile.mkdtemp(prefix="nccl_pg_why_")
+    try:
+        analysis = _analyze(folder, answers, ranks) if answers else None
+    finally:
+        if not keep:
+            with contextlib.suppress(OSError):
+                for n in os.listdir(folder):
+                    os.unlink(os.path.join(folder, n))
+                os.rmdir(folder)
+    inq = Inquiry(gen, world, waited, ranks, silent, analysis, notes, dumps_dir=dumps_dir)
+    inq.verdicts = verdicts(inq)
+    return inq
+
+
+_FRAME_LINE = re.compile(r'^\s*File "(.*)", line (\d+), in (.*)$')
+
+
+def _from_dump(path: str, rank: int, notes: list[str]) -> dict[str, Any] | None:
+    """A debug dump (dump.read: untrusted input), in the form of a checked report."""
+    try:
+        d = dump.read(path)
+    except dump.NotADump as exc:
+        notes.append(f"rank {rank}: {path}: not a readable dump ({exc})")
+        return None
+    threads = []
+    raw: dict[Any, Any] = d["threads"] if isinstance(d.get("threads"), dict) else {}
+    for name, lines in sorted(raw.items(), key=lambda kv: not str(kv[0]).startswith("MainThread")):
+        frames = []
+        for chunk in lines if isinstance(lines, list) else []:
+            text = chunk if isinstance(chunk, str) else ""
+            m = _FRAME_LINE.match(text.split("\n", 1)[0])
+            if m:
+                code = text.split("\n", 1)[1].strip() if "\n" in text else ""
+                frames.append([m.group(1), int(m.group(2)), m.group(3), code[:report.LINE_MAX]])
+        threads.append({"name": _str(name, 256), "ident": None, "main": str(name).startswith("MainThread"),
+                        "frames": frames[-report.DEPTH_MAX:]})
+    return {"rank": rank, "ranks": [rank], "world": None, "pid": _int(d.get("pid")), "host": _str(d.get("host"), 255),
+            "time": None, "devices": [], "where": None, "threads": threads, "groups": [], "cut": [],
+            "version": d.get("version"), "pg_config": d.get("pg_config"), "pg_status": d.get("pg_status"),
+            "entries": d.get("entries"), "reason": _str(d.get("reason"))}
+
+
+def _read(store: Store, gen: int, world: int | None, cap: int, total_cap: int, deadline: float,
+          notes: list[str]) -> dict[int, dict[str, Any]]:
+    """The reports there are, checked, by rank."""
+    if world is None:
+        return {}
+    keys = incidents.present(store, [incidents.report_key(gen, r) for r in range(world)], deadline)
+    out: dict[int, dict[str, Any]] = {}
+    budget = total_cap
+    per = max(1, _BATCH // cap)
+    for i in range(0, len(keys), per):
+        if budget < cap:
+            notes.append(f"{len(keys) - i} more reports not read: over the {total_cap}-byte total")
+            break
+        batch = keys[i:i + per]
+        for k, raw in zip(batch, store.multi_get(batch), strict=True):
+            budget -= len(raw)
+            a = checked(raw, cap)
+            if a is None:
+                notes.append(f"{k}: not a report (or over {cap} bytes): ignored")
+                continue
+            out[a["rank"]] = a
+    return out
+
+
+def _analyze(folder: str, answers: Mapping[int, dict[str, Any]], ranks: Mapping[int, Rank]) -> dict[str, Any]:
+    """The reports as dumps in ``folder`` (0700), and the trace tool's analysis of them."""
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    for r, a in answers.items():
+        d = {k: a[k] for k in ("version", "pg_config", "pg_status", "entries", "reason", "pid", "host", "time")
+             if a.get(k) is not None}
+        d["rank"] = r
+        d["threads"] = {f"{t['name']} ({t['ident']})": [f'  File "{f[0]}", line {f[1]}, in {f[2]}\n' +
+                                                       (f"    {f[3]}\n" if f[3] else "") for f in t["frames"]]
+                        for t in a["threads"]}
+        fd = os.open(os.path.join(folder, f"{DUMP_PREFIX}{r}.json"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC |
+                     os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(d, f)
+    return trace.analyze_dir(folder, DUMP_PREFIX, allow_incomplete_ranks=True)
+
+
+# --- words -----------------------------------------------------------------------------------------
+
+
+def _group(p: Mapping[str, Any], analysis: Mapping[str, Any]) -> str:
+    name = p.get("group")
+    desc = next((g.get("desc") for g in analysis.get("groups", []) if g.get("name") == name), "")
+    return f"group {name}" + (f" ({desc})" if desc else "")
+
+
+def _ranks(ranks: list[Any]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def verdicts(inq: Inquiry) -> list[dict[str, Any]]:
+    """One entry per problem: {"kind", "ranks", "text"}."""
+    out: list[dict[str, Any]] = []
+    a = inq.analysis or {}
+    ranks = inq.ranks
+
+    def who(r: int) -> str:
+        return ranks[r].who() if r in ranks else f"rank {r}"
+
+    def at(r: int) -> str:
+        where = ranks[r].at() if r in ranks else ""
+        return f"; it is at {where}" if where else ""
+
+    for p in a.get("problems", []):
+        kind, culprits = p.get("kind"), [r for r in p.get("ranks", []) if isinstance(r, int)]
+        if kind == "no_dump" or (kind == "unreadable" and all(r in inq.silent for r in culprits)):
+            continue  # said below, with the silent ranks
+        if kind == "ranks_missing":
+            present = _ranks(p.get("present", []))
+            for w in p.get("where", []):
+                r = w.get("rank")
+                cur = w.get("current") or {}
+                elsewhere = ""
+                if cur and cur.get("state") != "completed" and (cur.get("group") != p.get("group")
+                                                                 or cur.get("seq") != p.get("seq")):
+                    elsewhere = f"; it is in {cur.get('op')} #{cur.get('seq')} of group {cur.get('group')}"
+                out.append({"kind": kind, "ranks": [r], "text":
+                            f"{who(r)} never joined {p.get('op')} #{p.get('seq')} of {_group(p, a)}, which {present} "
+                            f"issued{elsewhere}{at(r)}"})
+        elif kind == "not_completed" and p.get("seq") is not None:
+            missing = p.get("missing") or []
+            members = next((g.get("ranks") or [] for g in a.get("groups", []) if g.get("name") == p.get("group")), [])
+            unknown = [r for r in members if r in inq.silent]
+            text = f"{p.get('op')} #{p.get('seq')} of {_group(p, a)} has not completed on {_ranks(p.get('ranks', []))}"
+            if missing:
+                text += f", waiting for {_ranks(missing)}"
+            elif unknown:
+                text += f"; {_ranks(unknown)} did not answer (see below)"
+            else:
+                text += ": every rank issued it; one stopped making progress inside it (hung or frozen process, or network)"
+            out.append({"kind": kind, "ranks": p.get("ranks", []), "text": text})
+        else:
+            text = str(p.get("message", kind))
+            if len(culprits) == 1:
+                text = f"{who(culprits[0])}: {text}{at(culprits[0])}"
+            out.append({"kind": kind, "ranks": culprits, "text": text})
+    for r in inq.silent:
+        k = ranks.get(r)
+        if k is not None and k.gone:
+            said = f"; its debug dump has it at {k.at()}" if k.answered == "dump" and k.at() else ""
+            out.append({"kind": "gone", "ranks": [r], "text": f"{k.who()} {k.gone} before it answered{said}"})
+        elif k is not None and k.answered == "dump":
+            out.append({"kind": "dump_only", "ranks": [r], "text":
+                        f"{k.who()} did not answer within {inq.waited:.1f} s; its debug dump, written before, has it "
+                        f"at {k.at() or '?'}"})
+        elif k is not None and k.answered == "c-stack":
+            out.append({"kind": "c_stack_only", "ranks": [r], "text":
+                        f"{k.who()} did not answer within {inq.waited:.1f} s (its GIL held, or stuck in C); its "
+                        f"C-level stack says it is at {k.at() or '?'} (from {k.c_stack_path})"})
+        else:
+            out.append({"kind": "silent", "ranks": [r], "text":
+                        f"{who(r)} did not answer within {inq.waited:.1f} s (dead, frozen, its GIL held, or on "
+                        "another host without its stack)"})
+    if not out:
+        n = len([r for r in ranks.values() if r.answered])
+        busy = sum(len(r.pending) for r in ranks.values())
+        out.append({"kind": "ok", "ranks": [], "text":
+                    f"no problem found: {n} process(es) answered; the ranks line up"
+                    + (f" ({busy} operation(s) in flight)" if busy else " (nothing in flight)")})
+    return out
+
+
+def format_text(inq: Inquiry) -> str:
+    lines = [f"nccl-pg why: incident {inq.incident}, "
+             + (f"{len(inq.ranks) - len(inq.silent)} of {inq.world} ranks answered" if inq.world else
+                f"{len(inq.ranks)} answered")
+             + f" in {inq.waited:.2f} s"]
+    lines += [f"  {v['text']}" for v in inq.verdicts]
+    lines.append("ranks:")
+    for _, k in sorted(inq.ranks.items()):
+        how = {"store": "", "c-stack": " [C-level stack only]", "dump": " [its debug dump only]",
+               None: " [no answer]"}[k.answered] + (f" [{k.gone}]" if k.gone else "")
+        where = f" at {k.at()}" if k.at() else ""
+        busy = f"; in {'; '.join(k.pending)}" if k.pending else ""
+        lines.append(f"  {k.who()}{how}{where}{busy}")
+    lines += [f"note: {n}" for n in inq.notes]
+    return "\n".join(lines)
+
+
+def to_json(inq: Inquiry) -> dict[str, Any]:
+    return {
+        "ok": all(v["kind"] == "ok" for v in inq.verdicts), "incident": inq.incident, "world": inq.world,
+        "waited_s": round(inq.waited, 3), "verdicts": inq.verdicts, "silent": inq.silent,
+        "ranks": {str(r): {"ranks": k.ranks, "answered": k.answered, "host": k.host, "pid": k.pid,
+                           "devices": k.devices, "where": k.where, "pending": k.pending, "stack": k.stack,
+                           "cut": k.cut, "c_stack_file": k.c_stack_path, "dump_file": k.dump_path, "gone": k.gone or None}
+                  for r, k in sorted(inq.ranks.items())},
+        "analysis": inq.analysis, "notes": inq.notes, "dumps_dir": inq.dumps_dir,
+    }
+
+
+def to_markdown(inq: Inquiry, title: str) -> str:
+    out = [f"# {title}", "", f"Incident {inq.incident}; {len(inq.ranks) - len(inq.silent)} of "
+           f"{inq.world if inq.world else '?'} ranks answered within {inq.waited:.2f} s.", "", "## Verdict", ""]
+    out += [f"- {v['text']}" for v in inq.verdicts]
+    out += ["", "## Ranks", "", "| rank | host | pid | answered | where | in flight |", "|---|---|---|---|---|---|"]
+    for r, k in sorted(inq.ranks.items()):
+        out.append(f"| {r} | {k.host} | {k.pid or ''} | {k.answered or 'no'} | {k.at()} | {'; '.join(k.pending)} |")
+    blamed = sorted({r for v in inq.verdicts if v["kind"] not in ("ok", "not_completed") for r in v["ranks"]})
+    for r in blamed:
+        b = inq.ranks.get(r)
+        if b is None or not b.stack:
+            continue
+        k = b
+        how = {"c-stack": "C-level stack (faulthandler)", "dump": f"stack in its debug dump ({k.dump_reason[:80]})"
+               }.get(k.answered or "", "stack")
+        out += ["", f"## {k.who()}: {how}", "", "```"]
+        out += [f'  File "{f[0]}", line {f[1]}, in {f[2]}' + (f"\n    {f[3]}" if f[3] else "") for f in k.stack]
+        out.append("```")
+    if inq.analysis is not None:
+        out += ["", "## Flight recorders (nccl-pg trace)", "", "```", trace.format_text(inq.analysis), "```"]
+    if inq.notes:
+        out += ["", "## Notes", ""] + [f"- {n}" for n in inq.notes]
+    return "\n".join(out) + "\n"
