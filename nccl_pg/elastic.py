@@ -167,7 +167,7 @@ class Elastic:
         members."""
         if self.join_uuid is None:
             if not is_initialized():
-                init_process_group(backend, timeout=self.timeout, **init_kwargs)
+                init_process_group(backend, **{"timeout": self.timeout, **init_kwargs})
             self._store = job_store()
             return Recovery(0, False)
         self._backend = backend

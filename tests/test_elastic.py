@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from nccl_pg import TCPStore, elastic
-from nccl_pg.cli.elastic import Membership
+from nccl_pg.cli.elastic import Records
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = "examples/elastic.py"
@@ -101,7 +101,7 @@ def test_the_launcher_records(tmp_path):
     nothing is written."""
     store = TCPStore("127.0.0.1", 0, is_master=True, timeout=10)
     try:
-        m = Membership(3, 1, "127.0.0.1", store.port, None)
+        m = Records(3, 1, "127.0.0.1", store.port, None)
         assert elastic.Config.decode(store.get(elastic.config_key(0))).members == (0, 1, 2)
         new = m.died(1)
         assert new is not None and (new.member, new.uuid, new.local_rank) == (3, 2, 1)

@@ -58,7 +58,7 @@ class Replacement:
                 "LOCAL_RANK": str(self.local_rank)}
 
 
-class Membership:
+class Records:
     """The launcher's records: who is in, and what to start when one dies."""
 
     def __init__(self, nproc: int, max_replacements: int, addr: str, port: int, secret: str | None,

@@ -265,7 +265,7 @@ class _Job:
         self.store: tuple[str, int, str] | None = None  # the rendezvous store's address, port and secret
         self.autopsy: Autopsy | None = None
         self.stop_after_autopsy: tuple[int, str] | None = None  # the signal and reason of the stop it holds back
-        self.membership: elastic.Membership | None = None  # --elastic: the records, the replacements
+        self.membership: elastic.Records | None = None  # --elastic: the records, the replacements
         self.common_env: dict[str, str] = {}  # what every rank's environment holds (a replacement's too)
 
     def run(self) -> int:
@@ -323,10 +323,10 @@ class _Job:
             "PYTHONUNBUFFERED": "1",
         }
         if cfg.elastic:
-            self.membership = elastic.Membership(cfg.nproc, cfg.max_replacements, cfg.master_addr, port, secret)
+            self.membership = elastic.Records(cfg.nproc, cfg.max_replacements, cfg.master_addr, port, secret)
             self.common_env = common
         for rank in range(cfg.nproc):
-            extra = elastic.Membership.rank_env(rank) if cfg.elastic else {}
+            extra = elastic.Records.rank_env(rank) if cfg.elastic else {}
             self._spawn(rank, {**common, "RANK": str(rank), "LOCAL_RANK": str(rank), **extra})
 
     def _spawn(self, rank: int, rank_env: dict[str, str]) -> None:
