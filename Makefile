@@ -21,7 +21,7 @@ install:
 # one CUDA major, torch's CPU build, and etcd (Debian's etcd-server) for the EtcdStore tests where the
 # machine allows (root and apt-get); elsewhere it says how to install it.
 install-test:
-	$(PIP) install -q -e '.[test,test-cu$(CUDA_MAJOR),torch]' '$(TORCH)'
+	$(PIP) install -q -e '.[test,test-cu$(CUDA_MAJOR),torch,torchft]' '$(TORCH)'
 	@command -v etcd >/dev/null || { \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 			export DEBIAN_FRONTEND=noninteractive; \

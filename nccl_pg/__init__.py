@@ -54,6 +54,7 @@ from .errors import DistBackendError, DistError, DistNetworkError, DistStoreErro
 from .group.options import NCCLConfig, Options
 from .group.process_group import SHRINK_ABORT, SHRINK_DEFAULT, ProcessGroup, ProcessGroupHost, ProcessGroupNCCL
 from .group.work import Future, OpType, Work, WorkInfo
+from .membership import get_init_handle, reconfigure
 from .objects import (
     all_gather_object,
     broadcast_object_list,
@@ -117,6 +118,7 @@ __all__ = [
     "gather_object",
     "get_backend",
     "get_global_rank",
+    "get_init_handle",
     "get_group_rank",
     "get_process_group_ranks",
     "get_rank",
@@ -132,6 +134,7 @@ __all__ = [
     "new_group",
     "recv",
     "recv_object_list",
+    "reconfigure",
     "reduce",
     "reduce_scatter",
     "reduce_scatter_tensor",

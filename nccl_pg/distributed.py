@@ -51,6 +51,9 @@ class _World:
     generation: int = 0  # inits so far; keeps a re-init's store keys apart from the last one's
     eager: bool = False
     local_sync_counts: dict[tuple[int, ...], int] = field(default_factory=dict)
+    root_store: Store | None = None  # the store the job rendezvoused on (reconfigure meets new processes there)
+    used_uuids: set[int] = field(default_factory=set)  # configurations this process has been in (reconfigure)
+    names_from: int = 0  # new_group numbers its groups from here: 0, or the uid a reconfigure reached
 
 
 class _ThreadWorld(threading.local):
@@ -131,6 +134,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     options = replace(pg_options or Options(), timeout=limit)
     w.generation += 1
     w.store = PrefixStore(f"nccl_pg/{w.generation}", store)
+    w.root_store, w.used_uuids, w.names_from = store, {0}, 0
     pg = ProcessGroup(w.store, rank, world_size, options, backend=impl, device_id=device_id,
                       group_name=group_name or "0", group_desc=group_desc or "default_pg", uid=0)
     w.default_pg, w.groups, w.group_count, w.local_sync_counts = pg, {pg: list(range(world_size))}, 1, {}
@@ -264,7 +268,7 @@ def new_group(ranks: Sequence[int] | None = None, timeout: Timeout | None = None
     else:
         # Numbered among the groups every rank creates: local-sync groups (uids too, but only on their members)
         # must not shift it, or ranks would rendezvous under different names (as torch: they take no number).
-        name = str(uid - sum(w.local_sync_counts.values()))
+        name = str(uid - w.names_from - sum(w.local_sync_counts.values()))
     options = replace(pg_options or parent.options,
                       timeout=to_seconds(timeout) if timeout is not None else parent.timeout.total_seconds())
     # A nonblocking parent splits at the subgroup's first use, as torch does (eager or not).

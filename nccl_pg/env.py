@@ -266,6 +266,16 @@ ALL: tuple[Var, ...] = (STORE_SECRET, STORE_TIMEOUT, STORE_MAX_VALUE_SIZE, STORE
                         DUMP_ON_TIMEOUT, DUMP_FILE, STACKS_SIGNAL, NAN_CHECK, KERNEL_CACHE, TRACE_BUFFER_SIZE, TRACE_STACKS,
                         OBJECT_SERIALIZER, OBJECT_MAX_BYTES)
 
+# --- elastic recovery (set by `nccl-pg run --elastic`; docs/ELASTIC.md) ---------------------------------
+ELASTIC_MEMBER: Var[int | None] = Var(
+    "NCCL_PG_ELASTIC_MEMBER", parse_int(0), None,
+    "Set by `nccl-pg run --elastic`: this process's member number in the launcher's membership records "
+    "(the original ranks: their rank; each replacement: the next number).")
+ELASTIC_UUID: Var[int | None] = Var(
+    "NCCL_PG_ELASTIC_UUID", parse_int(0), None,
+    "Set by `nccl-pg run --elastic` for a replacement: the configuration (uuid) it joins.")
+ALL = (*ALL, ELASTIC_MEMBER, ELASTIC_UUID)
+
 
 def watchdog_timing(environ: Mapping[str, str] | None = None) -> tuple[float, float]:
     """(poll interval, heartbeat timeout), checked against each other: a

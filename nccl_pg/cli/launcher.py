@@ -34,7 +34,7 @@ from .. import env
 from ..errors import DistError
 from ..store import TCPStoreServer
 from ..timeouts import option_seconds
-from . import jobs
+from . import elastic, jobs
 from ._rank_guard import CLEANUP_BUDGET, KILL_SIGNAL
 from .autopsy import AUTOPSY_TIME, Autopsy
 
@@ -63,6 +63,8 @@ class LaunchConfig:
     prefix: bool = True
     autopsy_time: float = AUTOPSY_TIME  # 0: stop without asking the ranks why
     report_dir: str | None = None  # the autopsy's report (default: beside the dumps)
+    elastic: bool = False  # replace a rank that dies (cli/elastic.py)
+    max_replacements: int = 0
 
 
 # --- command line ------------------------------------------------------------
@@ -86,6 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where the autopsy's report goes (default: beside the ranks' debug dumps)")
     parser.add_argument("--no-prefix", dest="prefix", action="store_false",
                         help="let ranks write straight to the terminal instead of prefixing lines with [rankN]:")
+    elastic.add_arguments(parser)
     parser.add_argument("-m", dest="module", action="store_true",
                         help="run TARGET as a module, as `python -m TARGET`")
     parser.add_argument("target", metavar="TARGET", help="script.py, or a module name with -m")
@@ -102,7 +105,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     return LaunchConfig(nproc=args.nproc, command=command, master_addr=args.master_addr,
                         master_port=args.master_port, grace_period=args.grace_period,
                         max_time=args.max_time, prefix=args.prefix, autopsy_time=args.autopsy_time,
-                        report_dir=args.report_dir)
+                        report_dir=args.report_dir, elastic=args.elastic, max_replacements=args.max_replacements)
 
 
 def _seconds_or_zero(raw: str) -> float:
@@ -262,6 +265,8 @@ class _Job:
         self.store: tuple[str, int, str] | None = None  # the rendezvous store's address, port and secret
         self.autopsy: Autopsy | None = None
         self.stop_after_autopsy: tuple[int, str] | None = None  # the signal and reason of the stop it holds back
+        self.membership: elastic.Records | None = None  # --elastic: the records, the replacements
+        self.common_env: dict[str, str] = {}  # what every rank's environment holds (a replacement's too)
 
     def run(self) -> int:
         os.set_blocking(self.wake_r, False)
@@ -287,6 +292,8 @@ class _Job:
                 jobs.remove(record)
             for stream in self.streams.values():  # left open only when leaving on an exception
                 stream.pipe.close()
+            if self.membership is not None:
+                self.membership.close()
             if server is not None:
                 server.stop()
             for signum, handler in old_handlers.items():
@@ -315,8 +322,12 @@ class _Job:
             env.STORE_SECRET.name: secret,
             "PYTHONUNBUFFERED": "1",
         }
+        if cfg.elastic:
+            self.membership = elastic.Records(cfg.nproc, cfg.max_replacements, cfg.master_addr, port, secret)
+            self.common_env = common
         for rank in range(cfg.nproc):
-            self._spawn(rank, {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+            extra = elastic.Records.rank_env(rank) if cfg.elastic else {}
+            self._spawn(rank, {**common, "RANK": str(rank), "LOCAL_RANK": str(rank), **extra})
 
     def _spawn(self, rank: int, rank_env: dict[str, str]) -> None:
         pipe = subprocess.PIPE if self.config.prefix else None
@@ -373,11 +384,29 @@ class _Job:
             if not rank.exited():
                 continue
             returncode = rank.reap()
+            if returncode != 0 and self.exit_code is None and self._replace(rank, returncode):
+                continue
             if returncode != 0 and self.exit_code is None:
                 self._stop(signal.SIGTERM, exit_status(returncode),
                            f"rank {rank.rank} (pid {rank.pid}) {describe(returncode)}")
         if not self._live() and self.streams and self.drain_until is None:
             self.drain_until = time.monotonic() + self.config.grace_period
+
+    def _replace(self, rank: _Rank, returncode: int) -> bool:
+        """--elastic: start a replacement for a dead rank; False when there is
+        none to start (the job stops then)."""
+        if self.membership is None:
+            return False
+        new = self.membership.died(rank.rank)
+        if new is None:
+            _log(f"rank {rank.rank} (pid {rank.pid}) {describe(returncode)}; no replacement left "
+                 f"(--max-replacements {self.config.max_replacements})")
+            return False
+        _log(f"rank {rank.rank} (pid {rank.pid}) {describe(returncode)}; starting rank {new.member} in its place "
+             f"(configuration {new.uuid}; {self.membership.replacements_left} replacement(s) left)")
+        rank_env = {k: v for k, v in self.common_env.items() if k != "RANK"}
+        self._spawn(new.member, {**rank_env, **new.env()})
+        return True
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()

@@ -159,6 +159,31 @@ class Communicator(ABC):
         communicator for ``shrink()`` or ``destroy()``; local, bounded."""
         raise NotImplementedError(f"{type(self).__name__} cannot revoke")
 
+    # --- fault tolerance: take new ranks without a fresh rendezvous (NCCL >= 2.29.2) ---------------
+    # The order is NCCL's (ncclCommGetUniqueId, ncclCommGrow; docs/ELASTIC.md): one rank of this
+    # communicator, the coordinator, calls get_unique_id(), sends the id to the new ranks out of band
+    # (the group layer: through the store); every rank of this communicator calls grow() (the coordinator
+    # may pass its id, the others pass None); each new rank calls Backend.join_grow() with the id and a
+    # rank >= this communicator's size. The caller destroys this communicator afterwards.
+
+    supports_grow: bool = False
+
+    def get_unique_id(self) -> bytes:
+        """Coordinator only: a single-use id for the next ``grow`` of this
+        communicator (ncclCommGetUniqueId). Nothing may be in flight; a
+        second id before the first was used by a grow raises."""
+        raise NotImplementedError(f"{type(self).__name__} cannot grow")
+
+    def grow(self, nranks: int, unique_id: bytes | None = None, config: CommConfig | None = None) -> Communicator:
+        """Collective over every rank of this communicator (and, through
+        ``Backend.join_grow``, the new ones): a new communicator of
+        ``nranks`` > ``self.nranks`` ranks in which this rank keeps its rank
+        (ncclCommGrow with rank = -1). ``unique_id``: None, or the
+        coordinator's own id. Needs a READY communicator with nothing in
+        flight; with ``config.blocking=False`` the child is returned
+        INITIALIZING and polled; ``config.timeout`` bounds it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot grow")
+
     @abstractmethod
     def finalize(self, timeout: float | None = None) -> None:
         """Wait for every enqueued operation (bounded); raises on timeout."""
@@ -310,6 +335,16 @@ class Backend(ABC):
     @abstractmethod
     def create(self, store: Any, nranks: int, rank: int, config: CommConfig, device: Any = None) -> Communicator:
         """A new communicator bootstrapped through ``store`` (keys private to it)."""
+
+    def join_grow(self, store: Any, unique_id: bytes, nranks: int, rank: int, config: CommConfig,
+                  device: Any = None) -> Communicator:
+        """A new rank's side of ``Communicator.grow`` (ncclCommGrow with no
+        parent): rank ``rank`` (>= the grown communicator's old size, <
+        ``nranks``) of the communicator that ``unique_id`` (from the
+        coordinator's ``get_unique_id``) grows. ``store``: the job's store
+        (the host backend meets the grown ranks there; NCCL needs only the
+        id)."""
+        raise NotImplementedError(f"the {self.name} backend cannot grow a communicator")
 
     @abstractmethod
     def flat(self, array: Any, what: str) -> Any:

@@ -10,13 +10,17 @@ Ranks here are group ranks; distributed.py maps global ranks onto them.
 from __future__ import annotations
 
 import atexit
+import json
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from ..comm.base import CommState, check_exclude
-from ..errors import DistBackendError
-from ..store import Store
-from . import watchdog
+from ..errors import DistBackendError, DistStoreError
+from ..store import PrefixStore, Store
+from ..timeouts import Timeout, to_seconds
+from . import handles, watchdog
 from .collectives import Collectives
 from .core import GroupState
 from .options import Options
@@ -47,10 +51,13 @@ class ProcessGroup(Collectives):
         return check_exclude(exclude, self._size, self._rank)
 
     def shrink(self, excluded: list[int], abort_first: bool, options: Options | None, *, group_name: str,
-               group_desc: str, uid: int, global_ranks: Sequence[int] | None = None) -> ProcessGroup:
+               group_desc: str, uid: int, global_ranks: Sequence[int] | None = None,
+               init_timeout: float | None = None) -> ProcessGroup:
         """Collective over the ranks not in ``excluded`` (from
         ``check_shrink``; only the survivors call it): a new group of the
-        survivors, in their order. This group is left to the caller to destroy."""
+        survivors, in their order. This group is left to the caller to
+        destroy. ``init_timeout`` bounds the new communicator's creation
+        (default: the new group's timeout)."""
         with self._lock:
             if self._state is GroupState.DESTROYED:
                 raise DistBackendError(f"process group {self.uid} ({self.group_desc!r}) on rank {self._rank} was "
@@ -68,11 +75,12 @@ class ProcessGroup(Collectives):
                              group_desc=group_desc, uid=uid, global_ranks=global_ranks)
         if native:
             assert comm is not None
-            if not abort_first and self._stream is not None and not self._stream.synchronize(child._timeout):
+            limit = child._timeout if init_timeout is None else init_timeout
+            if not abort_first and self._stream is not None and not self._stream.synchronize(limit):
                 raise DistBackendError(f"timeout: process group {self.uid} ({self.group_desc!r}) on rank "
                                        f"{self._rank}: operations issued before a shrink did not finish within "
-                                       f"{child._timeout:.1f} s (SHRINK_ABORT stops them instead)")
-            child._set_comm(comm.shrink(excluded, child._comm_config(), abort_first))
+                                       f"{limit:.1f} s (SHRINK_ABORT stops them instead)")
+            child._set_comm(comm.shrink(excluded, replace(child._comm_config(), timeout=limit), abort_first))
         else:
             if abort_first:
                 self.abort()
@@ -96,6 +104,222 @@ class ProcessGroup(Collectives):
             comm.revoke()
         else:
             comm.abort()
+
+
+    # --- reconfigure: from any membership to any other (docs/ELASTIC.md) -----------------------------------
+
+    uuid: int = 0  # the configuration this group is (torchcomms' uuid): 0 when created, then each reconfigure's
+
+    def get_init_handle(self) -> str:
+        """This process's handle in this group's configuration, for the
+        ``init_handles`` of the next ``reconfigure``."""
+        return handles.handle_for(self.uuid, self._rank)
+
+    def healthy(self) -> bool:
+        """Open, with a communicator (if made yet) that nothing broke."""
+        comm = self._comm
+        return self._state is GroupState.OPEN and (comm is None or comm.async_error() is None)
+
+    def reconfigure(self, uuid: int, init_handles: Any, timeout: Timeout | None = None, *, store: Store | None = None,
+                    options: Options | None = None, group_desc: str | None = None, uid: int | None = None,
+                    global_ranks: Sequence[int] | None = None) -> ProcessGroup:
+        """The group of the configuration ``init_handles`` name (see
+        group/handles.py for who gets which rank), within one deadline
+        (``timeout``, default this group's): this group itself when nothing
+        changes and it is healthy; else revoke, then an abortive shrink
+        (ranks left; this group is then aborted, never finalized) or, with
+        nobody left but the group broken, a fresh communicator of the same
+        ranks; then a grow (ranks joined), after which its parent is
+        destroyed. ``store``: where members and new processes meet
+        (default: this group's store; the new processes pass one that
+        reaches the same keys)."""
+        plan = handles.make_plan(uuid, init_handles, self.get_init_handle(), self._size)
+        limit = self._timeout if timeout is None else to_seconds(timeout, "reconfigure timeout")
+        deadline = time.monotonic() + limit
+        meet = self._store if store is None else store
+        names = GroupSetup(options or self.options, group_desc or self.group_desc, self.uid if uid is None else uid,
+                       None if global_ranks is None else list(global_ranks))
+        if not plan.member:  # this process's configuration lost the quorum: it comes back as a new one
+            self.abort()
+            self.shutdown(0)
+            return ProcessGroup.join(plan, meet, deadline, self._backend, self._device, names)
+        left = plan.left(self._size)
+        if not left and not plan.joiners and self.healthy():
+            self.uuid = plan.uuid
+            return self
+        try:
+            return self._change(plan, left, meet, deadline, names)
+        except BaseException:  # a failed change leaves no group behind: this one, or one made on the way
+            self.abort()
+            self.shutdown(0)
+            raise
+
+    def _change(self, plan: handles.Plan, left: list[int], meet: Store, deadline: float,
+                names: GroupSetup) -> ProcessGroup:
+        current: ProcessGroup = self
+        if left or (not plan.joiners and not self.healthy()):
+            self.revoke()
+            if left:
+                current = self.shrink(left, True, names.options, group_name=f"{self.group_name}:shrunk",
+                                      group_desc=names.desc, uid=names.uid, global_ranks=names.global_ranks,
+                                      init_timeout=_left(deadline, "the shrink"))
+            else:  # nobody left, nobody joins, but the group is broken: a fresh communicator of the same ranks
+                current = ProcessGroup._fresh(plan, meet, deadline, self._backend, self._device, names)
+            self.abort()  # after an abortive shrink: aborted, never finalized
+            self.shutdown(0)
+        try:
+            current.wait_comm(deadline, "the shrink")
+            if plan.joiners:  # a broken group (nobody left) grows through a fresh communicator: grow() sees to it
+                grown = current.grow(plan, meet, deadline, names)
+                current.shutdown(_left(deadline, "destroying the grown group's parent"))
+                current = grown
+        except BaseException:
+            current.abort()
+            current.shutdown(0)
+            raise
+        current.uuid = plan.uuid
+        return current
+
+    def wait_comm(self, deadline: float, what: str) -> None:
+        """Poll this group's communicator, if it has one, out of
+        INITIALIZING until ``deadline`` (a nonblocking creation)."""
+        comm = self._comm
+        if comm is not None:
+            comm.wait_ready(_left(deadline, what))
+
+    def grow(self, plan: handles.Plan, meet: Store, deadline: float, names: GroupSetup) -> ProcessGroup:
+        """The members' side of a grow (every rank of this group calls it):
+        group rank 0, the coordinator, publishes in ``meet`` the grow id of
+        this group's communicator (ncclCommGetUniqueId) for the new
+        processes, and every member grows it (ncclCommGrow, rank = -1),
+        keeping its rank. Without a communicator able to grow (lazy, broken,
+        NCCL < 2.29.2) every member and new process builds a fresh one
+        through the store instead, as the published record says."""
+        comm = self._comm
+        native = (comm is not None and comm.supports_grow and comm.state is CommState.READY
+                  and self._state is GroupState.OPEN)
+        if self._stream is not None and not self._stream.synchronize(_left(deadline, "the grow")):
+            raise DistBackendError(f"timeout: process group {self.uid} ({self.group_desc!r}) on rank {self._rank}: "
+                                   "operations issued before a grow did not finish in time")
+        unique_id = b""
+        if self._rank == 0:
+            if native:
+                assert comm is not None
+                unique_id = comm.get_unique_id()
+            meet.set(_grow_key(plan), _GrowRecord(plan.digest, plan.size, unique_id.hex()).encode())
+        if not native:
+            return ProcessGroup._fresh(plan, meet, deadline, self._backend, self._device, names)
+        assert comm is not None
+        child = ProcessGroup(PrefixStore(f"nccl_pg/u{plan.uuid}", meet), self._rank, plan.size, names.options,
+                             backend=self._backend, device_id=self._device, group_name="0", group_desc=names.desc,
+                             uid=names.uid, global_ranks=names.global_ranks)
+        try:
+            cfg = replace(child._comm_config(), timeout=_left(deadline, "the grow"))
+            child._set_comm(comm.grow(plan.size, unique_id or None, cfg))
+            child.wait_comm(deadline, "the grow")
+        except BaseException:
+            child.abort()
+            child.shutdown(0)
+            raise
+        return child
+
+    @classmethod
+    def join(cls, plan: handles.Plan, meet: Store, deadline: float, backend: Any, device: Any,
+             names: GroupSetup) -> ProcessGroup:
+        """A new process's side: wait (parked, until ``deadline``) for the
+        coordinator's record, then join the members' grow with its id
+        (ncclCommGrow with no parent), or the fresh communicator they build."""
+        if plan.quorum is None:  # nobody comes from a configuration: everyone starts afresh
+            return cls._fresh(plan, meet, deadline, backend, device, names)
+        key = _grow_key(plan)
+        try:
+            meet.wait([key], _left(deadline, "waiting for the members' grow"))
+        except DistStoreError as exc:
+            raise DistBackendError(f"timeout: reconfigure to uuid {plan.uuid}: rank {plan.rank} (joining) waited for "
+                                   f"the members of configuration {plan.quorum} to start the grow, in vain "
+                                   f"({exc})") from None
+        record = _GrowRecord.decode(meet.get(key))
+        if record.digest != plan.digest or record.size != plan.size:
+            raise DistBackendError(f"reconfigure to uuid {plan.uuid}: the members were given other init_handles "
+                                   f"than rank {plan.rank} (joining): their plan is a group of {record.size} ranks, "
+                                   f"digest {record.digest}; this one's {plan.size}, {plan.digest}")
+        if not record.unique_id:
+            return cls._fresh(plan, meet, deadline, backend, device, names)
+        child = cls(PrefixStore(f"nccl_pg/u{plan.uuid}", meet), plan.rank, plan.size, names.options,
+                    backend=backend, device_id=device, group_name="0", group_desc=names.desc, uid=names.uid,
+                    global_ranks=names.global_ranks)
+        try:
+            cfg = replace(child._comm_config(), timeout=_left(deadline, "the grow"))
+            child._set_comm(child._backend.join_grow(meet, bytes.fromhex(record.unique_id), plan.size, plan.rank,
+                                                     cfg, device))
+            child.wait_comm(deadline, "the grow")
+        except BaseException:
+            child.abort()
+            child.shutdown(0)
+            raise
+        child.uuid = plan.uuid
+        return child
+
+    @classmethod
+    def _fresh(cls, plan: handles.Plan, meet: Store, deadline: float, backend: Any, device: Any,
+               names: GroupSetup) -> ProcessGroup:
+        """Every process of the new configuration builds a new communicator
+        through the store, now (so that reconfigure returns a working group)."""
+        child = cls(PrefixStore(f"nccl_pg/u{plan.uuid}", meet), plan.rank, plan.size,
+                    replace(names.options, timeout=_left(deadline, "a fresh communicator")), backend=backend,
+                    device_id=device, group_name="0", group_desc=names.desc, uid=names.uid,
+                    global_ranks=names.global_ranks)
+        try:
+            child.eager_init()
+            child.wait_comm(deadline, "a fresh communicator")
+        except BaseException:
+            child.abort()
+            child.shutdown(0)
+            raise
+        child._set_default_timeout(names.options.timeout)
+        child.uuid = plan.uuid
+        return child
+
+
+@dataclass(frozen=True)
+class GroupSetup:
+    """How a reconfigured group is set up: its options, description, uid
+    (this process's number for it) and global ranks (None: its own)."""
+
+    options: Options
+    desc: str
+    uid: int
+    global_ranks: list[int] | None
+
+
+@dataclass(frozen=True)
+class _GrowRecord:
+    """What the coordinator of a grow publishes for the new processes: the
+    plan's digest and size, and the grow id (hex; empty: a fresh communicator)."""
+
+    digest: str
+    size: int
+    unique_id: str
+
+    def encode(self) -> bytes:
+        return json.dumps({"digest": self.digest, "size": self.size, "id": self.unique_id}).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> _GrowRecord:
+        d = json.loads(raw)
+        return cls(str(d["digest"]), int(d["size"]), str(d["id"]))
+
+
+def _grow_key(plan: handles.Plan) -> str:
+    return f"nccl_pg/reconfigure/{plan.quorum}-{plan.uuid}/grow"
+
+
+def _left(deadline: float, what: str) -> float:
+    """Seconds to ``deadline``; raises a timeout naming ``what`` once it passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise DistBackendError(f"timeout: reconfigure ran out of time before {what}")
+    return left
 
 
 def _close_leftovers() -> None:

@@ -358,6 +358,15 @@ class ProcessGroupTorch(tdist.ProcessGroup):
         """Our groups behind this one, by device type ("cpu", "cuda")."""
         return dict(self._npg_groups)
 
+    def comm_error(self) -> BaseException | None:
+        """The first error that broke one of our groups' communicators (a
+        peer lost, an abort), or None."""
+        for pg in list(self._npg_groups.values()):
+            error = pg.comm_error()
+            if error is not None:
+                return error
+        return None
+
     def abort(self) -> None:
         for pg in list(self._npg_groups.values()):
             pg.abort()

@@ -15,6 +15,7 @@ from ...store import Store
 from ..base import Backend, CommConfig, Event, Stream
 from ..nan_scan import first_nan_of
 from .communicator import HostCommunicator
+from .membership import join_store
 from .stream import INLINE_BYTES, HostStream
 
 
@@ -99,6 +100,12 @@ class HostBackend(CpuArrays):
 
     def create(self, store: Store, nranks: int, rank: int, config: CommConfig, device: Any = None) -> HostCommunicator:
         return HostCommunicator.create(store, nranks, rank, config)
+
+    def join_grow(self, store: Store, unique_id: bytes, nranks: int, rank: int, config: CommConfig,
+                  device: Any = None) -> HostCommunicator:
+        """A new rank of a grow (membership.py: the handshake)."""
+        meeting = join_store(store, unique_id, nranks, rank)
+        return HostCommunicator(rank, nranks, config, f"host.joined{rank}", store=meeting)
 
     def empty(self, count: int, dtype: Any, device: Any = None) -> np.ndarray:
         return np.empty(count, dtype=dtype)

@@ -16,10 +16,11 @@ import numpy as np
 from ... import env
 from ...errors import DistBackendError, DistStoreError
 from ...reduce_op import ReduceOp
-from ...store import PrefixStore, Store
-from ..base import CommConfig, CommState, Communicator, Stream, check_dtype, check_exclude, check_reduction
+from ...store import Store
+from ..base import CommConfig, CommState, Communicator, Stream, check_dtype, check_reduction
 from . import algorithms as alg
 from .connect import MeshBuilder, listen
+from .membership import Membership
 from .stream import INLINE_BYTES, HostEvent, HostStream
 from .transport import Mesh, MeshTimeoutError, Recv, Send
 
@@ -93,7 +94,7 @@ class _Branch:
         return not (key[1] and self.key[1]) and bool(np.may_share_memory(buf, self.buf))
 
 
-class HostCommunicator(Communicator):
+class HostCommunicator(Membership, Communicator):
     def __init__(self, rank: int, nranks: int, config: CommConfig, name: str,
                  store: Store | None = None, bootstrap: _Bootstrap | None = None) -> None:
         if not 0 <= rank < nranks:
@@ -608,16 +609,12 @@ class HostCommunicator(Communicator):
         host, port = listener.getsockname()[:2] if listener else ("", 0)
         mine = np.frombuffer(_SPLIT_RECORD.pack(-1 if color is None else color, key, port, os.urandom(16),
                                                 host.encode()), dtype=np.uint8)
-        everyone = np.empty(self.nranks * _SPLIT_RECORD.size, dtype=np.uint8)
-        self._enqueue(self._internal, "split", lambda m: alg.all_gather(m, mine, everyone))
-        if not self._internal.record().synchronize(cfg.timeout):
+        try:
+            everyone = self._gather_internal(mine, cfg.timeout, "split")
+        except BaseException:
             if listener:
                 listener.close()
-            raise DistBackendError(f"timeout: {self.name}: split waited {cfg.timeout:.1f} s for the other ranks")
-        if self._error is not None:
-            if listener:
-                listener.close()
-            raise self._error
+            raise
         if color is None:
             return None
         records = [_SPLIT_RECORD.unpack_from(everyone.data, i * _SPLIT_RECORD.size) for i in range(self.nranks)]
@@ -631,33 +628,6 @@ class HostCommunicator(Communicator):
         child = HostCommunicator(child_rank, len(ranks), cfg, f"{self.name}.{color}", bootstrap=boot)
         child._store = self._store
         return child
-
-    # --- shrink and revoke ------------------------------------------------------------------
-
-    supports_shrink = True
-    supports_revoke = True
-
-    def shrink(self, exclude: Sequence[int], config: CommConfig | None = None,
-               abort_first: bool = False) -> HostCommunicator:
-        """The survivors meet again through the store (NCCL reuses its
-        bootstrap network; ours is the store), under a key only this
-        communicator's ranks know, so that the excluded ranks, dead or alive,
-        are never waited for. Works on a communicator in error or revoked."""
-        excluded = check_exclude(exclude, self.nranks, self.rank)
-        if self._state is CommState.INITIALIZING:
-            self.wait_ready(self.config.timeout + _INIT_GRACE)
-        if self._state is CommState.DESTROYED or self._store is None or not self._token:
-            raise DistBackendError(f"{self.name}: cannot shrink a communicator that is {self._state.value}")
-        if abort_first:
-            self._stop(CommState.REVOKED, "in-flight operations stopped to shrink")
-        self._shrink_count += 1
-        survivors = [r for r in range(self.nranks) if r not in excluded]
-        prefix = f"shrink/{self._token.hex()}/{self._shrink_count}/"
-        return HostCommunicator(survivors.index(self.rank), len(survivors), config or self.config,
-                                f"{self.name}.shrink{self._shrink_count}", store=PrefixStore(prefix, self._store))
-
-    def revoke(self) -> None:
-        self._stop(CommState.REVOKED, "communicator revoked")
 
     def _stop(self, state: CommState, why: str) -> None:
         """Fail what is in flight and everything after; the first cause (a
@@ -682,6 +652,21 @@ class HostCommunicator(Communicator):
         if builder is not None:
             builder.cancel()
         self._ready.set()
+
+    def _sibling(self, rank: int, nranks: int, config: CommConfig, name: str, store: Store) -> HostCommunicator:
+        """A new communicator that meets through ``store`` (shrink, grow)."""
+        return HostCommunicator(rank, nranks, config, name, store=store)
+
+    def _gather_internal(self, mine: np.ndarray, timeout: float, what: str) -> np.ndarray:
+        """Every rank's ``mine`` (uint8, the same size everywhere), gathered
+        over the mesh on the internal stream, within ``timeout`` seconds."""
+        everyone = np.empty(self.nranks * mine.size, dtype=np.uint8)
+        self._enqueue(self._internal, what, lambda m: alg.all_gather(m, mine, everyone))
+        if not self._internal.record().synchronize(timeout):
+            raise DistBackendError(f"timeout: {self.name}: {what} waited {timeout:.1f} s for the other ranks")
+        if self._error is not None:
+            raise self._error
+        return everyone
 
     def _my_address(self) -> str:
         return (self._mesh.local_address() if self._mesh else None) or env.HOST_ADDR.get() or "127.0.0.1"

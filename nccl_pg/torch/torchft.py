@@ -1,0 +1,67 @@
+"""torchft's Manager over nccl_pg: ``ProcessGroupNcclPg``.
+
+torchft (pytorch/torchft) drives its process group through one call,
+``configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank,
+group_world_size, global_ranks)`` (torchft 0.2.0, torchft/process_group.py,
+``ProcessGroup.configure``): at every new quorum the Manager
+(torchft/manager.py, ``Manager._async_quorum``) hands it a fresh store prefix
+(``host:port/torchft/<quorum_id>/<group_rank>``), this replica's rank and the
+quorum's size, and the group must be usable when it returns; ``errored()``
+reports an async error (``Manager.should_commit``), ``abort()`` drops the
+group. torchft's ``ProcessGroupWrapper`` implements that contract around a
+``_create_pg(store, rank, world_size)``, as its Gloo and NCCL groups do:
+abort the last quorum's group, build the new one on the given store. Here the
+new one is nccl_pg's torch group (torch/process_group.py): the host backend
+for CPU tensors, NCCL for CUDA ones, with our watchdog, timeouts and flight
+recorder. torchft's quorum gives ranks by its own order and a new store per
+quorum, so each configure builds a fresh communicator (nccl_pg's
+``reconfigure`` keeps the members' order instead, and grows; it is the
+primitive for launchers that decide membership themselves).
+
+    from nccl_pg.torch.torchft import ProcessGroupNcclPg
+    manager = torchft.Manager(pg=ProcessGroupNcclPg(timeout=timedelta(seconds=30)), ...)
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from torchft.process_group import ProcessGroupWrapper
+
+from .process_group import ProcessGroupTorch
+
+
+class ProcessGroupNcclPg(ProcessGroupWrapper):
+    """A torchft ProcessGroup whose every quorum runs on nccl_pg."""
+
+    def __init__(self, timeout: timedelta = timedelta(seconds=60)) -> None:
+        super().__init__(timeout=timeout)
+
+    def _create_pg(self, store: Any, rank: int, world_size: int) -> ProcessGroupTorch:
+        name = f"torchft_{self._quorum_id}" if self._quorum_id is not None else "torchft"
+        return ProcessGroupTorch(store, rank, world_size, self._timeout, group_name=name,
+                                 global_ranks=self._global_ranks or ())
+
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        return "torchft-nccl_pg"
+
+    def errored(self) -> Exception | None:
+        pg = self._pg
+        error = pg.comm_error() if isinstance(pg, ProcessGroupTorch) else None
+        return error if isinstance(error, Exception) or error is None else RuntimeError(str(error))
+
+    def abort(self, errored: bool = True) -> None:
+        """torchft drops the group; ours is aborted and freed at once (its
+        threads and sockets), not left to the garbage collector."""
+        pg = self._pg
+        super().abort(errored)
+        if isinstance(pg, ProcessGroupTorch):
+            pg.shutdown()
+
+    def shutdown(self) -> None:
+        pg = self._pg
+        super().shutdown()
+        if isinstance(pg, ProcessGroupTorch):
+            pg.abort()
+            pg.shutdown()

@@ -1,0 +1,255 @@
+"""Elastic recovery on the host backend: reconfigure against destroying and
+re-creating the whole group, through the public API, in the same run.
+
+For each world size N (default 4, 16, 64), twice — ``reconfigure`` (shrink,
+then grow: nccl_pg.reconfigure with init handles exchanged through the
+store, as nccl_pg.elastic does) and ``recreate`` (destroy_process_group, then
+init_process_group of the new membership on a fresh store prefix) — N ranks
+start as fresh interpreters around a TCPStore served by this process, run an
+all_reduce, and rank 1 SIGKILLs itself while the others are in the next one.
+Measured on CLOCK_MONOTONIC, which all processes of the machine share:
+
+  kill -> collective   from the victim's SIGKILL (its stamp just before) to
+                       the last survivor's next completed all_reduce, on the
+                       group of N-1 (detect the loss, recover, run it)
+  start -> collective  from this process starting the replacement (Popen of
+                       a fresh interpreter, as `nccl-pg run --elastic` does)
+                       to the replacement's first completed all_reduce on
+                       the group of N; "import" is the part spent before the
+                       replacement's first line of its own (interpreter,
+                       numpy, nccl_pg), the same for both ways
+  requests/rank        store requests each rank sent in each step (counted
+                       by a wrapper around its store client): the largest
+                       over the ranks, and whether it grows with N (O(1))
+
+    python3 tools/bench_elastic.py [--sizes 4 16 64] [--repeat 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+VICTIM = 1
+TIMEOUT = 120.0
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# --- a rank -----------------------------------------------------------------------------------------------------
+
+def _counting(inner: Any) -> Any:
+    """``inner`` (a store) with every request counted into ``.counts``."""
+    from nccl_pg.store import Store  # noqa: PLC0415
+
+    class Counting(Store):
+        def __init__(self) -> None:
+            super().__init__(inner.timeout)
+            self.counts: Counter = Counter()
+
+        def __getattribute__(self, name: str) -> Any:
+            if name in ("set", "get", "add", "compare_set", "check", "wait", "multi_get", "multi_set",
+                        "delete_key", "append", "queue_push", "queue_pop"):
+                counts = object.__getattribute__(self, "counts")
+                method = getattr(inner, name)
+
+                def call(*args: Any, **kwargs: Any) -> Any:
+                    if threading.current_thread().name != "nccl_pg-signals":  # the listener: not a step's
+                        counts[name] += 1
+                    return method(*args, **kwargs)
+
+                return call
+            return object.__getattribute__(self, name)
+
+        def clone(self) -> Any:
+            return inner.clone()  # the signal listener's parked wait: not a rank's request per step
+
+    return Counting()
+
+
+def _handles(store: Any, stage: str, who: list[str], me: str, handle: str) -> list[str]:
+    """Publish this process's handle; everyone's in ``who``'s order (three requests)."""
+    store.set(f"{stage}/{me}", handle)
+    keys = [f"{stage}/{w}" for w in who]
+    store.wait(keys, TIMEOUT)
+    return [v.decode() for v in store.multi_get(keys)]
+
+
+def worker(mode: str, port: int, n: int, who: str) -> None:
+    started = time.monotonic()
+    import faulthandler  # noqa: PLC0415
+
+    faulthandler.dump_traceback_later(TIMEOUT, exit=True)  # a stuck rank says where, and ends
+    import numpy as np  # noqa: PLC0415
+
+    import nccl_pg as dist  # noqa: PLC0415
+    from nccl_pg import PrefixStore, TCPStore  # noqa: PLC0415
+
+    imported = time.monotonic()
+    root = _counting(TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT))
+    survivors = [r for r in range(n) if r != VICTIM]
+    x = np.ones(1024, dtype=np.float32)
+    out: dict[str, Any] = {"started": started, "imported": imported}
+    if who == "new":
+        if mode == "reconfigure":
+            hs = _handles(root, "grow", [*map(str, survivors), "new"], "new", dist.get_init_handle())
+            pg = dist.reconfigure(2, hs, TIMEOUT, store=root, backend="host")
+            dist.all_reduce(x)
+        else:
+            pg = dist.ProcessGroupHost(PrefixStore("fresh2", root), n - 1, n, dist.Options(timeout=TIMEOUT))
+            pg.allreduce(x).wait()
+        out.update(first=time.monotonic(), grow=dict(root.counts), size=pg.size(), sum=float(x[0]))
+        root.set("result/new", json.dumps(out))
+        if mode == "reconfigure":
+            dist.destroy_process_group()
+        else:
+            pg.shutdown()
+        return
+    rank = int(who)
+    dist.init_process_group("host", store=root, rank=rank, world_size=n, timeout=TIMEOUT)
+    dist.all_reduce(x)
+    root.set(f"up/{rank}", "1")
+    root.wait([f"up/{r}" for r in range(n)], TIMEOUT)
+    if rank == VICTIM:
+        root.set("t_kill", repr(time.monotonic()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        dist.all_reduce(x)
+        raise RuntimeError("the all_reduce with a dead rank completed")
+    except dist.DistBackendError:
+        out["failed"] = time.monotonic()
+    root.counts.clear()
+    new_rank = survivors.index(rank)
+    # The other way: the broken group destroyed (aborted first: its peer is gone), a new one made of the
+    # survivors on a fresh store prefix (ProcessGroupHost: init_process_group's keys carry a count of this
+    # process's inits, which a newcomer's would not match).
+    if mode == "reconfigure":
+        hs = _handles(root, "shrink", [str(r) for r in survivors], who, dist.get_init_handle())
+        dist.reconfigure(1, hs, TIMEOUT)
+        x[:] = 1
+        dist.all_reduce(x)
+    else:
+        dist.abort_process_group()
+        dist.destroy_process_group()
+        pg = dist.ProcessGroupHost(PrefixStore("fresh1", root), new_rank, n - 1, dist.Options(timeout=TIMEOUT))
+        x[:] = 1
+        pg.allreduce(x).wait()
+    out.update(shrunk=time.monotonic(), shrink=dict(root.counts), shrunk_sum=float(x[0]))
+    root.counts.clear()
+    if mode == "reconfigure":
+        hs = _handles(root, "grow", [*map(str, survivors), "new"], who, dist.get_init_handle())
+        dist.reconfigure(2, hs, TIMEOUT)
+        x[:] = 1
+        dist.all_reduce(x)
+        size = dist.get_world_size()
+    else:
+        pg.shutdown()
+        pg = dist.ProcessGroupHost(PrefixStore("fresh2", root), new_rank, n, dist.Options(timeout=TIMEOUT))
+        x[:] = 1
+        pg.allreduce(x).wait()
+        size = pg.size()
+    out.update(grown=time.monotonic(), grow=dict(root.counts), size=size, sum=float(x[0]))
+    root.set(f"result/{rank}", json.dumps(out))
+    if mode == "reconfigure":
+        dist.destroy_process_group()
+    else:
+        pg.shutdown()
+
+
+# --- the run --------------------------------------------------------------------------------------------------
+
+def _spawn(mode: str, port: int, n: int, who: str, log: Any) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NCCL_PG_")}
+    env.update(NCCL_PG_DUMP_ON_TIMEOUT="0", NCCL_PG_ASYNC_ERROR_HANDLING="0", PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, __file__, "--worker", mode, str(port), str(n), who],
+                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def scenario(mode: str, n: int, logdir: Path) -> dict[str, Any]:
+    from nccl_pg import TCPStore  # noqa: PLC0415
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, timeout=TIMEOUT)
+    log = open(logdir / f"{mode}_{n}.log", "w")  # noqa: SIM115 - closed below
+    procs = [_spawn(mode, store.port, n, str(r), log) for r in range(n)]
+    try:
+        procs[VICTIM].wait(TIMEOUT)
+        spawned = time.monotonic()
+        procs.append(_spawn(mode, store.port, n, "new", log))
+        keys = [f"result/{r}" for r in range(n) if r != VICTIM] + ["result/new"]
+        store.wait(keys, TIMEOUT)
+        results = [json.loads(v) for v in store.multi_get(keys)]
+        for p in procs:
+            p.wait(TIMEOUT)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        log.close()
+        kill = float(store.get("t_kill"))
+        store.close()
+    old, new = results[:-1], results[-1]
+    assert all(r["shrunk_sum"] == n - 1 and r["sum"] == n for r in old) and new["sum"] == n, results
+    per_rank = lambda step: max(sum(r[step].values()) for r in results if step in r)  # noqa: E731
+    if os.environ.get("BENCH_ELASTIC_DETAIL"):
+        print(mode, n, [(r.get("shrink"), r["grow"]) for r in results], file=sys.stderr)
+    return {
+        "mode": mode, "n": n,
+        "detect_s": max(r["failed"] for r in old) - kill,
+        "kill_to_collective_s": max(r["shrunk"] for r in old) - kill,
+        "start_to_collective_s": max(new["first"], *(r["grown"] for r in old)) - spawned,
+        "replacement_import_s": new["imported"] - spawned,
+        "shrink_requests_per_rank": per_rank("shrink"),
+        "grow_requests_per_rank": per_rank("grow"),
+    }
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[4, 16, 64])
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each way per size (medians reported)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument("--logs", type=Path, default=Path("/tmp/bench_elastic"), help="the ranks' output")
+    args = parser.parse_args()
+    args.logs.mkdir(parents=True, exist_ok=True)
+    rows = []
+    print(f"# {platform.node()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, {date.today()}; "
+          f"medians of {args.repeat} runs, the two ways alternating")
+    print(f"{'N':>3} {'way':<12} {'kill->coll s':>12} {'(detect s)':>10} {'start->coll s':>13} {'(import s)':>10} "
+          f"{'req/rank shrink':>15} {'req/rank grow':>13}")
+    for n in args.sizes:
+        runs: dict[str, list[dict[str, Any]]] = {"reconfigure": [], "recreate": []}
+        for _ in range(args.repeat):
+            for mode in runs:
+                runs[mode].append(scenario(mode, n, args.logs))
+        med = {mode: {k: statistics.median(r[k] for r in rs) if isinstance(rs[0][k], float) else max(r[k] for r in rs)
+                      for k in rs[0]} | {"mode": mode, "n": n, "runs": rs} for mode, rs in runs.items()}
+        for mode, row in med.items():
+            rows.append(row)
+            print(f"{n:>3} {mode:<12} {row['kill_to_collective_s']:>12.3f} {row['detect_s']:>10.3f} "
+                  f"{row['start_to_collective_s']:>13.3f} {row['replacement_import_s']:>10.3f} "
+                  f"{row['shrink_requests_per_rank']:>15} {row['grow_requests_per_rank']:>13}", flush=True)
+        a, b = med["reconfigure"], med["recreate"]
+        print(f"{n:>3} {'ratio':<12} {a['kill_to_collective_s'] / b['kill_to_collective_s']:>12.2f} {'':>10} "
+              f"{a['start_to_collective_s'] / b['start_to_collective_s']:>13.2f}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    threading.current_thread().name = "bench_elastic"
+    sys.exit(main())
