@@ -5,6 +5,8 @@ NPROC ?= 4
 CUDA_MAJOR ?= 13
 # torch's CPU build for the torch-backend tests (a bare `torch` from PyPI is a multi-GB CUDA build).
 TORCH ?= torch==2.13.0
+# The extras the suite needs: its tools, NCCL and NVRTC of one CUDA major, torch, torchft (its adapter's test).
+TEST_EXTRAS = test,test-cu$(CUDA_MAJOR),torch,torchft
 
 .PHONY: install install-test test test-sim test-gpu bench demo lint torch-suite
 
@@ -21,7 +23,7 @@ install:
 # one CUDA major, torch's CPU build, and etcd (Debian's etcd-server) for the EtcdStore tests where the
 # machine allows (root and apt-get); elsewhere it says how to install it.
 install-test:
-	$(PIP) install -q -e '.[test,test-cu$(CUDA_MAJOR),torch,torchft]' '$(TORCH)'
+	$(PIP) install -q -e '.[$(TEST_EXTRAS)]' '$(TORCH)'
 	@command -v etcd >/dev/null || { \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 			export DEBIAN_FRONTEND=noninteractive; \
@@ -76,6 +78,6 @@ torch-suite: install-test
 # ruff (SLF001 included: no reaching into another module's private members), then mypy over the package
 # (configured in pyproject.toml); any finding fails. tests/test_layering.py checks the imports (`make test`).
 lint:
-	$(PIP) install -q -e '.[test,test-cu$(CUDA_MAJOR),torch,lint]' '$(TORCH)'
+	$(PIP) install -q -e '.[$(TEST_EXTRAS),lint]' '$(TORCH)'
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m mypy
