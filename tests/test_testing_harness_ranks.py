@@ -26,9 +26,9 @@ import pytest
 import nccl_pg as dist
 from nccl_pg.comm.backends import gpu_count
 from nccl_pg.errors import Culprit, DistBackendError
+from nccl_pg.process_tree import alive
 from nccl_pg.testing import ProcessRanks, RanksFailed, WarmRanks, devices, run_ranks, run_threads
 from nccl_pg.testing import threads as thread_ranks_module
-from nccl_pg.testing.process_tree import alive
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -22,8 +22,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from .. import process_tree
 from ..store import TCPStoreServer
-from . import devices, process_tree, verdict
+from . import devices, verdict
 from .failures import DEFAULT_TIMEOUT, default_op_timeout
 from .rank_main import STACK_SIGNAL, Job, Start
 

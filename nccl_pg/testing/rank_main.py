@@ -13,7 +13,7 @@ ends with ``("ok", result)`` or ``(kind, Failure)``. A warm set's ranks then
 wait for the next job, keeping their default group.
 
 A rank is its descendants' subreaper and ends them after each job; it dies
-with the harness (PR_SET_PDEATHSIG); SIGUSR2 writes every thread's stack to
+with the harness (PR_SET_PDEATHSIG) (``nccl_pg.process_tree``); SIGUSR2 writes every thread's stack to
 the harness's stack file (faulthandler: C, needs no GIL)."""
 
 from __future__ import annotations
@@ -32,11 +32,13 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from ..errors import Culprit, DistError
-from . import process_tree, stacks
+from .. import process_tree
+from . import stacks
 from .failures import culprits_of, is_skip
 
 STACK_SIGNAL = signal.SIGUSR2
 _READY, _GO = "nccl_pg/testing/ready", "nccl_pg/testing/go"
+_END_WITHIN = 1.0  # seconds to end a job's descendants
 _started = threading.Event()  # every rank is up: the test may have started on some
 _stack_file: IO[str] | None = None  # kept open: faulthandler writes to its descriptor
 
@@ -123,7 +125,7 @@ def _run(job: Job, start: Start) -> tuple[Any, ...]:
         abort_groups([_world()], set())
         return failure(exc)
     finally:
-        process_tree.end_descendants()
+        process_tree.end_descendants(_END_WITHIN)
 
 
 def _serve(conn: multiprocessing.connection.Connection, start: Start) -> int:
@@ -165,7 +167,9 @@ def _serve(conn: multiprocessing.connection.Connection, start: Start) -> int:
 
 
 def main(fd: int, parent: int) -> None:
-    process_tree.die_with_parent(parent)
+    process_tree.die_with_parent()
+    if os.getppid() != parent:  # the harness died before prctl took effect
+        os._exit(1)
     process_tree.adopt_orphans()
     faulthandler.enable()  # a crash (segfault, abort) leaves its stack in the rank's output
     conn = multiprocessing.connection.Connection(fd)
@@ -184,7 +188,7 @@ def main(fd: int, parent: int) -> None:
         except (OSError, EOFError, pickle.PicklingError):
             traceback.print_exc()
     finally:
-        process_tree.end_descendants()
+        process_tree.end_descendants(_END_WITHIN)
         sys.stdout.flush()
         sys.stderr.flush()
     conn.close()
