@@ -145,7 +145,8 @@ def _pending(groups: list[dict[str, Any]]) -> list[str]:
 def inquire(store: Store, reason: str, timeout: float, cap: int = CAP, world: int | None = None,
             dump: bool = False, local: Callable[[], Mapping[int, int]] | None = None, signum: int = 0,
             dumps_dir: str | None = None, total_cap: int = TOTAL_CAP, gone: Callable[[], Mapping[int, str]] | None = None,
-            dump_of: Callable[[int], str | None] | None = None) -> Inquiry:
+            dump_of: Callable[[int], str | None] | None = None,
+            straggler_ms: float = trace.stragglers.THRESHOLD_MS) -> Inquiry:
     """Ask the job on ``store`` (see the module's docstring). ``world``: its
     size, if known (else as the first process to answer says); ``local``:
     {rank: pid} of its processes on this host, for C-level stacks (sent
@@ -153,7 +154,8 @@ def inquire(store: Store, reason: str, timeout: float, cap: int = CAP, world: in
     temporary directory, removed); ``gone``: what is known of ranks that
     ended ({rank: "exited with code 1"}, asked once the answers are in); ``dump_of``: the path of a debug
     dump a silent rank wrote during this job, if any (it joins the answers
-    in the analysis)."""
+    in the analysis); ``straggler_ms``: the analysis's straggler threshold
+    (``trace.stragglers``, from the recorders' timestamps)."""
     t0 = time.monotonic()
     deadline = t0 + timeout
     notes: list[str] = []
@@ -227,7 +229,7 @@ def inquire(store: Store, reason: str, timeout: float, cap: int = CAP, world: in
     keep = dumps_dir is not None
     folder = dumps_dir or tempfile.mkdtemp(prefix="nccl_pg_why_")
     try:
-        analysis = _analyze(folder, answers) if answers else None
+        analysis = _analyze(folder, answers, straggler_ms) if answers else None
     finally:
         if not keep:
             with contextlib.suppress(OSError):
@@ -287,7 +289,7 @@ def _read(store: Store, gen: int, world: int | None, cap: int, total_cap: int, d
     return out
 
 
-def _analyze(folder: str, answers: Mapping[int, dict[str, Any]]) -> dict[str, Any]:
+def _analyze(folder: str, answers: Mapping[int, dict[str, Any]], straggler_ms: float) -> dict[str, Any]:
     """The reports as dumps in ``folder`` (0700), and the trace tool's analysis of them."""
     os.makedirs(folder, mode=0o700, exist_ok=True)
     for r, a in answers.items():
@@ -300,7 +302,7 @@ def _analyze(folder: str, answers: Mapping[int, dict[str, Any]]) -> dict[str, An
                      os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(d, f)
-    return trace.analyze_dir(folder, DUMP_PREFIX, allow_incomplete_ranks=True)
+    return trace.analyze_dir(folder, DUMP_PREFIX, allow_incomplete_ranks=True, straggler_ms=straggler_ms)
 
 
 # --- words -----------------------------------------------------------------------------------------
@@ -388,7 +390,14 @@ def verdicts(inq: Inquiry) -> list[dict[str, Any]]:
     return out
 
 
-def format_text(inq: Inquiry) -> str:
+def straggler_lines(inq: Inquiry) -> list[str]:
+    """The ranks consistently last at collectives, and by how much (``trace.stragglers``), in words."""
+    found = (inq.analysis or {}).get("stragglers")
+    return list(found["summary"]) if found else ["stragglers: no rank answered with its flight recorder"]
+
+
+def format_text(inq: Inquiry, stragglers: bool = False) -> str:
+    """The verdict lines, every rank, the notes; ``stragglers``: the late ranks too."""
     lines = [f"nccl-pg why: incident {inq.incident}, "
              + (f"{len(inq.ranks) - len(inq.silent)} of {inq.world} ranks answered" if inq.world else
                 f"{len(inq.ranks)} answered")
@@ -401,6 +410,8 @@ def format_text(inq: Inquiry) -> str:
         where = f" at {k.at()}" if k.at() else ""
         busy = f"; in {'; '.join(k.pending)}" if k.pending else ""
         lines.append(f"  {k.who()}{how}{where}{busy}")
+    if stragglers:
+        lines += straggler_lines(inq)
     lines += [f"note: {n}" for n in inq.notes]
     return "\n".join(lines)
 
@@ -414,7 +425,8 @@ def to_json(inq: Inquiry) -> dict[str, Any]:
                            "stack": [report.wire(f) for f in k.stack],
                            "cut": k.cut, "c_stack_file": k.c_stack_path, "dump_file": k.dump_path, "gone": k.gone or None}
                   for r, k in sorted(inq.ranks.items())},
-        "analysis": inq.analysis, "notes": inq.notes, "dumps_dir": inq.dumps_dir,
+        "stragglers": (inq.analysis or {}).get("stragglers"), "analysis": inq.analysis, "notes": inq.notes,
+        "dumps_dir": inq.dumps_dir,
     }
 
 

@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="show only the problems of these process groups (by name or description)")
     parser.add_argument("--stacks", action="store_true",
                         help="show the stacks of every thread of each rank shown (culprits, or --ranks)")
-    parser.add_argument("--straggler-ms", type=_non_negative, default=stragglers.THRESHOLD_MS, metavar="MS",
+    parser.add_argument("--straggler-ms", type=non_negative, default=stragglers.THRESHOLD_MS, metavar="MS",
                         help="name a rank a straggler when it is last at most collectives and at least this "
                              f"late, median (default {stragglers.THRESHOLD_MS:g})")
     parser.add_argument("--max-entries", type=_positive, default=Limits.max_entries, metavar="N",
@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"default {Limits.max_entries}); the rest are reported as not read")
 
 
-def _non_negative(text: str) -> float:
+def non_negative(text: str) -> float:
     value = float(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 0")
