@@ -49,13 +49,7 @@ class Job:
 
 
 def folder() -> str:
-    path = os.path.join(dump.private_dir(), "jobs")
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(path, 0o700)
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        raise OSError(f"{path} is not a directory of this user's")
-    return path
+    return dump.own_folder(os.path.join(dump.private_dir(), "jobs"))
 
 
 def start_time(pid: int) -> int | None:

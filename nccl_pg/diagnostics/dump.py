@@ -74,17 +74,28 @@ MAX_DUMP_BYTES = untrusted.MAX_BYTES
 _TMP = ".nccl_pg_dump."  # temporary files: <_TMP><host>.<pid>.<random>.tmp
 
 
-def private_dir() -> str:
-    """``<tmp>/nccl_pg-<uid>``: made 0700, and refused unless it is a
-    directory of this user's (someone else may have made it first)."""
-    path = os.path.join(tempfile.gettempdir(), f"nccl_pg-{os.getuid()}")
+def own_folder(path: str) -> str:
+    """``path``, made 0700 if it is not there, and refused (OSError) unless
+    it is a directory of this user's (someone else may have made it first,
+    or planted a link there)."""
     with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o700)
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        raise OSError(f"the default dump directory {path} is not a directory of this user's (uid {os.getuid()}); "
-                      "set NCCL_PG_DEBUG_INFO_TEMP_FILE to a path prefix in a private directory")
-    if stat.S_IMODE(st.st_mode) & 0o077:
+        raise OSError(f"{path} is not a directory of this user's (uid {os.getuid()})")
+    return path
+
+
+def private_dir() -> str:
+    """``<tmp>/nccl_pg-<uid>``: made 0700 (also when someone loosened it), and
+    refused unless it is a directory of this user's."""
+    path = os.path.join(tempfile.gettempdir(), f"nccl_pg-{os.getuid()}")
+    try:
+        own_folder(path)
+    except OSError as exc:
+        raise OSError(f"the default dump directory: {exc}; set NCCL_PG_DEBUG_INFO_TEMP_FILE to a path prefix in a "
+                      "private directory") from None
+    if stat.S_IMODE(os.lstat(path).st_mode) & 0o077:
         os.chmod(path, 0o700)
     return path
 

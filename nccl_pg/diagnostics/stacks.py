@@ -115,12 +115,7 @@ class CStacks:
         if self.file is not None or self._failed:
             return self.file is not None
         try:
-            folder = os.path.join(os.path.dirname(dump.path_for(rank)) or ".", FOLDER)
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(folder, 0o700)
-            st = os.lstat(folder)
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-                raise OSError(f"{folder} is not a directory of this user's")
+            folder = dump.own_folder(os.path.join(os.path.dirname(dump.path_for(rank)) or ".", FOLDER))
             where = path(os.path.dirname(folder), rank, os.getpid())
             fd = os.open(where, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC,
                          0o600)
