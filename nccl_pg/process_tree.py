@@ -51,11 +51,12 @@ def adopt_orphans() -> str | None:
     return _prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
-def _stat(pid: int | str) -> list[bytes]:
-    """The fields of /proc/<pid>/stat after "pid (comm)" (comm may hold spaces and parentheses)."""
+def stat(pid: int | str) -> list[str]:
+    """The fields of /proc/<pid>/stat after "pid (comm)" (comm may hold spaces
+    and parentheses): [state, ppid, ...], stat's field n at index n - 3."""
     with open(f"/proc/{pid}/stat", "rb") as f:
         raw = f.read()
-    return raw[raw.rfind(b")") + 2:].split()
+    return raw[raw.rfind(b")") + 2:].decode("ascii", "replace").split()
 
 
 def descendants(pid: int) -> list[int]:
@@ -68,10 +69,10 @@ def descendants(pid: int) -> list[int]:
         if not name.isdigit():
             continue
         try:
-            fields = _stat(name)
+            fields = stat(name)
         except OSError:  # ended meanwhile
             continue
-        if len(fields) > 1 and fields[0] != b"Z":
+        if len(fields) > 1 and fields[0] != "Z":
             children.setdefault(int(fields[1]), []).append(int(name))
     out: list[int] = []
     todo = list(children.get(pid, []))
@@ -85,7 +86,7 @@ def descendants(pid: int) -> list[int]:
 def alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie, ended but not reaped, does not)."""
     try:
-        return _stat(pid)[:1] != [b"Z"]
+        return stat(pid)[:1] != ["Z"]
     except FileNotFoundError:
         return False
     except OSError:
@@ -94,6 +95,8 @@ def alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
+    except PermissionError:  # someone else's
+        return True
     return True
 
 

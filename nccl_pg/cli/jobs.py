@@ -26,6 +26,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .. import process_tree
 from ..diagnostics import dump
 
 MAX_BYTES = 64 * 1024
@@ -55,8 +56,7 @@ def folder() -> str:
 def start_time(pid: int) -> int | None:
     """A process's start time in clock ticks since boot (None if it is gone)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
+        return int(process_tree.stat(pid)[19])  # stat's field 22, starttime
     except (OSError, ValueError, IndexError):
         return None
 

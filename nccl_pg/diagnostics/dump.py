@@ -37,7 +37,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from .. import env
+from .. import env, process_tree
 from . import flight_recorder, untrusted
 from .group_view import GroupView
 from .untrusted import NotADump as NotADump  # raised by read; defined where decoding is
@@ -150,22 +150,12 @@ def _remove_stale_temps(folder: str) -> None:
         return
     for n in names:
         pid = n[len(mine):].split(".", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)):
+        if not pid.isdigit() or process_tree.alive(int(pid)):
             continue
         p = os.path.join(folder, n)
         with contextlib.suppress(OSError):
             if os.lstat(p).st_uid == os.getuid():
                 os.unlink(p)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 def read(path: str) -> dict[str, Any]:

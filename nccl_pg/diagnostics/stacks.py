@@ -60,7 +60,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import IO, Any
 
-from .. import env
+from .. import env, process_tree
 from . import dump, frames
 from .untrusted import NotADump
 
@@ -380,8 +380,7 @@ def find_ranks(addr: str, port: int, signum: int) -> dict[int, int]:
             if (e.get("MASTER_PORT") != str(port) or e.get("MASTER_ADDR") != addr or not e.get("RANK", "").isdigit()
                     or not has_handler(pid, signum)):
                 continue
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            ppid = int(process_tree.stat(pid)[1])
         except (OSError, ValueError):
             continue
         found.setdefault(int(e["RANK"]), []).append((pid, ppid))
