@@ -21,7 +21,6 @@ import contextlib
 import json
 import os
 import stat
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -65,17 +64,8 @@ def write(host: str, port: int, secret: str, nproc: int, command: list[str]) -> 
     """This launcher's record; returns its path (remove it with ``remove``)."""
     pid = os.getpid()
     job = Job(pid, start_time(pid) or 0, host, port, secret, nproc, list(command), time.time())
-    where = folder()
-    fd, tmp = tempfile.mkstemp(prefix=".run-", suffix=".tmp", dir=where)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(asdict(job), f)
-        path = os.path.join(where, f"{_PREFIX}{pid}{_SUFFIX}")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    path = os.path.join(folder(), f"{_PREFIX}{pid}{_SUFFIX}")
+    dump.write_whole(path, lambda f: f.write(json.dumps(asdict(job)).encode()), ".run-")
     return path
 
 

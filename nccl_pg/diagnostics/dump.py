@@ -34,8 +34,8 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import IO, Any
 
 from .. import env, process_tree
 from . import flight_recorder, untrusted
@@ -127,17 +127,26 @@ def write(reason: str, rank: int, groups: Sequence[GroupView]) -> str:
     folder = os.path.dirname(path) or "."
     _remove_stale_temps(folder)
     # A dot name (and .tmp): readers globbing for <prefix><rank> (PyTorch's analyzer, nccl-pg trace) skip it.
-    fd, tmp = tempfile.mkstemp(prefix=f"{_TMP}{socket.gethostname()}.{os.getpid()}.", suffix=".tmp", dir=folder)
+    write_whole(path, lambda f: pickle.dump(report(reason, rank, groups), f),
+                f"{_TMP}{socket.gethostname()}.{os.getpid()}.")
+    _last_written = time.monotonic()
+    return path
+
+
+def write_whole(path: str, fill: Callable[[IO[bytes]], object], temp_prefix: str) -> None:
+    """``path`` written by ``fill`` all at once: through a temporary file in
+    its folder (``mkstemp``: 0600, never through a planted link) renamed into
+    place, so that a reader never sees half of it; the temporary file goes if
+    writing fails."""
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix, suffix=".tmp", dir=os.path.dirname(path) or ".")
     try:
         with os.fdopen(fd, "wb") as f:
-            pickle.dump(report(reason, rank, groups), f)
-        os.replace(tmp, path)  # a reader never sees half a dump
+            fill(f)
+        os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    _last_written = time.monotonic()
-    return path
 
 
 def _remove_stale_temps(folder: str) -> None:
