@@ -8,6 +8,7 @@ after test. Real processes on the host backend; every run is bounded."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 import signal
@@ -49,6 +50,13 @@ def rank_1_sleeps_in_user_code(rank: int, world_size: int) -> float:
         time.sleep(300)  # <- rank 1 sleeps here
     dist.all_reduce(x)
     return float(x[0])
+
+
+def rank_1_spins_in_c(rank: int, world_size: int) -> None:
+    dist.all_reduce(np.ones(2))
+    if rank == 1:
+        sum(itertools.repeat(0, 10**13))  # <- rank 1 spins in C, the GIL held
+    dist.all_reduce(np.ones(2))
 
 
 def skip_on_rank(rank: int, world_size: int, skipping: int, how: str) -> None:
@@ -167,6 +175,26 @@ def test_sleeping_rank_is_named_alone_with_its_line(tmp_path: Path) -> None:
         ["nccl_pg_trace_rank_0", "nccl_pg_trace_rank_1", "nccl_pg_trace_rank_2"]
     assert not list(tmp_path.glob("*.pipe"))
     assert all(not alive(p) for p in pids)
+
+
+def test_rank_spinning_in_c_with_the_gil_held_is_named_with_its_line(tmp_path: Path) -> None:
+    """Rank 1 spins in C holding the GIL: none of its Python threads (its incident listener included) can run, so
+    only a C-level handler can say where it is. The harness asks through the library's (NCCL_PG_STACKS_SIGNAL,
+    written to <dump_dir>/c_stacks/rank1.<pid>.txt, the file nccl-pg why and trace read) and blames rank 1 alone,
+    at the spinning line, within the deadline."""
+    deadline = 24.0
+    t0 = time.monotonic()
+    with ProcessRanks(rank_1_spins_in_c, 2, timeout=deadline, dump_dir=tmp_path) as ranks:
+        pids = ranks.pids
+        with pytest.raises(RanksFailed) as caught:
+            ranks.join()
+    assert time.monotonic() - t0 < deadline
+    err = caught.value
+    assert err.ranks == [1], str(err)
+    [culprit] = err.culprits
+    assert (culprit.file, culprit.line, culprit.function, culprit.pid) == \
+        (str(HERE), _line_of("# <- rank 1 spins in C, the GIL held"), "rank_1_spins_in_c", pids[1]), str(err)
+    assert f"every thread in {tmp_path / 'c_stacks' / f'rank1.{pids[1]}.txt'}" in err.failures[1], err.failures[1]
 
 
 def test_timeout_error_carries_structured_culprits() -> None:
