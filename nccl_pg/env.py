@@ -211,7 +211,8 @@ STACKS_SIGNAL: Var[int] = Var(
     "NCCL_PG_STACKS_SIGNAL", parse_signal, int(signal.SIGUSR2),
     "Signal whose C-level handler (faulthandler) appends every thread's Python stack to <dump dir>/c_stacks/rank<rank>.<pid>.txt, "
     "even while a thread holds the GIL or is stuck in C; `nccl-pg why` and `nccl-pg run` send it to ranks that do "
-    "not answer. 0 or off: none. Only with NCCL_PG_DUMP_ON_TIMEOUT on.")
+    "not answer, and the test harness (nccl_pg.testing) to its ranks still running. 0 or off: none. Only with "
+    "NCCL_PG_DUMP_ON_TIMEOUT on (the test harness's ranks: always).")
 
 # --- NaN checks ------------------------------------------------------------------
 NAN_CHECK_MODES = ("off", "raise", "async", "trap")

@@ -8,6 +8,7 @@ after test. Real processes on the host backend; every run is bounded."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 import signal
@@ -19,6 +20,7 @@ import threading
 import time
 import unittest
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,9 +28,9 @@ import pytest
 import nccl_pg as dist
 from nccl_pg.comm.backends import gpu_count
 from nccl_pg.errors import Culprit, DistBackendError
+from nccl_pg.process_tree import alive
 from nccl_pg.testing import ProcessRanks, RanksFailed, WarmRanks, devices, run_ranks, run_threads
 from nccl_pg.testing import threads as thread_ranks_module
-from nccl_pg.testing.process_tree import alive
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -49,6 +51,13 @@ def rank_1_sleeps_in_user_code(rank: int, world_size: int) -> float:
         time.sleep(300)  # <- rank 1 sleeps here
     dist.all_reduce(x)
     return float(x[0])
+
+
+def rank_1_spins_in_c(rank: int, world_size: int) -> None:
+    dist.all_reduce(np.ones(2))
+    if rank == 1:
+        sum(itertools.repeat(0, 10**13))  # <- rank 1 spins in C, the GIL held
+    dist.all_reduce(np.ones(2))
 
 
 def skip_on_rank(rank: int, world_size: int, skipping: int, how: str) -> None:
@@ -134,21 +143,24 @@ def nccl_all_reduce(rank: int, world_size: int) -> float:
 # --- a hang: the culprit, its line, within the deadline -----------------------------------------
 
 
+def _fails_within(fn: Any, world_size: int, deadline: float, dump_dir: Path) -> tuple[RanksFailed, list[int]]:
+    """Run ``fn`` on process ranks, which must fail (RanksFailed) before ``deadline``: the error and the pids."""
+    t0 = time.monotonic()
+    with ProcessRanks(fn, world_size, timeout=deadline, dump_dir=dump_dir) as ranks:
+        pids = ranks.pids
+        with pytest.raises(RanksFailed) as caught:
+            ranks.join()
+    assert time.monotonic() - t0 < deadline
+    return caught.value, pids
+
+
 def test_sleeping_rank_is_named_alone_with_its_line(tmp_path: Path) -> None:
     """The done criterion of issue 24: rank 1 sleeps in user code between two
     all_reduces. With the default per-operation timeout (half the deadline),
     ranks 0 and 2 time out, their diagnosis names rank 1, and the harness
     blames rank 1 alone, at the sleeping line, well within the deadline;
     the dumps are in the test's directory and no dump pipe is left."""
-    deadline = 20.0
-    t0 = time.monotonic()
-    with ProcessRanks(rank_1_sleeps_in_user_code, 3, timeout=deadline, dump_dir=tmp_path) as ranks:
-        pids = ranks.pids
-        with pytest.raises(RanksFailed) as caught:
-            ranks.join()
-    elapsed = time.monotonic() - t0
-    err = caught.value
-    assert elapsed < deadline, elapsed
+    err, pids = _fails_within(rank_1_sleeps_in_user_code, 3, 20.0, tmp_path)
     assert err.ranks == [1]
     [culprit] = err.culprits
     assert (culprit.rank, culprit.file, culprit.line, culprit.function) == \
@@ -167,6 +179,19 @@ def test_sleeping_rank_is_named_alone_with_its_line(tmp_path: Path) -> None:
         ["nccl_pg_trace_rank_0", "nccl_pg_trace_rank_1", "nccl_pg_trace_rank_2"]
     assert not list(tmp_path.glob("*.pipe"))
     assert all(not alive(p) for p in pids)
+
+
+def test_rank_spinning_in_c_with_the_gil_held_is_named_with_its_line(tmp_path: Path) -> None:
+    """Rank 1 spins in C holding the GIL: none of its Python threads (its incident listener included) can run, so
+    only a C-level handler can say where it is. The harness asks through the library's (NCCL_PG_STACKS_SIGNAL,
+    written to <dump_dir>/c_stacks/rank1.<pid>.txt, the file nccl-pg why and trace read) and blames rank 1 alone,
+    at the spinning line, within the deadline."""
+    err, pids = _fails_within(rank_1_spins_in_c, 2, 24.0, tmp_path)
+    assert err.ranks == [1], str(err)
+    [culprit] = err.culprits
+    assert (culprit.file, culprit.line, culprit.function, culprit.pid) == \
+        (str(HERE), _line_of("# <- rank 1 spins in C, the GIL held"), "rank_1_spins_in_c", pids[1]), str(err)
+    assert f"every thread in {tmp_path / 'c_stacks' / f'rank1.{pids[1]}.txt'}" in err.failures[1], err.failures[1]
 
 
 def test_timeout_error_carries_structured_culprits() -> None:

@@ -458,9 +458,10 @@ def test_trace_survives_malformed_dumps(files: list[bytes], stacks: list[bytes |
     with tempfile.TemporaryDirectory() as tmp:
         for r, data in enumerate(files):
             (Path(tmp) / f"trace_{r}").write_bytes(data)
-        for r, data in enumerate(stacks):
+        (Path(tmp) / "c_stacks").mkdir()
+        for r, data in enumerate(stacks):  # where the library keeps them; the header names rank 0, pid 2
             if data is not None:
-                (Path(tmp) / f"trace_{r}.stacks").write_bytes(data)
+                (Path(tmp) / "c_stacks" / f"rank{r}.2.txt").write_bytes(data)
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = cli.main(["trace", tmp, "--json", "--stacks", "--chrome-trace", os.path.join(tmp, "timeline.json")])

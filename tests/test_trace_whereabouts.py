@@ -5,11 +5,14 @@ stacks on demand (``--stacks``), and filters by rank and group.
 
 Real worlds of processes on the host backend; the C-level stacks come from
 a real process holding the GIL in C (a regular expression backtracking),
-signalled by the test.
+written by the library's own writer (``diagnostics.stacks``: the file in
+``<dump dir>/c_stacks/``, faulthandler on ``NCCL_PG_STACKS_SIGNAL``), signalled
+by the test.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -104,23 +107,21 @@ def test_stacks_and_filters(sleeper: tuple[Path, dict[int, int], int], capsys: p
     assert code == 1 and {p["kind"] for p in report["problems"]} == {"ranks_missing", "not_completed"}
 
 
-# A rank holding the GIL in C: its Python threads cannot answer, faulthandler's C-level handler can. It keeps
-# its C-level stacks where nccl_pg's ranks keep them (<dump prefix><rank>.stacks, a header line naming rank,
-# pid, host and main thread, then what faulthandler appends on SIGUSR1), and writes its flight recorder first
+# A rank holding the GIL in C: its Python threads cannot answer, faulthandler's C-level handler can. The library
+# keeps its C-level stacks (<dump dir>/c_stacks/rank<rank>.<pid>.txt, a header line naming rank, pid, host and
+# main thread, then what faulthandler appends on NCCL_PG_STACKS_SIGNAL, SIGUSR2 by default), armed here for the
+# rank given as the test harness arms it (its one-rank group is rank 0); it writes its flight recorder first
 # (torch's layout: no thread stacks) unless told not to.
 _SPINNER = '''
-import faulthandler, os, pickle, re, signal, sys, threading
+import os, pickle, re, sys
 import numpy as np
 import nccl_pg as dist
+from nccl_pg.diagnostics import stacks
 from nccl_pg.diagnostics.flight_recorder import dump_flight_recorder
 prefix, rank, write_dump = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "dump"
+assert stacks.this_process().open(rank)
 dist.init_process_group("host", store=dist.HashStore(), rank=0, world_size=1, timeout=30)
 dist.all_reduce(np.ones(2))
-stacks = open(f"{prefix}{rank}.stacks", "w")
-stacks.write(f"# nccl_pg C-level stacks: rank {rank}, pid {os.getpid()}, host spinner-host, "
-             f"main thread 0x{threading.main_thread().ident:016x}\\n")
-stacks.flush()
-faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
 if write_dump:
     d = pickle.loads(dump_flight_recorder())
     d["rank"] = rank
@@ -139,16 +140,18 @@ def _spin(tmp_path: Path, rank: int, write_dump: bool) -> tuple[Path, Path, int,
     line = script.read_text().splitlines().index('re.match(r"(a+)+$", "a" * 64 + "b")  # backtracks for ages '
                                                  'inside C, holding the GIL') + 1
     argv = [sys.executable, str(script), str(prefix), str(rank), "dump" if write_dump else "no-dump"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_PG_", "TORCH_"))}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True,
+                            env={**env, "NCCL_PG_DEBUG_INFO_TEMP_FILE": str(prefix)})
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        stacks = Path(f"{prefix}{rank}.stacks")
+        stacks = prefix.parent / "c_stacks" / f"rank{rank}.{proc.pid}.txt"
         deadline = time.monotonic() + 30
         # Signal until a dump shows the rank inside re.match (the first may land while it is still printing);
         # each signal appends one, and the reader must take the latest, and in it the script's line.
         while f"line {line} in <module>" not in stacks.read_text():
             assert time.monotonic() < deadline, f"faulthandler wrote {stacks.read_text()!r}"
-            proc.send_signal(signal.SIGUSR1)
+            proc.send_signal(signal.SIGUSR2)
             time.sleep(0.1)
     finally:
         proc.kill()
@@ -164,7 +167,7 @@ def test_c_level_stacks_of_a_rank_holding_the_gil(tmp_path: Path, capsys: pytest
     code, report = report_of(prefix.parent, "--ranks", "0", "--stacks", capsys=capsys)
     (zero,) = report["rank_details"]
     assert (zero["host"], zero["pid"], zero["at"]["source"], zero["at"]["thread"]) == (
-        "spinner-host", pid, "c", "MainThread"), zero
+        socket.gethostname(), pid, "c", "MainThread"), zero
     assert (zero["at"]["file"], zero["at"]["line"], zero["at"]["function"]) == (str(script), line, "<module>")
     frames = zero["stacks"][0]["frames"]  # the main thread's, outermost first: the script, then re.match
     assert zero["stacks"][0]["source"] == "c" and (frames[-2]["line"], frames[-1]["function"]) == (line, "match")
@@ -181,11 +184,12 @@ def test_rank_with_only_c_level_stacks(tmp_path: Path, capsys: pytest.CaptureFix
     code, report = report_of(prefix.parent, capsys=capsys)
     assert code == 1 and report["ranks"] == [0] and report["ranks_without_dump"] == [1]
     (missing,) = [p for p in report["problems"] if p["kind"] == "no_dump"]
-    assert f"its C-level stacks ({prefix}1.stacks) put rank 1 (host spinner-host, pid {pid}) at {script}:{line} " \
+    host, c_stacks = socket.gethostname(), prefix.parent / "c_stacks" / f"rank1.{pid}.txt"
+    assert f"its C-level stacks ({c_stacks}) put rank 1 (host {host}, pid {pid}) at {script}:{line} " \
            f"in <module> (C-level stack)" in missing["message"], missing["message"]
     (one,) = report["rank_details"]
     assert (one["rank"], one["dump"], one["at"]["line"]) == (1, False, line)
-    assert report["verdict"].startswith(f"look at rank 1 (host spinner-host, pid {pid}, at {script}:{line} in "
+    assert report["verdict"].startswith(f"look at rank 1 (host {host}, pid {pid}, at {script}:{line} in "
                                         f"<module>): no dump"), report["verdict"]
 
 
@@ -203,9 +207,10 @@ def test_hand_built_c_level_stacks_files(tmp_path: Path, capsys: pytest.CaptureF
             '  File "/home/u/model.py", line 12 in spin\n'
             '  File "/home/u/train.py", line 40 in step\n')
     d = write(tmp_path / "dumps", {r: torch_dump([entry(0, 1)], "[0, 1]") for r in (0, 1)}, prefix="trace_")
-    (d / "trace_1.stacks").write_text(text)
-    (tmp_path / "elsewhere").write_text(text)
-    (d / "trace_0.stacks").symlink_to(tmp_path / "elsewhere")
+    (d / "c_stacks").mkdir()
+    (d / "c_stacks" / "rank1.4242.txt").write_text(text)
+    (tmp_path / "elsewhere").write_text(text.replace("rank 1, pid 4242", "rank 0, pid 4343"))
+    (d / "c_stacks" / "rank0.4343.txt").symlink_to(tmp_path / "elsewhere")
     code, report = report_of(d, "--ranks", "0", "1", "--stacks", capsys=capsys)
     by_rank = {r["rank"]: r for r in report["rank_details"]}
     one = by_rank[1]
@@ -213,4 +218,35 @@ def test_hand_built_c_level_stacks_files(tmp_path: Path, capsys: pytest.CaptureF
         "node7", 4242, "/home/u/model.py", 12, "MainThread"), one
     assert [t["thread"] for t in one["stacks"]] == ["MainThread", "0x7"]
     assert by_rank[0]["at"]["source"] is None and by_rank[0]["host"] is None
-    assert any(f"{d / 'trace_0.stacks'}: not read (a symbolic link (not followed))" in n for n in report["notes"])
+    assert any(f"{d / 'c_stacks' / 'rank0.4343.txt'}: not read (a symbolic link (not followed))" in n
+               for n in report["notes"]), report["notes"]
+
+
+@pytest.mark.timeout(30)
+def test_c_level_stacks_are_chosen_by_pid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """HAND-BUILT: a folder where rank 1 ran twice (two C-level stacks files, as a restarted rank leaves): the one of
+    the pid its dump names is used, not the newer one; for a dump without a pid (torch's) the newest is used and a
+    note says there were several; a file whose header names another rank than its name is not read."""
+    def stacks_text(rank: int, pid: int, line: int) -> str:
+        return (f"# nccl_pg C-level stacks: rank {rank}, pid {pid}, host node7, main thread 0x0000000000000001\n"
+                "Current thread 0x0000000000000001 (most recent call first):\n"
+                f'  File "/home/u/train.py", line {line} in step\n')
+
+    ours = {r: {**torch_dump([entry(0, 1)], "[0, 1, 2]"), "rank": r, "pid": 100 + r, "host": "node7"} for r in (0, 1)}
+    d = write(tmp_path / "dumps", {**ours, 2: torch_dump([entry(0, 1)], "[0, 1, 2]")}, prefix="trace_")
+    folder = d / "c_stacks"
+    folder.mkdir()
+    (folder / "rank1.101.txt").write_text(stacks_text(1, 101, 11))
+    (folder / "rank1.999.txt").write_text(stacks_text(1, 999, 99))  # newer, of another process
+    (folder / "rank2.200.txt").write_text(stacks_text(2, 200, 20))
+    (folder / "rank2.201.txt").write_text(stacks_text(2, 201, 21))
+    os.utime(folder / "rank2.200.txt", (1, 1))  # the older of rank 2's
+    (folder / "rank0.100.txt").write_text(stacks_text(3, 100, 30))  # its header says rank 3
+    code, report = report_of(d, "--ranks", "0", "1", "2", capsys=capsys)
+    at = {r["rank"]: r["at"] for r in report["rank_details"]}
+    assert (at[1]["line"], at[1]["source"]) == (11, "c") and (at[2]["line"], at[2]["source"]) == (21, "c"), at
+    assert at[0]["source"] is None
+    notes = "\n".join(report["notes"])
+    assert f"rank 2: 2 C-level stacks files and no pid in its dump to choose by; using the newest, " \
+           f"{folder / 'rank2.201.txt'}" in notes, notes
+    assert f"{folder / 'rank0.100.txt'}: not read (its header says rank 3, pid 100, unlike its name)" in notes, notes

@@ -67,12 +67,13 @@ def _line(text: str, marker: str) -> int:
 
 
 class Job:
-    """`nccl-pg run --nproc 4 job.py` in ``folder``, its dumps (and the autopsy's report) in folder/dumps."""
+    """`nccl-pg run --nproc 4 job.py` in ``folder`` (``script``: JOB by default), its dumps (and the autopsy's
+    report) in folder/dumps."""
 
-    def __init__(self, folder: Path, stuck: str, *launcher_args: str, timeout: float = 600) -> None:
+    def __init__(self, folder: Path, stuck: str, *launcher_args: str, timeout: float = 600, script: str = JOB) -> None:
         self.dir = folder
         self.script = folder / "job.py"
-        self.script.write_text(JOB)
+        self.script.write_text(script)
         self.dumps = folder / "dumps"
         self.env = clean_env({"TEST_DIR": str(folder), "TMPDIR": str(folder), "STUCK": stuck, "TIMEOUT": str(timeout),
                               "NCCL_PG_DEBUG_INFO_TEMP_FILE": str(self.dumps / "trace_")})
@@ -112,8 +113,8 @@ class Job:
 def job(tmp_path: Path):
     made: list[Job] = []
 
-    def start(stuck: str, *args: str, timeout: float = 600) -> Job:
-        made.append(Job(tmp_path, stuck, *args, timeout=timeout))
+    def start(stuck: str, *args: str, timeout: float = 600, script: str = JOB) -> Job:
+        made.append(Job(tmp_path, stuck, *args, timeout=timeout, script=script))
         return made[-1]
 
     yield start
@@ -245,6 +246,55 @@ def test_the_deadline_timer_writes_the_stack_of_a_rank_stuck_in_c(tmp_path):
     assert text.startswith("# nccl_pg C-level stacks: rank 1, pid "), text
     assert "Timeout (0:00:0" in text and re.search(r'File ".*why_scenarios.py", line \d+ in spin_after_issue', text), \
         text
+
+
+# Rank 1 takes a slow step (50 ms) before each of 12 all_reduces, then every rank waits in user code, its group idle,
+# until the test is done asking.
+STRAGGLER_JOB = '''\
+import os, pathlib, time
+import numpy as np
+import nccl_pg as dist
+
+DIR = pathlib.Path(os.environ["TEST_DIR"])
+dist.init_process_group("host", init_method="env://", timeout=60)
+rank = dist.get_rank()
+x = np.ones(1024, np.float32)
+for _ in range(12):
+    if rank == 1:
+        time.sleep(0.05)  # rank 1's slow step, on purpose
+    dist.all_reduce(x)
+(DIR / f".ready.{rank}").write_text(str(os.getpid()))
+(DIR / f".ready.{rank}").rename(DIR / f"ready.{rank}")
+while not (DIR / "done").exists():
+    time.sleep(0.05)
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.timeout(120)
+def test_why_stragglers_names_the_rank_delayed_on_purpose(job):
+    """A live 4-rank job where rank 1 is 50 ms late at each of 12 all_reduces: `nccl-pg why --stragglers` names rank
+    1 alone, with its host and pid, last at nearly every collective by about 50 ms, from the timestamps of the
+    recorders the ranks send with their answers; nothing is in flight, so no problem (exit 0). Without the option the
+    words say nothing of stragglers; --json always holds them."""
+    j = job("none", "--autopsy-time", "0", script=STRAGGLER_JOB)
+    pids = j.wait_ready()
+    res = j.why("--stragglers")
+    assert res.returncode == 0 and "no problem found" in res.stdout, res
+    named = re.findall(r"  rank (\d) \(host \S+, pid (\d+)\) arrived last at (\d+) of (\d+) collectives \(group '0'\), "
+                       r"([\d.]+) ms after the first rank", res.stdout)
+    assert len(named) == 1, res.stdout
+    rank, pid, last, compared, late = named[0]
+    assert (int(rank), int(pid)) == (1, pids[1]) and int(compared) >= 12 and int(last) >= int(compared) - 2, res.stdout
+    assert 40.0 <= float(late) <= 200.0, res.stdout
+    plain = j.why()
+    assert plain.returncode == 0 and "\nstragglers (" not in plain.stdout, plain.stdout
+    data = json.loads(j.why("--json").stdout)
+    assert [s["rank"] for s in data["stragglers"]["stragglers"]] == [1], data["stragglers"]
+    (j.dir / "done").write_text("")
+    code, _, err = j.finish(timeout=60)
+    assert code == 0, err
+    assert _gone(pids) == []
 
 
 @pytest.mark.timeout(60)

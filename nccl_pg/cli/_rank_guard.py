@@ -28,77 +28,30 @@ exec in a threaded process is unsafe.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import resource
 import signal
 import sys
-import time
+from collections.abc import Callable
 
-PR_SET_PDEATHSIG = 1
-PR_SET_CHILD_SUBREAPER = 36
+from .. import process_tree
+
 KILL_SIGNAL = signal.SIGUSR1  # from the launcher: kill the rank and all below it now
 _WATCHED = {signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGHUP, KILL_SIGNAL}
 CLEANUP_BUDGET = 5.0  # seconds to kill and reap every descendant
 
 
-def _prctl(libc: ctypes.CDLL, option: int, value: int, what: str) -> None:
-    if libc.prctl(option, value, 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        print(f"nccl-pg run: cannot {what}: {os.strerror(err)}", file=sys.stderr, flush=True)
+def _check(failed: str | None, what: str) -> None:
+    if failed is not None:
+        print(f"nccl-pg run: cannot {what}: {failed}", file=sys.stderr, flush=True)
 
 
-def _descendants(root: int) -> list[int]:
-    """Live processes below ``root`` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append(int(entry))
-    out, todo = [], list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
-
-
-def _reap(rank: int, status: list[int]) -> None:
-    """Collect every exited child (orphans adopted as subreaper included);
-    the rank's wait status goes into ``status``."""
-    while True:
-        try:
-            pid, code = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
+def _collector(rank: int, status: list[int]) -> Callable[[int, int], None]:
+    """A ``reap`` callback that keeps the rank's wait status in ``status``."""
+    def on_exit(pid: int, code: int) -> None:
         if pid == rank:
             status.append(code)
-
-
-def _kill_descendants(rank: int, status: list[int]) -> None:
-    """SIGKILL everything below us until nothing is left (new orphans are
-    reparented to us while we work), bounded by CLEANUP_BUDGET."""
-    deadline = time.monotonic() + CLEANUP_BUDGET
-    while time.monotonic() < deadline:
-        pids = _descendants(os.getpid())
-        if not pids:
-            break
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.005)
-        _reap(rank, status)
-    _reap(rank, status)
+    return on_exit
 
 
 def _exit_like(status: int) -> None:
@@ -117,19 +70,20 @@ def _exit_like(status: int) -> None:
 
 def _supervise(rank: int, launcher: int) -> None:
     status: list[int] = []
+    on_exit = _collector(rank, status)
     while True:
         info = signal.sigwaitinfo(_WATCHED)
         if info.si_signo == signal.SIGCHLD:
-            _reap(rank, status)
+            process_tree.reap(on_exit)
             if status:
-                _kill_descendants(rank, status)
+                process_tree.end_descendants(CLEANUP_BUDGET, on_exit)
                 _exit_like(status[0])
             continue
         if os.getppid() != launcher:  # our parent-death signal: the launcher is gone
-            _kill_descendants(rank, status)
+            process_tree.end_descendants(CLEANUP_BUDGET, on_exit)
             os._exit(128 + signal.SIGKILL)
         if info.si_signo == KILL_SIGNAL and info.si_pid == launcher:
-            _kill_descendants(rank, status)
+            process_tree.end_descendants(CLEANUP_BUDGET, on_exit)
             _exit_like(status[0] if status else signal.SIGKILL)  # a status: killed by SIGKILL
         if info.si_pid != launcher:  # sent to the guard alone: it was meant for the rank
             try:
@@ -140,9 +94,8 @@ def _supervise(rank: int, launcher: int) -> None:
 
 def main(argv: list[str]) -> None:
     launcher, command = int(argv[0]), argv[1:]
-    libc = ctypes.CDLL(None, use_errno=True)
-    _prctl(libc, PR_SET_PDEATHSIG, signal.SIGTERM, "tie the rank to the launcher")
-    _prctl(libc, PR_SET_CHILD_SUBREAPER, 1, "adopt the rank's orphans")
+    _check(process_tree.die_with_parent(signal.SIGTERM), "tie the rank to the launcher")
+    _check(process_tree.adopt_orphans(), "adopt the rank's orphans")
     if os.getppid() != launcher:  # the launcher died before prctl took effect
         sys.exit("nccl-pg run: the launcher exited before this rank started")
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _WATCHED)  # before the fork: none is lost
@@ -151,7 +104,7 @@ def main(argv: list[str]) -> None:
     if rank == 0:
         try:
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-            _prctl(libc, PR_SET_PDEATHSIG, signal.SIGKILL, "tie the rank to its guard")
+            _check(process_tree.die_with_parent(signal.SIGKILL), "tie the rank to its guard")
             if os.getppid() != guard:
                 os._exit(1)
             os.execv(command[0], command)

@@ -21,11 +21,11 @@ import contextlib
 import json
 import os
 import stat
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .. import process_tree
 from ..diagnostics import dump
 
 MAX_BYTES = 64 * 1024
@@ -49,20 +49,13 @@ class Job:
 
 
 def folder() -> str:
-    path = os.path.join(dump.private_dir(), "jobs")
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(path, 0o700)
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        raise OSError(f"{path} is not a directory of this user's")
-    return path
+    return dump.own_folder(os.path.join(dump.private_dir(), "jobs"))
 
 
 def start_time(pid: int) -> int | None:
     """A process's start time in clock ticks since boot (None if it is gone)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
+        return int(process_tree.stat(pid)[19])  # stat's field 22, starttime
     except (OSError, ValueError, IndexError):
         return None
 
@@ -71,17 +64,8 @@ def write(host: str, port: int, secret: str, nproc: int, command: list[str]) -> 
     """This launcher's record; returns its path (remove it with ``remove``)."""
     pid = os.getpid()
     job = Job(pid, start_time(pid) or 0, host, port, secret, nproc, list(command), time.time())
-    where = folder()
-    fd, tmp = tempfile.mkstemp(prefix=".run-", suffix=".tmp", dir=where)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(asdict(job), f)
-        path = os.path.join(where, f"{_PREFIX}{pid}{_SUFFIX}")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    path = os.path.join(folder(), f"{_PREFIX}{pid}{_SUFFIX}")
+    dump.write_whole(path, lambda f: f.write(json.dumps(asdict(job)).encode()), ".run-")
     return path
 
 

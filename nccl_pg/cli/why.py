@@ -15,8 +15,9 @@ filesystem needed), waits at most ``--timeout`` seconds for the reports,
 sends the C-level stack signal to the ranks of this host that did not answer
 (only to a process that has the handler installed), lines the ranks up with
 the flight-recorder analysis of `nccl-pg trace` and prints one verdict line
-per problem, then where every rank is. A healthy job's store sees nothing of
-this until it is asked.
+per problem, then where every rank is (``--stragglers``: and the ranks
+consistently last at collectives, from the recorders' timestamps). A healthy
+job's store sees nothing of this until it is asked.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from collections.abc import Callable, Mapping
 
 from .. import env
 from ..diagnostics import inquiry, stacks
+from ..diagnostics.trace import cli as trace_cli
+from ..diagnostics.trace import stragglers
 from ..errors import DistError
 from ..store import PrefixStore, Store, TCPStore
 from ..timeouts import option_seconds
@@ -63,6 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "0: send none)")
     parser.add_argument("--dump", action="store_true", help="also make every rank write its debug dump")
     parser.add_argument("--save", metavar="DIR", help="keep the answers there as dumps (`nccl-pg trace DIR` reads them)")
+    parser.add_argument("--stragglers", action="store_true",
+                        help="also name the ranks consistently last at collectives, and by how much, from the "
+                             "timestamps of their flight recorders (not a problem: the exit status is unchanged)")
+    parser.add_argument("--straggler-ms", type=trace_cli.non_negative, default=stragglers.THRESHOLD_MS, metavar="MS",
+                        help="with --stragglers: name a rank when it is last at most collectives and at least this "
+                             f"late, median (default {stragglers.THRESHOLD_MS:g})")
     parser.add_argument("--json", action="store_true", help="print a JSON report")
 
 
@@ -119,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             out.append({"job": label, **inquiry.to_json(result)})
         else:
-            print(f"{label}\n{inquiry.format_text(result)}", flush=True)
+            print(f"{label}\n{inquiry.format_text(result, args.stragglers)}", flush=True)
     if args.json:
         print(json.dumps(out if len(out) != 1 else out[0], indent=1))
     return status
@@ -130,7 +139,8 @@ def ask(host: str, port: int, secret: str | None, world: int | None, args: argpa
     store, close = (_torch_store if args.torch else _store)(host, port, secret, args)
     try:
         return inquiry.inquire(store, "asked by nccl-pg why", args.timeout, args.max_bytes, world, args.dump,
-                               lambda: stacks.find_ranks(host, port, signum), signum, dumps_dir=args.save)
+                               lambda: stacks.find_ranks(host, port, signum), signum, dumps_dir=args.save,
+                               straggler_ms=args.straggler_ms)
     finally:
         close()
 

@@ -34,10 +34,10 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import IO, Any
 
-from .. import env
+from .. import env, process_tree
 from . import flight_recorder, untrusted
 from .group_view import GroupView
 from .untrusted import NotADump as NotADump  # raised by read; defined where decoding is
@@ -74,17 +74,28 @@ MAX_DUMP_BYTES = untrusted.MAX_BYTES
 _TMP = ".nccl_pg_dump."  # temporary files: <_TMP><host>.<pid>.<random>.tmp
 
 
-def private_dir() -> str:
-    """``<tmp>/nccl_pg-<uid>``: made 0700, and refused unless it is a
-    directory of this user's (someone else may have made it first)."""
-    path = os.path.join(tempfile.gettempdir(), f"nccl_pg-{os.getuid()}")
+def own_folder(path: str) -> str:
+    """``path``, made 0700 if it is not there, and refused (OSError) unless
+    it is a directory of this user's (someone else may have made it first,
+    or planted a link there)."""
     with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o700)
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        raise OSError(f"the default dump directory {path} is not a directory of this user's (uid {os.getuid()}); "
-                      "set NCCL_PG_DEBUG_INFO_TEMP_FILE to a path prefix in a private directory")
-    if stat.S_IMODE(st.st_mode) & 0o077:
+        raise OSError(f"{path} is not a directory of this user's (uid {os.getuid()})")
+    return path
+
+
+def private_dir() -> str:
+    """``<tmp>/nccl_pg-<uid>``: made 0700 (also when someone loosened it), and
+    refused unless it is a directory of this user's."""
+    path = os.path.join(tempfile.gettempdir(), f"nccl_pg-{os.getuid()}")
+    try:
+        own_folder(path)
+    except OSError as exc:
+        raise OSError(f"the default dump directory: {exc}; set NCCL_PG_DEBUG_INFO_TEMP_FILE to a path prefix in a "
+                      "private directory") from None
+    if stat.S_IMODE(os.lstat(path).st_mode) & 0o077:
         os.chmod(path, 0o700)
     return path
 
@@ -116,17 +127,26 @@ def write(reason: str, rank: int, groups: Sequence[GroupView]) -> str:
     folder = os.path.dirname(path) or "."
     _remove_stale_temps(folder)
     # A dot name (and .tmp): readers globbing for <prefix><rank> (PyTorch's analyzer, nccl-pg trace) skip it.
-    fd, tmp = tempfile.mkstemp(prefix=f"{_TMP}{socket.gethostname()}.{os.getpid()}.", suffix=".tmp", dir=folder)
+    write_whole(path, lambda f: pickle.dump(report(reason, rank, groups), f),
+                f"{_TMP}{socket.gethostname()}.{os.getpid()}.")
+    _last_written = time.monotonic()
+    return path
+
+
+def write_whole(path: str, fill: Callable[[IO[bytes]], object], temp_prefix: str) -> None:
+    """``path`` written by ``fill`` all at once: through a temporary file in
+    its folder (``mkstemp``: 0600, never through a planted link) renamed into
+    place, so that a reader never sees half of it; the temporary file goes if
+    writing fails."""
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix, suffix=".tmp", dir=os.path.dirname(path) or ".")
     try:
         with os.fdopen(fd, "wb") as f:
-            pickle.dump(report(reason, rank, groups), f)
-        os.replace(tmp, path)  # a reader never sees half a dump
+            fill(f)
+        os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    _last_written = time.monotonic()
-    return path
 
 
 def _remove_stale_temps(folder: str) -> None:
@@ -139,22 +159,12 @@ def _remove_stale_temps(folder: str) -> None:
         return
     for n in names:
         pid = n[len(mine):].split(".", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)):
+        if not pid.isdigit() or process_tree.alive(int(pid)):
             continue
         p = os.path.join(folder, n)
         with contextlib.suppress(OSError):
             if os.lstat(p).st_uid == os.getuid():
                 os.unlink(p)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 def read(path: str) -> dict[str, Any]:

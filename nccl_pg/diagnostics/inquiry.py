@@ -14,11 +14,9 @@ recorder part goes through the trace tool's own checks.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import json
 import os
-import re
 import socket
 import tempfile
 import time
@@ -28,7 +26,7 @@ from typing import Any
 
 from ..errors import DistError
 from ..store import Store
-from . import dump, incidents, report, stacks, trace
+from . import dump, frames, incidents, report, stacks, trace
 from .incidents import Signal
 
 CAP = 128 * 1024  # bytes of one process's report, by default
@@ -50,7 +48,7 @@ class Rank:
     devices: list[str] = field(default_factory=list)
     where: dict[str, Any] | None = None
     pending: list[str] = field(default_factory=list)  # "all_reduce #2 of group 0 for 3.1 s"
-    stack: list[list[Any]] = field(default_factory=list)  # the focus thread's frames, outermost first
+    stack: list[frames.Frame] = field(default_factory=list)  # the focus thread's frames, outermost first
     cut: list[str] = field(default_factory=list)
     c_stack_path: str | None = None
     dump_path: str | None = None  # answered only through a debug dump written before it was asked
@@ -147,7 +145,8 @@ def _pending(groups: list[dict[str, Any]]) -> list[str]:
 def inquire(store: Store, reason: str, timeout: float, cap: int = CAP, world: int | None = None,
             dump: bool = False, local: Callable[[], Mapping[int, int]] | None = None, signum: int = 0,
             dumps_dir: str | None = None, total_cap: int = TOTAL_CAP, gone: Callable[[], Mapping[int, str]] | None = None,
-            dump_of: Callable[[int], str | None] | None = None) -> Inquiry:
+            dump_of: Callable[[int], str | None] | None = None,
+            straggler_ms: float = trace.stragglers.THRESHOLD_MS) -> Inquiry:
     """Ask the job on ``store`` (see the module's docstring). ``world``: its
     size, if known (else as the first process to answer says); ``local``:
     {rank: pid} of its processes on this host, for C-level stacks (sent
@@ -155,7 +154,8 @@ def inquire(store: Store, reason: str, timeout: float, cap: int = CAP, world: in
     temporary directory, removed); ``gone``: what is known of ranks that
     ended ({rank: "exited with code 1"}, asked once the answers are in); ``dump_of``: the path of a debug
     dump a silent rank wrote during this job, if any (it joins the answers
-    in the analysis)."""
+    in the analysis); ``straggler_ms``: the analysis's straggler threshold
+    (``trace.stragglers``, from the recorders' timestamps)."""
     t0 = time.monotonic()
     deadline = t0 + timeout
     notes: list[str] = []
@@ -184,7 +184,7 @@ def inquire(store: Store, reason: str, timeout: float, cap: int = CAP, world: in
             if t["name"] == focus_thread:
                 focus = t["frames"]
         ranks[r] = Rank(r, a["ranks"], "store", a["host"], a["pid"], a["devices"], a["where"], _pending(a["groups"]),
-                        focus, a["cut"])
+                        [frames.Frame(*f) for f in focus], a["cut"])
     expected = set(range(world)) if world else set()
     for a in answers.values():  # members of the groups they are in
         for g in a["groups"]:
@@ -195,9 +195,7 @@ def inquire(store: Store, reason: str, timeout: float, cap: int = CAP, world: in
         notes.append("no process answered, and the job's size is unknown (give it: --world-size)")
     pids = dict(local()) if local is not None and silent and signum else {}
     asked = {r: pids[r] for r in silent if r in pids}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(asked)))) as pool:
-        replies = dict(zip(asked, pool.map(lambda pid: stacks.request(pid, signum, STACKS_WAIT, cap),
-                                           asked.values()), strict=True))
+    replies = stacks.request_all(asked, signum, STACKS_WAIT, cap)
     for r in silent:
         ranks[r] = Rank(r, [r], None)
         pid = pids.get(r)
@@ -209,12 +207,12 @@ def inquire(store: Store, reason: str, timeout: float, cap: int = CAP, world: in
             notes.append(f"rank {r} (pid {pid}, this host): no C-level stacks (no handler for signal {signum}, "
                          "or nothing written)")
             continue
-        threads = stacks.parse(got["text"], got["header"])
+        threads = got.threads()
         if threads:
-            ranks[r].answered, ranks[r].c_stack_path = "c-stack", got["path"]
+            ranks[r].answered, ranks[r].c_stack_path = "c-stack", got.path
             ranks[r].host = socket.gethostname()
-            ranks[r].stack = threads[0]["frames"]
-            ranks[r].where = report.where(ranks[r].stack)
+            ranks[r].stack = threads[0].frames
+            ranks[r].where = _where(ranks[r].stack)
     ended = dict(gone()) if gone is not None and silent else {}
     for r in silent:
         if r in ended:
@@ -225,13 +223,13 @@ def inquire(store: Store, reason: str, timeout: float, cap: int = CAP, world: in
             answers[r] = old
             k = ranks[r]
             k.answered, k.dump_path, k.host, k.pid = "dump", path, old["host"], old["pid"] or k.pid
-            k.stack = old["threads"][0]["frames"] if old["threads"] else []
-            k.where = report.where(k.stack)
+            k.stack = [frames.Frame(*f) for f in old["threads"][0]["frames"]] if old["threads"] else []
+            k.where = _where(k.stack)
             k.dump_reason = old["reason"]
     keep = dumps_dir is not None
     folder = dumps_dir or tempfile.mkdtemp(prefix="nccl_pg_why_")
     try:
-        analysis = _analyze(folder, answers, ranks) if answers else None
+        analysis = _analyze(folder, answers, straggler_ms) if answers else None
     finally:
         if not keep:
             with contextlib.suppress(OSError):
@@ -243,7 +241,9 @@ def inquire(store: Store, reason: str, timeout: float, cap: int = CAP, world: in
     return inq
 
 
-_FRAME_LINE = re.compile(r'^\s*File "(.*)", line (\d+), in (.*)$')
+def _where(stack: list[frames.Frame]) -> dict[str, Any] | None:
+    f = frames.user_frame(stack)
+    return report.where(f) if f is not None else None
 
 
 def _from_dump(path: str, rank: int, notes: list[str]) -> dict[str, Any] | None:
@@ -253,18 +253,12 @@ def _from_dump(path: str, rank: int, notes: list[str]) -> dict[str, Any] | None:
     except dump.NotADump as exc:
         notes.append(f"rank {rank}: {path}: not a readable dump ({exc})")
         return None
-    threads = []
     raw: dict[Any, Any] = d["threads"] if isinstance(d.get("threads"), dict) else {}
-    for name, lines in sorted(raw.items(), key=lambda kv: not str(kv[0]).startswith("MainThread")):
-        frames = []
-        for chunk in lines if isinstance(lines, list) else []:
-            text = chunk if isinstance(chunk, str) else ""
-            m = _FRAME_LINE.match(text.split("\n", 1)[0])
-            if m:
-                code = text.split("\n", 1)[1].strip() if "\n" in text else ""
-                frames.append([m.group(1), int(m.group(2)), m.group(3), code[:report.LINE_MAX]])
-        threads.append({"name": _str(name, 256), "ident": None, "main": str(name).startswith("MainThread"),
-                        "frames": frames[-report.DEPTH_MAX:]})
+    parsed = frames.parse_python({_str(k, 256): [x for x in v if isinstance(x, str)] for k, v in raw.items()
+                                  if isinstance(v, list)})
+    parsed.sort(key=lambda t: t.name != "MainThread")
+    threads = [{"name": t.name, "ident": None, "main": t.name == "MainThread",
+                "frames": [report.wire(f) for f in t.frames[-report.DEPTH_MAX:]]} for t in parsed]
     return {"rank": rank, "ranks": [rank], "world": None, "pid": _int(d.get("pid")), "host": _str(d.get("host"), 255),
             "time": None, "devices": [], "where": None, "threads": threads, "groups": [], "cut": [],
             "version": d.get("version"), "pg_config": d.get("pg_config"), "pg_status": d.get("pg_status"),
@@ -295,21 +289,20 @@ def _read(store: Store, gen: int, world: int | None, cap: int, total_cap: int, d
     return out
 
 
-def _analyze(folder: str, answers: Mapping[int, dict[str, Any]], ranks: Mapping[int, Rank]) -> dict[str, Any]:
+def _analyze(folder: str, answers: Mapping[int, dict[str, Any]], straggler_ms: float) -> dict[str, Any]:
     """The reports as dumps in ``folder`` (0700), and the trace tool's analysis of them."""
     os.makedirs(folder, mode=0o700, exist_ok=True)
     for r, a in answers.items():
         d = {k: a[k] for k in ("version", "pg_config", "pg_status", "entries", "reason", "pid", "host", "time")
              if a.get(k) is not None}
         d["rank"] = r
-        d["threads"] = {f"{t['name']} ({t['ident']})": [f'  File "{f[0]}", line {f[1]}, in {f[2]}\n' +
-                                                       (f"    {f[3]}\n" if f[3] else "") for f in t["frames"]]
+        d["threads"] = {f"{t['name']} ({t['ident']})": frames.format_traceback([frames.Frame(*f) for f in t["frames"]])
                         for t in a["threads"]}
         fd = os.open(os.path.join(folder, f"{DUMP_PREFIX}{r}.json"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC |
                      os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(d, f)
-    return trace.analyze_dir(folder, DUMP_PREFIX, allow_incomplete_ranks=True)
+    return trace.analyze_dir(folder, DUMP_PREFIX, allow_incomplete_ranks=True, straggler_ms=straggler_ms)
 
 
 # --- words -----------------------------------------------------------------------------------------
@@ -397,7 +390,14 @@ def verdicts(inq: Inquiry) -> list[dict[str, Any]]:
     return out
 
 
-def format_text(inq: Inquiry) -> str:
+def straggler_lines(inq: Inquiry) -> list[str]:
+    """The ranks consistently last at collectives, and by how much (``trace.stragglers``), in words."""
+    found = (inq.analysis or {}).get("stragglers")
+    return list(found["summary"]) if found else ["stragglers: no rank answered with its flight recorder"]
+
+
+def format_text(inq: Inquiry, stragglers: bool = False) -> str:
+    """The verdict lines, every rank, the notes; ``stragglers``: the late ranks too."""
     lines = [f"nccl-pg why: incident {inq.incident}, "
              + (f"{len(inq.ranks) - len(inq.silent)} of {inq.world} ranks answered" if inq.world else
                 f"{len(inq.ranks)} answered")
@@ -410,6 +410,8 @@ def format_text(inq: Inquiry) -> str:
         where = f" at {k.at()}" if k.at() else ""
         busy = f"; in {'; '.join(k.pending)}" if k.pending else ""
         lines.append(f"  {k.who()}{how}{where}{busy}")
+    if stragglers:
+        lines += straggler_lines(inq)
     lines += [f"note: {n}" for n in inq.notes]
     return "\n".join(lines)
 
@@ -419,10 +421,12 @@ def to_json(inq: Inquiry) -> dict[str, Any]:
         "ok": all(v["kind"] == "ok" for v in inq.verdicts), "incident": inq.incident, "world": inq.world,
         "waited_s": round(inq.waited, 3), "verdicts": inq.verdicts, "silent": inq.silent,
         "ranks": {str(r): {"ranks": k.ranks, "answered": k.answered, "host": k.host, "pid": k.pid,
-                           "devices": k.devices, "where": k.where, "pending": k.pending, "stack": k.stack,
+                           "devices": k.devices, "where": k.where, "pending": k.pending,
+                           "stack": [report.wire(f) for f in k.stack],
                            "cut": k.cut, "c_stack_file": k.c_stack_path, "dump_file": k.dump_path, "gone": k.gone or None}
                   for r, k in sorted(inq.ranks.items())},
-        "analysis": inq.analysis, "notes": inq.notes, "dumps_dir": inq.dumps_dir,
+        "stragglers": (inq.analysis or {}).get("stragglers"), "analysis": inq.analysis, "notes": inq.notes,
+        "dumps_dir": inq.dumps_dir,
     }
 
 
@@ -442,7 +446,7 @@ def to_markdown(inq: Inquiry, title: str) -> str:
         how = {"c-stack": "C-level stack (faulthandler)", "dump": f"stack in its debug dump ({k.dump_reason[:80]})"
                }.get(k.answered or "", "stack")
         out += ["", f"## {k.who()}: {how}", "", "```"]
-        out += [f'  File "{f[0]}", line {f[1]}, in {f[2]}' + (f"\n    {f[3]}" if f[3] else "") for f in k.stack]
+        out += [line.rstrip("\n") for line in frames.format_traceback(k.stack)]
         out.append("```")
     if inq.analysis is not None:
         out += ["", "## Flight recorders (nccl-pg trace)", "", "```", trace.format_text(inq.analysis), "```"]

@@ -2,8 +2,8 @@
 launcher's autopsy): its ranks, host, pid and device, every live group's
 counters and pending operations, its flight recorder in PyTorch's dump
 layout, the Python stack of every thread, and where it is ("where": the
-innermost frame of user code in the thread that matters: the one that
-issued its oldest pending operation, else the main thread).
+user's frame, ``frames.user_frame``, in the thread that matters: the one
+that issued its oldest pending operation, else the main thread).
 
 The report is JSON of at most ``cap`` bytes: when it does not fit, older
 completed recorder entries go first, then the stacks of other threads, then
@@ -17,53 +17,35 @@ import json
 import os
 import socket
 import sys
-import sysconfig
 import threading
 import time
-import traceback
 from collections.abc import Sequence
-from types import FrameType
 from typing import Any
 
-from . import flight_recorder
+from . import flight_recorder, frames
 from .group_view import GroupView
 
 VERSION = 1
 LINE_MAX = 200  # characters of a source line kept per frame
 DEPTH_MAX = 64  # frames kept per thread (the innermost)
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_STDLIB = tuple({os.path.abspath(p) + os.sep for p in (sysconfig.get_paths()["stdlib"],
-                                                      sysconfig.get_paths()["platstdlib"])})
-_TORCH_DIST = f"{os.sep}torch{os.sep}distributed{os.sep}"
 
 
-def library_frame(filename: str) -> bool:
-    """A frame of nccl_pg, the standard library or torch.distributed: not where the user's code is."""
-    path = os.path.abspath(filename)
-    return path.startswith(_PACKAGE) or path.startswith(_STDLIB) or _TORCH_DIST in path or filename.startswith("<frozen")
+def wire(f: frames.Frame) -> list[Any]:
+    """A frame as a report holds it: [file, line, function, source line]."""
+    return [f.file, f.line, f.function, f.code[:LINE_MAX]]
 
 
-def where(frames: Sequence[Sequence[Any]]) -> dict[str, Any] | None:
-    """The innermost frame of user code in ``frames`` ([file, line, function, source], outermost
-    first), else the innermost frame; None for no frame."""
-    if not frames:
-        return None
-    pick = next((f for f in reversed(frames) if not library_frame(str(f[0]))), frames[-1])
-    return {"file": pick[0], "line": pick[1], "func": pick[2], "code": pick[3] if len(pick) > 3 else ""}
-
-
-def _frames(frame: FrameType) -> list[list[Any]]:
-    out = []
-    for f in traceback.extract_stack(frame)[-DEPTH_MAX:]:
-        out.append([f.filename, f.lineno or 0, f.name, (f.line or "")[:LINE_MAX]])
-    return out
+def where(f: frames.Frame) -> dict[str, Any]:
+    """A report's "where" (with "thread" added by the caller)."""
+    return {"file": f.file, "line": f.line, "func": f.function, "code": f.code[:LINE_MAX]}
 
 
 def stacks() -> list[dict[str, Any]]:
     """Every thread's stack, the main thread first."""
     threads = {t.ident: t for t in threading.enumerate()}
     main = threading.main_thread().ident
-    out = [{"name": threads[i].name if i in threads else "?", "ident": i, "main": i == main, "frames": _frames(f)}
+    out = [{"name": threads[i].name if i in threads else "?", "ident": i, "main": i == main,
+            "frames": [wire(x) for x in frames.of_frame(f, DEPTH_MAX)]}
            for i, f in sys._current_frames().items()]  # noqa: SLF001 - the stdlib's one way to them
     out.sort(key=lambda t: (not t["main"], str(t["name"])))
     return out
@@ -110,7 +92,7 @@ def build(views: Sequence[GroupView], cap: int, reason: str) -> bytes:
         "v": VERSION, "reason": reason, "rank": ranks[0] if ranks else -1, "ranks": ranks, "world": world,
         "pid": os.getpid(), "host": socket.gethostname(), "time": time.time(), "devices": devices,
         "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-        "where": None if focus is None else {**(where(focus["frames"]) or {}), "thread": focus["name"]},
+        "where": _where(focus),
         "groups": _groups(views), **dump, "entries": [], "threads": threads, "cut": [],
     }
     return _fit(report, open_, done, cap)
@@ -119,6 +101,14 @@ def build(views: Sequence[GroupView], cap: int, reason: str) -> bytes:
 def _encode(report: dict[str, Any], entries: list[dict[str, Any]]) -> bytes:
     report["entries"] = sorted(entries, key=lambda e: e["record_id"])
     return json.dumps(report, separators=(",", ":"), default=str).encode()
+
+
+def _where(focus: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Where the focus thread is in the user's code (``frames.user_frame``)."""
+    if focus is None:
+        return None
+    f = frames.user_frame([frames.Frame(*x) for x in focus["frames"]])
+    return {**(where(f) if f is not None else {}), "thread": focus["name"]}
 
 
 def _fit(report: dict[str, Any], open_: list[dict[str, Any]], done: list[dict[str, Any]], cap: int) -> bytes:

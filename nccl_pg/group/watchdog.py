@@ -83,7 +83,7 @@ class Watchdog:
         self._pipe_refused: int | None = None  # the rank whose pipe could not be made or was not ours
         self.diagnosis = diagnosis.Diagnosis(group_view.views, self.write_dump, lambda: self._dump_on_timeout)
         # C-level stack dumps (a signal's handler, a timer at the pending operations' deadline), with the dumps
-        self._stacks = stacks.CStacks(env.STACKS_SIGNAL.get(), self._interval) if self._dump_on_timeout else None
+        self._stacks = stacks.this_process() if self._dump_on_timeout else None
         self._owner = forks.Owner()
         atexit.register(self._at_exit)
         self._start("poller", self._poll_loop)
@@ -209,7 +209,7 @@ class Watchdog:
             views = [v for v in group_view.views() if v.state() is None]
             if not views or not self._stacks.open(views[0].global_rank(views[0].rank)):
                 return
-        self._stacks.keep(min((w.deadline for w in pending), default=None))
+        self._stacks.keep(min((w.deadline for w in pending), default=None), self._interval)
 
     def _check_pipe(self) -> None:
         """A byte written to ``<dump prefix><rank>.pipe`` asks for a dump

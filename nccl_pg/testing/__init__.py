@@ -19,9 +19,10 @@ collective cannot be stopped: it is reported and left running (daemon).
 docs/TESTING.md tells it all.
 
 The modules: ``threads`` (thread ranks), ``processes`` (process ranks) with
-``rank_main`` (a rank process's side), ``process_tree``, ``devices`` (GPUs
-per rank and per pytest-xdist worker), ``stacks`` and ``verdict`` (who is to
-blame, and where), ``warm`` (a set of ranks kept across tests), ``failures``
+``rank_main`` (a rank process's side), ``devices`` (GPUs per rank and per
+pytest-xdist worker), ``verdict`` (who is to blame, and where: by the
+library's ``diagnostics.frames`` and C-level ``diagnostics.stacks``; a rank's
+process tree by ``nccl_pg.process_tree``), ``warm`` (a set of ranks kept across tests), ``failures``
 (``RanksFailed`` and what all report), ``ci_report`` (JUnit properties,
 GitHub annotations), ``null_backend``, and ``pytest_plugin`` (the fixtures,
 the ``ranks`` marker, registered through the ``pytest11`` entry point). The

@@ -22,10 +22,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from .. import env as _env
+from .. import process_tree
+from ..diagnostics import stacks as c_stacks
 from ..store import TCPStoreServer
-from . import devices, process_tree, verdict
+from . import devices, verdict
 from .failures import DEFAULT_TIMEOUT, default_op_timeout
-from .rank_main import STACK_SIGNAL, Job, Start
+from .rank_main import Job, Start
 
 T = TypeVar("T")
 
@@ -34,8 +37,9 @@ T = TypeVar("T")
 _FAILURE_GRACE = 2.0
 # How long a rank that answered gets to exit before it counts as stuck (it is ending its descendants).
 _EXIT_WAIT = 1.0
-# How long a rank asked for its stacks gets to write them.
+# How long a rank asked for its stacks gets to write them, and the most read of them.
 _STACK_WAIT = 1.0
+_STACK_CAP = 1 << 20
 # How long a killed rank gets to be reaped.
 _REAP_GRACE = 10.0
 # Without pidfds (not Linux), how often a wait looks at the ranks' exits.
@@ -50,7 +54,6 @@ class _Rank:
     proc: subprocess.Popen[bytes]
     conn: multiprocessing.connection.Connection
     output: str
-    stacks: str
     pidfd: int | None
     exitcode: int | None = None
     output_from: int = 0  # where the current job's output starts
@@ -81,6 +84,8 @@ class RankProcesses:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         self.world_size, self.backend, self.timeout = world_size, backend, timeout
         self.op_timeout = default_op_timeout(timeout) if op_timeout is None else op_timeout
+        # the ranks' C-level stack signal (diagnostics/stacks.py), as their environment sets it (0: none)
+        self._stacks_signal = _env.STACKS_SIGNAL.get({**os.environ, **(env or {})})
         needed = (world_size if backend == "nccl" else 0) if gpus is None else gpus
         pool = list(devices_) if devices_ is not None else devices.available() if needed else []
         devices.require(needed, pool)
@@ -90,7 +95,6 @@ class RankProcesses:
         os.makedirs(self.dump_dir, exist_ok=True)
         self._dump_dirs = {self.dump_dir}
         self._closed = False
-        self._hint: str | None = None  # the test function's file: its frames are the test's code
         self._ranks: list[_Rank] = []
         self._server = TCPStoreServer("127.0.0.1", 0, idle_timeout=0).start()
         try:
@@ -102,7 +106,6 @@ class RankProcesses:
 
     def _start(self, rank: int, env: Mapping[str, str], warm: bool) -> _Rank:
         output = os.path.join(self.dump_dir, f"rank{rank}.out")
-        stacks = os.path.join(self.dump_dir, f"rank{rank}.stacks")
         ours, theirs = socket.socketpair()
         code = (f"import sys; sys.path.insert(0, {_ROOT!r}); from nccl_pg.testing.rank_main import main; "
                 f"main({theirs.fileno()}, {os.getpid()})")
@@ -115,11 +118,11 @@ class RankProcesses:
         theirs.close()
         conn = multiprocessing.connection.Connection(ours.detach())
         pidfd = os.pidfd_open(proc.pid) if hasattr(os, "pidfd_open") else None
-        r = _Rank(rank, proc, conn, output, stacks, pidfd)
+        r = _Rank(rank, proc, conn, output, pidfd)
         preparation = multiprocessing.spawn.get_preparation_data(f"nccl_pg-rank-{rank}")
         preparation["authkey"] = bytes(preparation["authkey"])  # spawn's own pickler sends it; ours must say so
         conn.send(Start(preparation, ("127.0.0.1", self._server.port), rank, self.world_size, self.backend,
-                        self.op_timeout, self.timeout, len(self.gpus), stacks, warm))
+                        self.op_timeout, self.timeout, len(self.gpus), warm))
         return r
 
     @staticmethod
@@ -134,8 +137,6 @@ class RankProcesses:
         """Give every rank a job (its output is counted from here)."""
         self._dump_dirs.add(dump_dir)
         payload = pickle.dumps(Job(fn, tuple(args), self.dump_prefix(dump_dir)))
-        code = getattr(fn, "__code__", None)
-        self._hint = code.co_filename if code is not None else None
         for r in self._ranks:
             r.output_from = os.path.getsize(r.output) if os.path.exists(r.output) else 0
             if r.exitcode is None:
@@ -206,27 +207,16 @@ class RankProcesses:
             timeout=self.timeout if timeout is None else timeout, grace=_FAILURE_GRACE, failed_early=failed_at is not None, answers=answers,
             stuck=stuck, exitcodes={r.rank: r.exitcode for r in self._ranks}, pids=self.pids,
             host=socket.gethostname(), outputs={r.rank: verdict.read_from(r.output, r.output_from) for r in self._ranks},
-            output_files={r.rank: r.output for r in self._ranks}, stack_files={r.rank: r.stacks for r in self._ranks},
-            dump_dir=self.dump_dir if dump_dir is None else dump_dir, hint=self._hint)
+            output_files={r.rank: r.output for r in self._ranks},
+            dump_dir=self.dump_dir if dump_dir is None else dump_dir)
 
-    def stacks(self, ranks: Sequence[_Rank]) -> dict[int, str]:
-        """Ask ranks for every thread's stack (faulthandler, by signal: also
-        a rank holding the GIL or blocked in C answers); what each wrote
-        within ``_STACK_WAIT``."""
-        start = {r.rank: os.path.getsize(r.stacks) if os.path.exists(r.stacks) else 0 for r in ranks}
-        for r in ranks:
-            if not self._exited(r):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(r.proc.pid, STACK_SIGNAL)
-        deadline = time.monotonic() + _STACK_WAIT
-        sizes: dict[int, int] = {}
-        while time.monotonic() < deadline:
-            now = {r.rank: os.path.getsize(r.stacks) if os.path.exists(r.stacks) else 0 for r in ranks}
-            if all(now[i] > start[i] for i in now) and now == sizes:  # all wrote, and stopped writing
-                break
-            sizes = now
-            time.sleep(0.02)
-        return {r.rank: verdict.read_from(r.stacks, start[r.rank]) for r in ranks}
+    def stacks(self, ranks: Sequence[_Rank]) -> dict[int, c_stacks.Written | None]:
+        """Ask ranks for every thread's stack (the library's C-level stacks,
+        by signal: also a rank holding the GIL or blocked in C answers); what
+        each wrote within ``_STACK_WAIT`` (None: nothing, or no handler)."""
+        running = {r.rank: r.proc.pid for r in ranks if not self._exited(r)}
+        got = c_stacks.request_all(running, self._stacks_signal, _STACK_WAIT, _STACK_CAP) if self._stacks_signal else {}
+        return {r.rank: got.get(r.rank) for r in ranks}
 
     def stop(self, deadline: float) -> None:
         """Tell ranks waiting for a job to leave (their group destroyed), and

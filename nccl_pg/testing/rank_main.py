@@ -13,8 +13,12 @@ ends with ``("ok", result)`` or ``(kind, Failure)``. A warm set's ranks then
 wait for the next job, keeping their default group.
 
 A rank is its descendants' subreaper and ends them after each job; it dies
-with the harness (PR_SET_PDEATHSIG); SIGUSR2 writes every thread's stack to
-the harness's stack file (faulthandler: C, needs no GIL)."""
+with the harness (PR_SET_PDEATHSIG) (``nccl_pg.process_tree``). It arms the
+library's C-level stacks (``diagnostics.stacks``: NCCL_PG_STACKS_SIGNAL,
+SIGUSR2 by default, makes faulthandler write every thread's stack to
+``<dump dir>/c_stacks/rank<rank>.<pid>.txt``; C, needs no GIL) as soon as it
+knows its rank, before its group exists, so that the harness can ask a rank
+stuck anywhere, also before or during its rendezvous."""
 
 from __future__ import annotations
 
@@ -23,22 +27,23 @@ import multiprocessing.connection
 import multiprocessing.spawn
 import os
 import pickle
-import signal
 import sys
 import threading
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import Any
 
+from .. import process_tree
+from ..diagnostics import frames, stacks
 from ..errors import Culprit, DistError
-from . import process_tree, stacks
 from .failures import culprits_of, is_skip
 
-STACK_SIGNAL = signal.SIGUSR2
+# The harness's own entry point in a rank process: the bottom of the rank's main thread.
+ENTRY = os.path.abspath(__file__)
 _READY, _GO = "nccl_pg/testing/ready", "nccl_pg/testing/go"
+_END_WITHIN = 1.0  # seconds to end a job's descendants
 _started = threading.Event()  # every rank is up: the test may have started on some
-_stack_file: IO[str] | None = None  # kept open: faulthandler writes to its descriptor
 
 
 @dataclass(frozen=True)
@@ -54,7 +59,6 @@ class Start:
     op_timeout: float  # the group's timeout: every operation's
     store_timeout: float  # the rendezvous', bounded by the test's deadline
     gpus: int  # GPUs given to the test (CUDA_VISIBLE_DEVICES): the NCCL backend's device is picked among them
-    stack_file: str
     warm: bool  # keep the group and wait for more jobs
 
 
@@ -72,7 +76,7 @@ class Failure:
     summary: str  # "ValueError: ..." (for a skip: its reason)
     trace: str
     culprits: tuple[Culprit, ...] = ()  # the ranks its timeout diagnosis blamed
-    where: stacks.Frame | None = None  # where it was raised, in the test's code
+    where: frames.Frame | None = None  # where it was raised, in the test's code
     started: bool = True  # False: before every rank was up (its peers are still waiting for it at the start)
 
 
@@ -80,19 +84,10 @@ def failure(exc: BaseException) -> tuple[str, Failure]:
     kind = "skip" if is_skip(exc) else "comm_error" if isinstance(exc, DistError) else "error"
     summary = str(exc) if kind == "skip" else f"{type(exc).__name__}: {exc}".splitlines()[0]
     tb = exc.__traceback__
-    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) == stacks.ENTRY:
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) == ENTRY:
         tb = tb.tb_next  # the harness's frames that called the test's code
     trace = "".join(traceback.format_exception(type(exc), exc, tb))
-    return kind, Failure(summary, trace, culprits_of(exc), stacks.from_traceback(exc), _started.is_set())
-
-
-def arm_stacks(path: str) -> None:
-    """SIGUSR2 writes every thread's stack to ``path`` (again after the
-    library's init, in case it registered the signal for itself)."""
-    global _stack_file
-    if _stack_file is None:
-        _stack_file = open(path, "a")  # noqa: SIM115 - open for the process's life
-    faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True, chain=False)
+    return kind, Failure(summary, trace, culprits_of(exc), frames.raised_at(exc), _started.is_set())
 
 
 def _send(conn: multiprocessing.connection.Connection, message: tuple[Any, ...]) -> None:
@@ -123,7 +118,7 @@ def _run(job: Job, start: Start) -> tuple[Any, ...]:
         abort_groups([_world()], set())
         return failure(exc)
     finally:
-        process_tree.end_descendants()
+        process_tree.end_descendants(_END_WITHIN)
 
 
 def _serve(conn: multiprocessing.connection.Connection, start: Start) -> int:
@@ -144,7 +139,6 @@ def _serve(conn: multiprocessing.connection.Connection, start: Start) -> int:
         device = backends.pick_gpu(start.rank, start.rank, start.world_size) if start.backend == "nccl" else None
         init_process_group(start.backend, store=store, rank=start.rank, world_size=start.world_size,
                            timeout=start.op_timeout, device_id=device)
-        arm_stacks(start.stack_file)
         while job is not None:
             message = _run(job, start)
             if message[0] == "ok":
@@ -165,7 +159,9 @@ def _serve(conn: multiprocessing.connection.Connection, start: Start) -> int:
 
 
 def main(fd: int, parent: int) -> None:
-    process_tree.die_with_parent(parent)
+    process_tree.die_with_parent()
+    if os.getppid() != parent:  # the harness died before prctl took effect
+        os._exit(1)
     process_tree.adopt_orphans()
     faulthandler.enable()  # a crash (segfault, abort) leaves its stack in the rank's output
     conn = multiprocessing.connection.Connection(fd)
@@ -173,8 +169,8 @@ def main(fd: int, parent: int) -> None:
     try:
         start = conn.recv()
         assert isinstance(start, Start), start
+        stacks.this_process().open(start.rank)  # the library's, which its watchdog then keeps (its timer)
         multiprocessing.spawn.prepare(start.preparation)
-        arm_stacks(start.stack_file)
         code = _serve(conn, start)
     except BaseException as exc:  # noqa: BLE001 - an import error, a lost harness: reported if it can be
         kind, report = failure(exc)
@@ -184,7 +180,7 @@ def main(fd: int, parent: int) -> None:
         except (OSError, EOFError, pickle.PicklingError):
             traceback.print_exc()
     finally:
-        process_tree.end_descendants()
+        process_tree.end_descendants(_END_WITHIN)
         sys.stdout.flush()
         sys.stderr.flush()
     conn.close()

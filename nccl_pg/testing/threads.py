@@ -20,13 +20,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from ..diagnostics import frames
 from ..distributed import _set_thread_world, _World, destroy_process_group, init_process_group, is_initialized
 from ..errors import Culprit, DistBackendError, DistError
 from ..group.process_group import ProcessGroup
 from ..store import HashStore
 from ..store.base import timeout_error
 from ..timeouts import Timeout
-from . import stacks
 from .failures import (
     DEFAULT_TIMEOUT,
     RanksFailed,
@@ -143,7 +143,7 @@ def _run_thread_ranks(call: Callable[[int], T], world_size: int, backend: str, t
     deadline = time.monotonic() + timeout
     exited: set[int] = set()
     stuck: dict[int, str] = {}
-    seen: dict[int, stacks.Frame | None] = {}
+    seen: dict[int, frames.Frame | None] = {}
     released = ""  # why the ranks were released, once they were
     try:
         for t in threads:
@@ -194,18 +194,15 @@ def _named(outcomes: Sequence[_Outcome]) -> dict[int, tuple[Culprit, list[int]]]
     return named
 
 
-def _where_now(thread: threading.Thread) -> stacks.Frame | None:
+def _where_now(thread: threading.Thread) -> frames.Frame | None:
     """The line of the test's code a rank's thread is at."""
     frame = sys._current_frames().get(thread.ident) if thread.ident is not None else None  # noqa: SLF001
-    if frame is None:
-        return None
-    found = traceback.extract_stack(frame)[::-1]
-    return stacks.innermost_user_frame([stacks.Frame(f.filename, f.lineno or 0, f.name) for f in found])
+    return frames.user_frame(frames.of_frame(frame)) if frame is not None else None
 
 
 def _culprits(blamed: Sequence[int], outcomes: Sequence[_Outcome], named: dict[int, tuple[Culprit, list[int]]],
               threads: Sequence[threading.Thread], exited: set[int],
-              seen: dict[int, stacks.Frame | None]) -> list[Culprit]:
+              seen: dict[int, frames.Frame | None]) -> list[Culprit]:
     """The blamed ranks, with the line of the test's code each was at (where
     it was when a timeout named it, where it raised, or where it is still
     running)."""
@@ -215,7 +212,7 @@ def _culprits(blamed: Sequence[int], outcomes: Sequence[_Outcome], named: dict[i
         if where is None and r not in exited:
             where = _where_now(threads[r])
         if where is None and o.error is not None:
-            where = stacks.from_traceback(o.error)
+            where = frames.raised_at(o.error)
         reason = named[r][0].reason if r in named else _one_line(o.error) if o.error is not None else "still running"
         out.append(Culprit(r, reason, socket.gethostname(), os.getpid(), where.file if where else None,
                            where.line if where else None, where.function if where else None))
@@ -241,7 +238,7 @@ def _join(threads: Sequence[threading.Thread], timeout: float) -> None:
 
 
 def _outcome(outcomes: list[_Outcome], threads: Sequence[threading.Thread],
-             seen: dict[int, stacks.Frame | None]) -> list[Any]:
+             seen: dict[int, frames.Frame | None]) -> list[Any]:
     """The results, or the error that names the failing ranks and those a
     diagnosed timeout blamed (a skip on a rank, with no rank failing on its
     own, skips the whole test)."""

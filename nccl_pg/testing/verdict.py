@@ -5,6 +5,7 @@ waiting for them), where each is in its code, and what it printed."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import traceback
@@ -12,10 +13,10 @@ import unittest
 from dataclasses import dataclass
 from typing import Any
 
+from ..diagnostics import frames, stacks
 from ..errors import Culprit
-from . import stacks
 from .failures import RanksFailed, report
-from .rank_main import Failure
+from .rank_main import ENTRY, Failure
 
 # Lines of a rank's output shown in the error (all of it is in its file).
 TAIL_LINES = 20
@@ -31,15 +32,13 @@ class Outcome:
     grace: float
     failed_early: bool  # the wait ended a grace after a failure, not at the deadline
     answers: dict[int, tuple[Any, ...]]  # ("ok", result) or (kind, Failure)
-    stuck: dict[int, str]  # ranks still running when the harness gave up: their faulthandler stacks
+    stuck: dict[int, stacks.Written | None]  # ranks still running when the harness gave up: their C-level stacks
     exitcodes: dict[int, int | None]
     pids: list[int]
     host: str
     outputs: dict[int, str]
     output_files: dict[int, str]
-    stack_files: dict[int, str]
     dump_dir: str
-    hint: str | None  # the test function's file
 
 
 def read_from(path: str, offset: int) -> str:
@@ -49,6 +48,16 @@ def read_from(path: str, offset: int) -> str:
             return f.read().decode(errors="replace")
     except OSError:
         return ""
+
+
+def main_frames(written: stacks.Written | None) -> list[frames.Frame]:
+    """A stuck rank's main thread in its C-level stacks, outermost first,
+    without the harness's own frames (those of rank_main.py and below)."""
+    threads = written.threads() if written is not None else []
+    main = next((t for t in threads if t.name == "MainThread"), threads[0] if threads else None)
+    found = main.frames if main is not None else []
+    ours = [i for i, f in enumerate(found) if os.path.abspath(f.file) == ENTRY]
+    return found[ours[-1] + 1:] if ours else found
 
 
 def unreadable(exc: BaseException) -> Failure:
@@ -107,7 +116,7 @@ def judge(o: Outcome) -> list[Any] | RanksFailed | unittest.SkipTest:
     for r in blamed:
         where = failure[r].where if r in failure else None
         if r in o.stuck:
-            where = stacks.innermost_user_frame(stacks.main_thread(o.stuck[r], o.hint)) or where
+            where = frames.user_frame(main_frames(o.stuck[r])) or where
         reasons = []
         if r in own:
             reasons.append(f"raised {failure[r].summary}" if r in failure else
@@ -155,10 +164,10 @@ def _section(o: Outcome, r: int, f: Failure | None, blamed: bool) -> str:
     its last output."""
     out = []
     if r in o.stuck:
-        main = stacks.main_thread(o.stuck[r], o.hint)
-        out.append("killed: still running; its main thread "
-                   f"(faulthandler, innermost first; every thread in {o.stack_files[r]}):\n"
-                   + (stacks.format_frames(main) if main else "  (no stack written)\n"))
+        written, main = o.stuck[r], main_frames(o.stuck[r])
+        out.append("killed: still running; its main thread (C-level stack, most recent call last"
+                   + (f"; every thread in {written.path}" if written is not None else "") + "):\n"
+                   + ("".join(frames.format_traceback(main)) if main else "  (no stack written)\n"))
     else:
         out.append(_exit(o.exitcodes[r]) + ("" if f is not None else ", without a result or a traceback") + "\n")
     if f is not None:

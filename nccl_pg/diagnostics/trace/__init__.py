@@ -13,9 +13,10 @@ receive at b from a), and reports:
   send/recv pairs that disagree or have no partner;
 - the first collective that did not complete anywhere (a hang or a failure);
 - ranks expected by a group's membership that left no dump;
-- who and where each culprit is: host, pid, and the top of its stack
-  (file:line in function) from the stacks its dump holds (``stacks``,
-  ``whereabouts``), every thread's stack on demand;
+- who and where each culprit is: host, pid, and where it is in its own
+  code (file:line in function) from the stacks its dump holds, or its
+  C-level stacks (``whereabouts``, over ``diagnostics.frames`` and
+  ``diagnostics.stacks``), every thread's stack on demand;
 - ranks consistently last at collectives, and by how much (``stragglers``).
 
 Ring-buffer wrap: entries with a ``record_id`` below the largest first
@@ -32,7 +33,7 @@ bounds per dump and per folder; a file that fails is reported as not a
 readable dump, saying why, and the others are analyzed.
 
 Modules: ``loading`` (finding and reading the dumps), ``layout`` (checking
-one), ``stacks`` and ``whereabouts`` (who and where a rank is), ``rules``
+one), ``whereabouts`` (who and where a rank is), ``rules``
 (what the ranks of one collective must agree on), ``analysis`` (the
 cross-rank analysis), ``stragglers``, ``report`` (the words), ``timeline``
 (the Chrome trace), ``cli``.

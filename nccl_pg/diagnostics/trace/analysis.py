@@ -13,7 +13,7 @@ from typing import Any
 
 from . import report as _report
 from . import rules, stragglers, whereabouts
-from .loading import Dump, Limits, find_dumps, load, load_stacks_only, outcome
+from .loading import Dump, Folder, Limits, load_dir, outcome
 from .rules import Group, Op, describe, fmt_ranks
 
 MISMATCH_CAP = 10  # size/dtype mismatches reported per group before the rest are only counted
@@ -430,12 +430,15 @@ def _select(report: dict[str, Any], a: Analysis, ranks: Sequence[int] | None, gr
 
 def analyze_dir(directory: str, prefix: str | None = None, allow_incomplete_ranks: bool = False,
                 limits: Limits | None = None, **options: Any) -> dict[str, Any]:
-    """``analyze`` on the dumps in ``directory`` (``find_dumps``, ``load``);
+    """``analyze`` on the dumps in ``directory`` (``loading.load_dir``);
     ``options`` are ``analyze``'s keyword arguments."""
-    paths, prefix, notes = find_dumps(directory, prefix)
-    dumps, unreadable = load(paths, limits)
-    report = analyze(dumps, allow_incomplete_ranks, unreadable, stacks_only=load_stacks_only(directory, prefix, dumps),
+    return analyze_folder(load_dir(directory, prefix, limits), allow_incomplete_ranks, **options)
+
+
+def analyze_folder(folder: Folder, allow_incomplete_ranks: bool = False, **options: Any) -> dict[str, Any]:
+    """``analyze`` on a folder read (``loading.load_dir``)."""
+    report = analyze(folder.dumps, allow_incomplete_ranks, folder.unreadable, stacks_only=folder.stacks_only,
                      **options)
-    report["dir"], report["prefix"] = directory, prefix
-    report["notes"][:0] = notes
+    report["dir"], report["prefix"] = folder.directory, folder.prefix
+    report["notes"][:0] = folder.notes
     return report

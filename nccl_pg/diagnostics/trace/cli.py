@@ -10,8 +10,8 @@ import sys
 from collections.abc import Sequence
 
 from . import stragglers
-from .analysis import analyze
-from .loading import Limits, find_dumps, load, load_stacks_only
+from .analysis import analyze_folder
+from .loading import Limits, load_dir
 from .report import format_text
 from .timeline import chrome_trace
 
@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="show only the problems of these process groups (by name or description)")
     parser.add_argument("--stacks", action="store_true",
                         help="show the stacks of every thread of each rank shown (culprits, or --ranks)")
-    parser.add_argument("--straggler-ms", type=_non_negative, default=stragglers.THRESHOLD_MS, metavar="MS",
+    parser.add_argument("--straggler-ms", type=non_negative, default=stragglers.THRESHOLD_MS, metavar="MS",
                         help="name a rank a straggler when it is last at most collectives and at least this "
                              f"late, median (default {stragglers.THRESHOLD_MS:g})")
     parser.add_argument("--max-entries", type=_positive, default=Limits.max_entries, metavar="N",
@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"default {Limits.max_entries}); the rest are reported as not read")
 
 
-def _non_negative(text: str) -> float:
+def non_negative(text: str) -> float:
     value = float(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 0")
@@ -66,22 +66,18 @@ def run(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.trace_dir):
         print(f"nccl-pg trace: {args.trace_dir}: not a directory", file=sys.stderr)
         return EXIT_NO_DUMPS
-    paths, prefix, notes = find_dumps(args.trace_dir, args.prefix)
-    dumps, unreadable = load(paths, Limits(max_entries=args.max_entries))
-    if not dumps:
+    folder = load_dir(args.trace_dir, args.prefix, Limits(max_entries=args.max_entries))
+    if not folder.dumps:
         what = f"with prefix {args.prefix!r} " if args.prefix else ""
         print(f"nccl-pg trace: no readable dump {what}in {args.trace_dir}", file=sys.stderr)
-        for p in unreadable:
+        for p in folder.unreadable:
             print(f"  {p['message']}", file=sys.stderr)
         return EXIT_NO_DUMPS
-    report = analyze(dumps, args.allow_incomplete_ranks, unreadable, stacks=args.stacks, ranks=args.ranks,
-                     groups=args.groups, straggler_ms=args.straggler_ms,
-                     stacks_only=load_stacks_only(args.trace_dir, prefix, dumps))
-    report["dir"], report["prefix"] = args.trace_dir, prefix
-    report["notes"][:0] = notes
+    report = analyze_folder(folder, args.allow_incomplete_ranks, stacks=args.stacks, ranks=args.ranks,
+                            groups=args.groups, straggler_ms=args.straggler_ms)
     if args.chrome_trace:
         with open(args.chrome_trace, "w") as f:
-            json.dump(chrome_trace(dumps), f)
+            json.dump(chrome_trace(folder.dumps), f)
     try:
         print(json.dumps(report, indent=1, default=str) if args.json else format_text(report))
         if args.chrome_trace and not args.json:

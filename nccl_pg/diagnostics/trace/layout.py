@@ -16,11 +16,10 @@ import json
 import re
 from typing import Any
 
+from ..frames import Frame, Thread, parse_python
 from ..untrusted import NotADump
-from .stacks import Frame, Thread, c_threads, entry_frames, python_threads, stacks_header
 
 MAX_STRING = 1 << 16  # characters of any one string read (names, stack lines)
-MAX_C_STACKS = 4 << 20  # bytes of a rank's C-level stacks file (faulthandler's dumps: about 5-20 kB each)
 MAX_ENTRIES = 100_000  # entries of one dump (the recorder keeps 2,000 by default)
 MAX_THREADS = 4096
 BUDGET_FLOOR, BUDGET_PER_VALUE = 10_000, 4
@@ -143,14 +142,14 @@ class Checker:
         return out
 
     def frames(self, v: Any, what: str) -> list[Frame]:
-        """An entry's issue-time stack: [{name, filename, line}], innermost first."""
-        checked = []
+        """An entry's issue-time stack: [{name, filename, line}], innermost first; outermost first here."""
+        out = []
         for j, f in enumerate(self.list_(v, what)):
             f = self.dict_(f, f"{what}[{j}]")
-            checked.append({"name": self.str_(f.get("name"), f"{what}[{j}].name", "?"),
-                            "filename": self.str_(f.get("filename"), f"{what}[{j}].filename", "?"),
-                            "line": self.int_(f.get("line"), f"{what}[{j}].line")})
-        return entry_frames(checked)
+            out.append(Frame(self.str_(f.get("filename"), f"{what}[{j}].filename", "?"),
+                             self.int_(f.get("line"), f"{what}[{j}].line"),
+                             self.str_(f.get("name"), f"{what}[{j}].name", "?")))
+        return out[::-1]
 
     def pg_config(self, v: Any) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
@@ -185,14 +184,4 @@ class Checker:
         plain = {self.str_(k, "threads' key"): [self.str_(line, f"threads[{k!r}]")
                                                 for line in self.list_(lines, f"threads[{k!r}]")]
                  for k, lines in raw.items()}
-        return python_threads(plain)
-
-    def c_stacks(self, text: str) -> tuple[list[Thread], dict[str, Any]]:
-        """faulthandler's text, and what its header line says (rank, pid, host)."""
-        self.str_(text, "the C-level stacks", limit=MAX_C_STACKS)
-        header = stacks_header(text.partition("\n")[0])
-        threads = c_threads(text)
-        for t in threads:
-            if t.ident is not None and t.ident == header.get("main"):
-                t.name = "MainThread"
-        return threads, header
+        return parse_python(plain)

@@ -4,7 +4,9 @@ and what decoding may cost is bounded) and checked against the layout the
 analysis reads (``layout``), into plain values of known types. A file that
 fails is a problem saying why ("not a readable dump"), never the end of the
 run. A folder is read within ``Limits``: past them, the remaining files are
-reported as not read."""
+reported as not read. A rank's C-level stacks are found where the library
+keeps them (``diagnostics.stacks``: ``<dump dir>/c_stacks/``), by rank and
+pid."""
 
 from __future__ import annotations
 
@@ -17,14 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import dump as _dump
-from .. import untrusted
+from .. import stacks, untrusted
+from ..frames import Thread
 from ..untrusted import NotADump
 from . import layout
-from .stacks import Thread
 
 _FILE = re.compile(r"^(.*?)(\d+)(\.json)?$")
 P2P_TYPES = ("send", "recv")
-STACKS_SUFFIX = ".stacks"  # nccl_pg/diagnostics/stacks.py's SUFFIX (issue 24 item 4)
 
 
 @dataclass
@@ -38,7 +39,7 @@ class Dump:
     host: str | None = None
     pid: int | None = None
     threads: list[Thread] = field(default_factory=list)  # Python stacks of every thread (our dumps)
-    c_threads: list[Thread] = field(default_factory=list)  # faulthandler's stacks (stacks_path), if any
+    c_threads: list[Thread] = field(default_factory=list)  # faulthandler's stacks (c_stacks_path), if any
     c_stacks_path: str | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -106,6 +107,7 @@ def load(paths: Mapping[int, str], limits: Limits | None = None) -> tuple[dict[i
     dumps: dict[int, Dump] = {}
     problems: list[dict[str, Any]] = []
     read_bytes = entries = 0
+    c_stacks: dict[str, dict[int, list[str]]] = {}  # per folder
     for rank, path in paths.items():
         try:
             if read_bytes >= limits.max_bytes:
@@ -115,8 +117,10 @@ def load(paths: Mapping[int, str], limits: Limits | None = None) -> tuple[dict[i
             decoded = _dump.read_decoded(path)
             read_bytes += decoded.size
             d = check(rank, path, decoded.value, decoded.values)
-            if os.path.lexists(stacks_path(path)):
-                read_stacks(d, stacks_path(path))
+            folder = os.path.dirname(path)
+            if folder not in c_stacks:
+                c_stacks[folder] = stacks.find(folder)
+            _attach_stacks(d, c_stacks[folder].get(d.rank, []))
             if entries + len(d.entries) > limits.max_entries:
                 raise NotADump(f"its {len(d.entries)} entries would pass this folder's limit of "
                                f"{limits.max_entries} entries in all")
@@ -133,6 +137,27 @@ def load(paths: Mapping[int, str], limits: Limits | None = None) -> tuple[dict[i
             continue
         dumps[d.rank] = d
     return dumps, problems
+
+
+@dataclass
+class Folder:
+    """A folder of dumps read: the dumps by rank, the problems of the files
+    that are not readable dumps, the ranks known only by their C-level
+    stacks, the prefix used and notes."""
+
+    directory: str
+    prefix: str
+    dumps: dict[int, Dump]
+    unreadable: list[dict[str, Any]]
+    stacks_only: dict[int, Dump]
+    notes: list[str]
+
+
+def load_dir(directory: str, prefix: str | None = None, limits: Limits | None = None) -> Folder:
+    """``find_dumps``, ``load`` and ``load_stacks_only`` on ``directory``."""
+    paths, used, notes = find_dumps(directory, prefix)
+    dumps, unreadable = load(paths, limits)
+    return Folder(directory, used, dumps, unreadable, load_stacks_only(directory, dumps), notes)
 
 
 def load_bytes(rank: int, data: bytes, source: str) -> Dump:
@@ -166,22 +191,17 @@ def check(rank: int, path: str, data: dict[str, Any], values_built: int) -> Dump
                 pid=c.opt_int(data.get("pid"), "pid"), threads=c.threads(data.get("threads")))
 
 
-def stacks_path(dump_path: str) -> str:
-    """Where the rank of the dump at ``dump_path`` keeps its C-level stacks:
-    ``<dump prefix><rank>.stacks`` (faulthandler's output, appended on a
-    signal and at operations' deadlines, after a header line naming the
-    rank, pid, host and main thread)."""
-    return (dump_path[:-len(".json")] if dump_path.endswith(".json") else dump_path) + STACKS_SUFFIX
-
-
-def find_stacks(directory: str, prefix: str) -> dict[int, str]:
-    """``{rank: path}`` of the C-level stack files in ``directory``."""
-    out = {}
-    for n in sorted(os.listdir(directory)):
-        m = re.fullmatch(re.escape(prefix) + r"(\d+)" + re.escape(STACKS_SUFFIX), n)
-        if m is not None:
-            out[int(m.group(1))] = os.path.join(directory, n)
-    return out
+def _attach_stacks(d: Dump, paths: list[str]) -> None:
+    """Rank ``d``'s C-level stacks, of those its folder holds for its rank
+    (newest first): the file of its pid where the dump names one, else the
+    newest (a note says when there were several)."""
+    if d.pid is not None:
+        paths = [p for p in paths if os.path.basename(p) == os.path.basename(stacks.path("", d.rank, d.pid))]
+    elif len(paths) > 1:
+        d.notes.append(f"rank {d.rank}: {len(paths)} C-level stacks files and no pid in its dump to choose by; "
+                       f"using the newest, {paths[0]}")
+    if paths:
+        read_stacks(d, paths[0])
 
 
 def read_stacks(d: Dump, path: str) -> None:
@@ -189,24 +209,25 @@ def read_stacks(d: Dump, path: str) -> None:
     header where ``d`` lacks them), read as untrusted like a dump; a note
     says why they were not."""
     try:
-        text = _dump.read_bytes(path, layout.MAX_C_STACKS).decode("utf-8", "replace")
-        threads, header = layout.Checker(len(text)).c_stacks(text)
+        written = stacks.read(path)
     except NotADump as exc:
         d.notes.append(f"rank {d.rank}: its C-level stacks {path}: not read ({exc})")
         return
-    d.c_threads, d.c_stacks_path = threads, path
-    d.host = d.host if d.host is not None else header.get("host")
-    d.pid = d.pid if d.pid is not None else header.get("pid")
+    d.c_threads, d.c_stacks_path = written.threads(), path
+    about = written.about
+    d.host = d.host if d.host is not None else about.get("host")
+    d.pid = d.pid if d.pid is not None else about.get("pid")
 
 
-def load_stacks_only(directory: str, prefix: str, dumps: Mapping[int, Dump]) -> dict[int, Dump]:
-    """The ranks of ``directory`` known only by their C-level stacks file (they
-    wrote no dump: e.g. they held the GIL), as Dumps without entries."""
+def load_stacks_only(directory: str, dumps: Mapping[int, Dump]) -> dict[int, Dump]:
+    """The ranks of ``directory`` known only by their C-level stacks (they
+    wrote no dump: e.g. they held the GIL), as Dumps without entries: each
+    from its newest file."""
     out = {}
-    for rank, path in find_stacks(directory, prefix).items():
+    for rank, paths in stacks.find(directory).items():
         if rank not in dumps:
-            d = Dump(rank, path, {"version": "?", "reason": None, "time": None, "pg_config": {}}, truncated=True)
-            read_stacks(d, path)
+            d = Dump(rank, paths[0], {"version": "?", "reason": None, "time": None, "pg_config": {}}, truncated=True)
+            _attach_stacks(d, paths)
             if d.c_threads:
                 out[rank] = d
     return out

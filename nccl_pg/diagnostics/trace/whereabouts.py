@@ -1,14 +1,20 @@
-"""Who a rank is (host, pid) and where it is now, from its dump: the top of
-the stack of the thread that issues its operations (``stacks``), or, for
-a dump without thread stacks (torch's), where it issued its newest
-operation."""
+"""Who a rank is (host, pid) and where it is now, from its dump: the user's
+frame (``frames.user_frame``) in the stack of the thread that issues its
+operations. Three sources, best first: the dump's ``threads`` (the Python
+stack of every thread when it dumped: our dumps), the rank's C-level stacks
+file (``diagnostics.stacks``: faulthandler's, written on a signal or at an
+operation's deadline, so also for a rank holding the GIL or stuck in C), and
+an entry's ``frames`` (the stack where an operation was issued: torch's
+dumps, and ours with ``NCCL_PG_TRACE_STACKS=1``; where the rank was, not
+where it is)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from ..frames import Thread, user_frame
 from .loading import Dump, outcome
-from .stacks import Thread, format_thread, pick, top
 
 
 def who(d: Dump) -> str:
@@ -35,7 +41,7 @@ def locate(d: Dump, group: str | None = None) -> dict[str, Any]:
     ident, name = _thread_hint(d, group)
     for threads in (d.threads, d.c_threads):
         t = pick(threads, ident, name)
-        f = top(t.frames) if t is not None else None
+        f = user_frame(t.frames) if t is not None else None
         if t is not None and f is not None:
             src = "python" if t.source == "python" else "c"
             thread = name if name and ident is not None and t.ident == ident else t.name  # faulthandler: no names
@@ -44,7 +50,7 @@ def locate(d: Dump, group: str | None = None) -> dict[str, Any]:
                     + (" (C-level stack)" if src == "c" else "")}
     for e in reversed(d.entries):
         if e["frames"]:
-            f = top(e["frames"])
+            f = user_frame(e["frames"])
             if f is not None:
                 kind = f"{e['_kind']} {e['_meta']}".strip()
                 return {**f.as_dict(), "thread": e["thread_name"], "source": "issue",
@@ -68,6 +74,29 @@ def summary(d: Dump, group: str | None = None, stacks: bool = False) -> dict[str
     if stacks:
         out["stacks"] = [_thread_dict(t) for t in ordered_threads(d, group)]
     return out
+
+
+def pick(threads: Sequence[Thread], ident: int | None, name: str | None) -> Thread | None:
+    """The thread that issued the operations (by ident, else by name), else
+    the main thread, else the one faulthandler ran on."""
+    for want in (lambda t: ident is not None and t.ident == ident, lambda t: name is not None and t.name == name,
+                 lambda t: t.name == "MainThread", lambda t: t.current):
+        found = [t for t in threads if want(t)]
+        if found:
+            return found[0]
+    return None
+
+
+def format_thread(t: Thread, indent: str = "      ") -> list[str]:
+    """The stack in traceback's order (innermost last), one line per frame."""
+    head = f"{indent}{'C-level ' if t.source == 'c' else ''}stack of thread {t.name}" + (
+        f" ({t.ident})" if t.ident is not None and t.source == "python" else "") + ", most recent call last:"
+    lines = [head]
+    for f in t.frames:
+        lines.append(f"{indent}  {f}")
+    if not t.frames:
+        lines.append(f"{indent}  (no Python frame)")
+    return lines
 
 
 def ordered_threads(d: Dump, group: str | None = None) -> list[Thread]:
