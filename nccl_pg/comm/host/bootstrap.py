@@ -25,7 +25,8 @@ from ...store import Store
 from ..base import CommConfig, CommState
 from . import algorithms as alg
 from .connect import MeshBuilder, listen
-from .transport import Mesh, MeshTimeoutError
+from .transport import Mesh
+from .wire import MeshTimeoutError
 
 # A rank's address in the store: token (rank 0's; zeros from the others), port, then the host.
 _ADDR_RECORD = struct.Struct("<16sH")
