@@ -35,11 +35,11 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
 from ...errors import DistBackendError
+from . import wire
 from .links import FAREWELL_BUDGET, Links
 from .wire import (
     ANY,
     GOODBYE,
-    HEADER,
     NO_META,
     NO_NUMBER,
     NO_ROOT,
@@ -56,6 +56,9 @@ from .wire import (
     header_kind,
 )
 
+# Bound here rather than imported by name: CPython 3.11 calls a method of a from-imported name without
+# LOAD_METHOD (a bound method made per call), and HEADER.pack/unpack run for every message.
+HEADER = wire.HEADER
 _IOV_MESSAGES = 64  # messages per gather write: 2 parts each, well under Linux's IOV_MAX of 1024
 
 _POLLERR = select.POLLERR | select.POLLHUP | select.POLLNVAL
