@@ -15,7 +15,7 @@ from typing import Any
 
 from . import env
 from .comm import backends
-from .distributed import Group, _get_default_group, _world
+from .distributed.world import Group, _get_default_group, current_world
 from .errors import DistBackendError
 from .group import handles
 from .group.options import DEFAULT_TIMEOUT, Options
@@ -31,7 +31,7 @@ def get_init_handle(group: Group = None) -> str:
     configuration and its rank there; with no default group, a process in
     no configuration, which ``reconfigure`` makes join). Give every process
     of the next configuration the handles of all of them."""
-    w = _world()
+    w = current_world()
     if group is None and w.default_pg is None:
         return handles.handle_for(None, None)
     pg = _get_default_group() if group is None else group
@@ -55,7 +55,7 @@ def reconfigure(uuid: int, init_handles: Any, timeout: Timeout | None = None, gr
     ``pg_options`` as to ``init_process_group``); it gets a default group.
     Raises TypeError/ValueError for bad arguments before anything happens,
     DistBackendError when the change fails or its deadline passes."""
-    w = _world()
+    w = current_world()
     uuid = handles.check_uuid(uuid)
     if uuid in w.used_uuids:
         raise ValueError(f"reconfigure: uuid {uuid} was used before in this process; each reconfigure takes a new "
@@ -105,7 +105,7 @@ def job_store() -> Store:
     """The store the default group rendezvoused on (not its prefixed view):
     where ``reconfigure`` meets new processes."""
     _get_default_group()
-    store = _world().root_store
+    store = current_world().root_store
     assert store is not None
     return store
 
@@ -113,7 +113,7 @@ def job_store() -> Store:
 def _leave_all() -> None:
     """After a failed reconfigure: this process is in no group any more (its
     handle becomes a new process's, which the next reconfigure takes in)."""
-    w = _world()
+    w = current_world()
     for pg in list(w.groups):
         pg.abort()
         pg.shutdown(0)
@@ -123,7 +123,7 @@ def _leave_all() -> None:
 def _install_default(new: ProcessGroup, meet: Store | None) -> None:
     """``new`` becomes the default group; every other group goes (their
     global ranks are wrong now)."""
-    w = _world()
+    w = current_world()
     for pg in [g for g in w.groups if g is not new]:
         pg.abort()
         pg.shutdown(0)
@@ -136,7 +136,7 @@ def _install_default(new: ProcessGroup, meet: Store | None) -> None:
 def _join(uuid: int, init_handles: Any, timeout: Timeout | None, store: Store | None, backend: str | None,
           device_id: Any, pg_options: Options | None) -> ProcessGroup:
     """A process with no default group joins the configuration."""
-    w = _world()
+    w = current_world()
     if store is None:
         raise ValueError("reconfigure: this process has no default group; pass the job's store= to join one")
     env.validate_all()

@@ -31,7 +31,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from . import env, safe_pickle
-from .distributed import Group, _finish, _global, _in_group, _resolve
+from .distributed.collectives import finish
+from .distributed.world import Group, global_rank_of, group_rank_of, resolve
 from .errors import DistBackendError
 from .group.process_group import ProcessGroup
 
@@ -90,7 +91,7 @@ def _loads(codec: Serializer, data: bytes, pg: ProcessGroup, source: int) -> Any
     try:
         return codec.loads(data)
     except Exception as exc:
-        raise DistBackendError(f"object from rank {_global(pg, source)} cannot be deserialized "
+        raise DistBackendError(f"object from rank {global_rank_of(pg, source)} cannot be deserialized "
                                f"({type(exc).__name__}: {exc})") from None
 
 
@@ -106,7 +107,7 @@ def _lengths(pg: ProcessGroup, values: Sequence[int], sources: Sequence[int], wh
     for n, source in zip(values, sources, strict=True):
         n = int(n)
         if not 0 <= n <= limit:
-            raise DistBackendError(f"{what}: rank {_global(pg, source)} announced an object of {n} bytes; expected "
+            raise DistBackendError(f"{what}: rank {global_rank_of(pg, source)} announced an object of {n} bytes; expected "
                                    f"0..{limit} ({env.OBJECT_MAX_BYTES.name})")
         out.append(n)
     return out
@@ -125,7 +126,7 @@ def _padded(pg: ProcessGroup, array: Any, size: int, length: int) -> Any:
 def _all_sizes(pg: ProcessGroup, size: int, what: str) -> list[int]:
     """Every rank's ``size`` (an all_gather), checked."""
     sizes = [_sizes(pg, [0]) for _ in range(pg.size())]
-    _finish(pg.allgather(sizes, _sizes(pg, [size])), async_op=False)
+    finish(pg.allgather(sizes, _sizes(pg, [size])), async_op=False)
     return _lengths(pg, [int(pg.comm_backend.to_host(s)[0]) for s in sizes], range(pg.size()), what)
 
 
@@ -145,7 +146,7 @@ def _unblob(pg: ProcessGroup, codec: Serializer, blob: Any, lengths: list[int], 
 def all_gather_object(object_list: list[Any], obj: Any, group: Group = None, *,
                       serializer: str | Serializer | None = None) -> None:
     """``object_list[r]`` becomes rank r's ``obj`` (two all_gathers: sizes, bytes)."""
-    pg = _resolve(group, "all_gather_object")
+    pg = resolve(group, "all_gather_object")
     if pg is None:
         return
     if len(object_list) != pg.size():
@@ -155,7 +156,7 @@ def all_gather_object(object_list: list[Any], obj: Any, group: Group = None, *,
     lengths = _all_sizes(pg, size, "all_gather_object")
     longest = max(lengths)
     outs = [pg.comm_backend.empty(longest, np.uint8, pg.bound_device_id) for _ in lengths]
-    _finish(pg.allgather(outs, _padded(pg, data, size, longest)), async_op=False)
+    finish(pg.allgather(outs, _padded(pg, data, size, longest)), async_op=False)
     for r, (out, n) in enumerate(zip(outs, lengths, strict=True)):
         object_list[r] = _unpack(pg, codec, out, n, r)
 
@@ -164,17 +165,17 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None, group:
                           device: Any = None, group_src: int | None = None, *,
                           serializer: str | Serializer | None = None) -> None:
     """Every rank's ``object_list`` becomes the source's (same length everywhere)."""
-    pg = _resolve(group, "broadcast_object_list")
+    pg = resolve(group, "broadcast_object_list")
     if pg is None:
         return
-    root = _in_group(pg, src, group_src, "broadcast_object_list src")
+    root = group_rank_of(pg, src, group_src, "broadcast_object_list src")
     codec = _serializer(serializer)
     packed = [_pack(pg, codec, o) for o in object_list] if pg.rank() == root else []
     sizes = _sizes(pg, [n for _, n in packed] if pg.rank() == root else [0] * len(object_list))
-    _finish(pg.broadcast(sizes, root), async_op=False)
+    finish(pg.broadcast(sizes, root), async_op=False)
     lengths = _lengths(pg, pg.comm_backend.to_host(sizes), [root] * len(object_list), "broadcast_object_list")
     blob = _blob(pg, packed) if pg.rank() == root else pg.comm_backend.empty(sum(lengths), np.uint8, pg.bound_device_id)
-    _finish(pg.broadcast(blob, root), async_op=False)
+    finish(pg.broadcast(blob, root), async_op=False)
     if pg.rank() != root:
         _unblob(pg, codec, blob, lengths, object_list, root)
 
@@ -183,10 +184,10 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: in
                   group: Group = None, group_dst: int | None = None, *,
                   serializer: str | Serializer | None = None) -> None:
     """On the destination, ``object_gather_list[r]`` becomes rank r's ``obj``."""
-    pg = _resolve(group, "gather_object")
+    pg = resolve(group, "gather_object")
     if pg is None:
         return
-    root = _in_group(pg, dst, group_dst, "gather_object dst")
+    root = group_rank_of(pg, dst, group_dst, "gather_object dst")
     if pg.rank() == root and (object_gather_list is None or len(object_gather_list) != pg.size()):
         raise ValueError(f"gather_object: the destination needs object_gather_list of {pg.size()} entries")
     codec = _serializer(serializer)
@@ -194,7 +195,7 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: in
     lengths = _all_sizes(pg, size, "gather_object")
     longest = max(lengths)
     outs = [pg.comm_backend.empty(longest, np.uint8, pg.bound_device_id) for _ in lengths] if pg.rank() == root else None
-    _finish(pg.gather(_padded(pg, data, size, longest), outs, root), async_op=False)
+    finish(pg.gather(_padded(pg, data, size, longest), outs, root), async_op=False)
     if outs is not None and object_gather_list is not None:
         for r, (out, n) in enumerate(zip(outs, lengths, strict=True)):
             object_gather_list[r] = _unpack(pg, codec, out, n, r)
@@ -204,12 +205,12 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
                         src: int | None = None, group: Group = None, group_src: int | None = None, *,
                         serializer: str | Serializer | None = None) -> None:
     """``scatter_object_output_list[0]`` becomes the source's input entry for this rank."""
-    pg = _resolve(group, "scatter_object_list")
+    pg = resolve(group, "scatter_object_list")
     if pg is None:
         return
     if not isinstance(scatter_object_output_list, list) or len(scatter_object_output_list) < 1:
         raise ValueError("scatter_object_list: scatter_object_output_list must be a list with at least one entry")
-    root = _in_group(pg, src, group_src, "scatter_object_list src")
+    root = group_rank_of(pg, src, group_src, "scatter_object_list src")
     codec = _serializer(serializer)
     ins: list[Any] | None = None
     counts: list[Any] | None = None
@@ -223,46 +224,46 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
         head = _sizes(pg, [longest])
     else:
         head = _sizes(pg, [0])
-    _finish(pg.broadcast(head, root), async_op=False)
+    finish(pg.broadcast(head, root), async_op=False)
     (longest,) = _lengths(pg, pg.comm_backend.to_host(head), [root], "scatter_object_list")
     out, count = pg.comm_backend.empty(longest, np.uint8, pg.bound_device_id), _sizes(pg, [0])
-    _finish(pg.scatter(count, counts, root), async_op=False)
-    _finish(pg.scatter(out, ins, root), async_op=False)
+    finish(pg.scatter(count, counts, root), async_op=False)
+    finish(pg.scatter(out, ins, root), async_op=False)
     (size,) = _lengths(pg, pg.comm_backend.to_host(count), [root], "scatter_object_list")
     if size > longest:
-        raise DistBackendError(f"scatter_object_list: rank {_global(pg, root)} announced {size} bytes for this rank "
+        raise DistBackendError(f"scatter_object_list: rank {global_rank_of(pg, root)} announced {size} bytes for this rank "
                                f"but at most {longest} for any")
     scatter_object_output_list[0] = _unpack(pg, codec, out, size, root)
 
 
 def send_object_list(object_list: list[Any], dst: int | None = None, group: Group = None, device: Any = None,
                      group_dst: int | None = None, *, serializer: str | Serializer | None = None) -> None:
-    pg = _resolve(group, "send_object_list")
+    pg = resolve(group, "send_object_list")
     if pg is None:
         return
-    peer = _in_group(pg, dst, group_dst, "send_object_list dst")
+    peer = group_rank_of(pg, dst, group_dst, "send_object_list dst")
     packed = [_pack(pg, _serializer(serializer), o) for o in object_list]
-    _finish(pg.send(_sizes(pg, [n for _, n in packed]), peer), async_op=False)
+    finish(pg.send(_sizes(pg, [n for _, n in packed]), peer), async_op=False)
     # The receiver refuses sizes over the limit after reading them: refuse here too rather than send the bytes.
     _lengths(pg, [n for _, n in packed], [pg.rank()] * len(packed), "send_object_list")
-    _finish(pg.send(_blob(pg, packed), peer), async_op=False)
+    finish(pg.send(_blob(pg, packed), peer), async_op=False)
 
 
 def recv_object_list(object_list: list[Any], src: int | None = None, group: Group = None, device: Any = None,
                      group_src: int | None = None, *, serializer: str | Serializer | None = None) -> int:
     """Fills ``object_list`` (same length as the sender's); returns the
     sender's global rank."""
-    pg = _resolve(group, "recv_object_list")
+    pg = resolve(group, "recv_object_list")
     if pg is None:
         return -1
     if src is None and group_src is None:
         raise ValueError("recv_object_list: receiving from any source is not supported; give src or group_src")
-    peer = _in_group(pg, src, group_src, "recv_object_list src")
+    peer = group_rank_of(pg, src, group_src, "recv_object_list src")
     codec = _serializer(serializer)
     sizes = _sizes(pg, [0] * len(object_list))
-    _finish(pg.recv(sizes, peer), async_op=False)
+    finish(pg.recv(sizes, peer), async_op=False)
     lengths = _lengths(pg, pg.comm_backend.to_host(sizes), [peer] * len(object_list), "recv_object_list")
     blob = pg.comm_backend.empty(sum(lengths), np.uint8, pg.bound_device_id)
-    _finish(pg.recv(blob, peer), async_op=False)
+    finish(pg.recv(blob, peer), async_op=False)
     _unblob(pg, codec, blob, lengths, object_list, peer)
-    return _global(pg, peer)
+    return global_rank_of(pg, peer)

@@ -29,7 +29,8 @@ from harness.procs import World
 
 from nccl_pg import HashStore, Options, ProcessGroupHost, init_process_group
 from nccl_pg.diagnostics import dump
-from nccl_pg.distributed import _set_thread_world, _World
+from nccl_pg.distributed.world import World as ApiWorld
+from nccl_pg.distributed.world import set_thread_world
 
 BOUND = 1.0  # the contract: failures surface within timeout + 1 s; abort releases waiters within 1 s
 ABORT = -signal.SIGABRT
@@ -164,12 +165,12 @@ def _invalid_env(monkeypatch, var: str, value: str) -> None:
     monkeypatch.setenv(var, value)
     with pytest.raises(ValueError, match=re.escape(var)):
         ProcessGroupHost(HashStore(), 0, 1, Options(timeout=5))
-    _set_thread_world(_World())  # a world of this thread's own: the process's default world stays untouched
+    set_thread_world(ApiWorld())  # a world of this thread's own: the process's default world stays untouched
     try:
         with pytest.raises(ValueError, match=re.escape(var)):
             init_process_group("host", store=HashStore(), rank=0, world_size=1)
     finally:
-        _set_thread_world(None)
+        set_thread_world(None)
 
 
 @pytest.mark.timeout(30)

@@ -20,7 +20,7 @@ from harness.etcd_cluster import INSTALL_HINT, EtcdCluster, etcd_binary, fresh_j
 from harness.threads import start_thread
 
 from nccl_pg import rendezvous
-from nccl_pg.comm.host.communicator import _host_address
+from nccl_pg.comm.host.bootstrap import host_address
 from nccl_pg.errors import DistNetworkError, DistStoreError
 from nccl_pg.store import EtcdStore, PrefixStore, etcd_client
 from nccl_pg.store.etcd_store import check_job
@@ -384,7 +384,7 @@ def test_host_backend_publishes_the_address_of_its_connection_to_etcd(etcd_clust
     assert conn.sock is not None and conn.sock.getsockname()[0] == "127.0.0.1"
     monkeypatch.delenv("NCCL_PG_HOST_ADDR", raising=False)
     monkeypatch.setattr(EtcdStore, "local_address", lambda self: "192.0.2.7")  # as on a host with a real NIC
-    assert _host_address(PrefixStore("pg", store)) == "192.0.2.7"
+    assert host_address(PrefixStore("pg", store)) == "192.0.2.7"
     store.close()
 
 

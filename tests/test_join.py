@@ -18,7 +18,7 @@ import pytest
 
 import nccl_pg as dist
 from nccl_pg import HashStore, ProcessGroup
-from nccl_pg.distributed import _set_thread_world, _World
+from nccl_pg.distributed.world import World, set_thread_world
 from nccl_pg.join import Join, Joinable, JoinHook
 
 WORLD_SIZE = 4  # the seed uses min(4, max(2, GPUs)); 4 gives several staggered joins
@@ -38,7 +38,7 @@ def run_ranks(fn: Callable[[int], Any], world_size: int = WORLD_SIZE) -> list[An
     """Run ``fn(rank)`` on ``world_size`` thread ranks over a fresh default
     group; returns the results by rank or raises the first failure."""
     store = HashStore()
-    worlds = [_World() for _ in range(world_size)]
+    worlds = [World() for _ in range(world_size)]
     results: list[Any] = [None] * world_size
     errors: list[BaseException] = []
     lock = threading.Lock()
@@ -51,7 +51,7 @@ def run_ranks(fn: Callable[[int], Any], world_size: int = WORLD_SIZE) -> list[An
                     pg.abort()
 
     def main(rank: int) -> None:
-        _set_thread_world(worlds[rank])
+        set_thread_world(worlds[rank])
         try:
             dist.init_process_group("host", store=store, rank=rank, world_size=world_size, timeout=OP_TIMEOUT)
             if failed.is_set():  # a rank failed before this group existed, so its abort_all missed it
@@ -66,7 +66,7 @@ def run_ranks(fn: Callable[[int], Any], world_size: int = WORLD_SIZE) -> list[An
             with contextlib.suppress(Exception):
                 if dist.is_initialized():
                     dist.destroy_process_group()
-            _set_thread_world(None)
+            set_thread_world(None)
 
     threads = [threading.Thread(target=main, args=(r,), name=f"rank{r}", daemon=True) for r in range(world_size)]
     for t in threads:

@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 
 import nccl_pg as dist
-from nccl_pg.distributed import _set_thread_world, _World
+from nccl_pg.distributed.world import World, set_thread_world
 from nccl_pg.group import watchdog
 from nccl_pg.store import HashStore
 
@@ -138,7 +138,7 @@ def _use(group: Any, members: tuple[int, ...], me: int, op: str, wait: bool, sal
 
 
 def _rank_main(plan: Plan, rank: int, store: HashStore) -> None:
-    _set_thread_world(_World())
+    set_thread_world(World())
     try:
         rng = random.Random(plan.seed * 1000 + rank)  # this rank's own destroy order
         for r, steps in enumerate(plan.rounds):
@@ -176,7 +176,7 @@ def _rank_main(plan: Plan, rank: int, store: HashStore) -> None:
             for w in unwaited:  # destroy flushed them: they completed
                 assert w.is_completed() and w.exception() is None, (w, w.exception())
     finally:
-        _set_thread_world(None)
+        set_thread_world(None)
 
 
 def run_sequence(plan: Plan) -> None:
@@ -262,7 +262,7 @@ def test_plans_are_deterministic() -> None:
 def test_random_lifecycles(seed: int) -> None:
     """SEQUENCES_PER_SEED sequences from ``seed``; threads and fds come back
     to their counts after each one."""
-    assert dist.distributed._world().default_pg is None  # this (main) thread's world is untouched
+    assert dist.distributed.world.current_world().default_pg is None  # this (main) thread's world is untouched
     before_threads, before_fds = threads_now(), open_fds()
     for k in range(SEQUENCES_PER_SEED):
         plan = make_plan(seed * 10_000 + k)

@@ -21,7 +21,8 @@ from harness.pg_seed import BACKENDS, NCCL_ONLY, NON_MEMBER, TEN_MINUTES, world
 import nccl_pg as dist
 from nccl_pg import ProcessGroupNCCL
 from nccl_pg.comm import backends
-from nccl_pg.distributed import _get_default_store, _set_thread_world, _World
+from nccl_pg.distributed import _get_default_store
+from nccl_pg.distributed.world import World, set_thread_world
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -59,7 +60,7 @@ def test_init_no_gpus(tmp_path):
     """Seed: ProcessGroupNCCLNoGPUTest.test_init_no_gpus — NCCL groups refuse a GPU-less machine."""
     message = re.escape("ProcessGroupNCCL is only supported with GPUs, no GPUs found!")
     store = dist.FileStore(str(tmp_path / "store"), 1)
-    _set_thread_world(_World())
+    set_thread_world(World())
     try:
         with pytest.raises(ValueError, match=message):
             ProcessGroupNCCL(store, 0, 1)
@@ -67,7 +68,7 @@ def test_init_no_gpus(tmp_path):
             dist.init_process_group("nccl", store=store, rank=0, world_size=1)
         assert not dist.is_initialized()
     finally:
-        _set_thread_world(None)
+        set_thread_world(None)
         store.close()
 
 

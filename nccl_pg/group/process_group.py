@@ -4,7 +4,7 @@ It owns (lazily, or eagerly on request) one communicator and one stream,
 numbers its operations, checks arguments, turns list-shaped arguments into
 the flat buffers the Communicator contract takes (copies run on the same
 stream), and hands out Works watched by the process-wide watchdog.
-Ranks here are group ranks; distributed.py maps global ranks onto them.
+Ranks here are group ranks; the module API (distributed/world.py) maps global ranks onto them.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import traceback
 import unittest
 from collections.abc import Sequence
 
-from ..distributed import _World
+from ..distributed.world import World
 from ..errors import Culprit, DistBackendError
 from ..group.process_group import ProcessGroup
 
@@ -82,7 +82,7 @@ def traceback_of(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb.tb_next if tb is not None else None))
 
 
-def abort_groups(worlds: Sequence[_World], aborted: set[ProcessGroup]) -> None:
+def abort_groups(worlds: Sequence[World], aborted: set[ProcessGroup]) -> None:
     """Abort every group of these ranks not in ``aborted`` (and add it),
     parents first: a lazy subgroup may be splitting its parent's communicator."""
     for world in worlds:

@@ -105,7 +105,7 @@ def _load(conn: multiprocessing.connection.Connection) -> Job | None:
 def _run(job: Job, start: Start) -> tuple[Any, ...]:
     """Call the job's function; its result (pickled here, so that an
     unpicklable result is this rank's failure) or its failure."""
-    from ..distributed import _world  # noqa: PLC0415 - the test's modules are loaded first
+    from ..distributed.world import current_world  # noqa: PLC0415 - the test's modules are loaded first
     from .failures import abort_groups  # noqa: PLC0415
 
     os.environ["NCCL_PG_DEBUG_INFO_TEMP_FILE"] = job.dump_prefix
@@ -115,7 +115,7 @@ def _run(job: Job, start: Start) -> tuple[Any, ...]:
         return ("ok", result)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the harness
         # Abort rather than flush: peers blocked on this rank fail at once instead of at the timeout.
-        abort_groups([_world()], set())
+        abort_groups([current_world()], set())
         return failure(exc)
     finally:
         process_tree.end_descendants(_END_WITHIN)
@@ -123,7 +123,8 @@ def _run(job: Job, start: Start) -> tuple[Any, ...]:
 
 def _serve(conn: multiprocessing.connection.Connection, start: Start) -> int:
     from ..comm import backends  # noqa: PLC0415
-    from ..distributed import _world, destroy_process_group, init_process_group, is_initialized  # noqa: PLC0415
+    from ..distributed import destroy_process_group, init_process_group, is_initialized  # noqa: PLC0415
+    from ..distributed.world import current_world  # noqa: PLC0415
     from ..store import TCPStore  # noqa: PLC0415
 
     job = _load(conn)
@@ -142,7 +143,7 @@ def _serve(conn: multiprocessing.connection.Connection, start: Start) -> int:
         while job is not None:
             message = _run(job, start)
             if message[0] == "ok":
-                world = _world()  # a warm set keeps its default group, not the test's subgroups
+                world = current_world()  # a warm set keeps its default group, not the test's subgroups
                 for pg in sorted((g for g in world.groups if g is not world.default_pg), key=lambda g: -g.uid):
                     destroy_process_group(pg)
             _send(conn, message)

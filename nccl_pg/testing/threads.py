@@ -21,7 +21,8 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ..diagnostics import frames
-from ..distributed import _set_thread_world, _World, destroy_process_group, init_process_group, is_initialized
+from ..distributed import destroy_process_group, init_process_group, is_initialized
+from ..distributed.world import World, set_thread_world
 from ..errors import Culprit, DistBackendError, DistError
 from ..group.process_group import ProcessGroup
 from ..store import HashStore
@@ -82,7 +83,7 @@ class _Outcome:
     named: tuple[Culprit, ...] = ()  # the culprits that diagnosis named
 
 
-def _abort_until(worlds: Sequence[_World], done: threading.Event) -> None:
+def _abort_until(worlds: Sequence[World], done: threading.Event) -> None:
     """Abort the ranks' groups, and again those made later (by a rank still
     in init_process_group, or creating a subgroup), until ``done``."""
     aborted: set[ProcessGroup] = set()
@@ -102,7 +103,7 @@ def _run_thread_ranks(call: Callable[[int], T], world_size: int, backend: str, t
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     store = _HarnessStore(timeout)
-    worlds = [_World() for _ in range(world_size)]
+    worlds = [World() for _ in range(world_size)]
     outcomes = [_Outcome() for _ in range(world_size)]
     events: queue.Queue[tuple[str, int]] = queue.Queue()
     first_failure = threading.Lock()
@@ -110,7 +111,7 @@ def _run_thread_ranks(call: Callable[[int], T], world_size: int, backend: str, t
     finished = threading.Event()  # the harness is done with the ranks: stop aborting
 
     def rank_main(rank: int) -> None:
-        _set_thread_world(worlds[rank])
+        set_thread_world(worlds[rank])
         out = outcomes[rank]
         try:
             init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=op_timeout)
@@ -129,7 +130,7 @@ def _run_thread_ranks(call: Callable[[int], T], world_size: int, backend: str, t
             except Exception as exc:
                 if out.error is None:
                     out.error, out.trace = exc, traceback.format_exc()
-            _set_thread_world(None)
+            set_thread_world(None)
             events.put(("exited", rank))
 
     def release(reason: str) -> None:

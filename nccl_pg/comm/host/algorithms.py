@@ -17,7 +17,8 @@ from typing import NamedTuple
 import numpy as np
 
 from ...reduce_op import ReduceOp
-from .transport import ANY, EMPTY, NO_ROOT, NO_SIZE, Mesh, Meta, Recv, Send, WireNames, empty_target
+from .transport import Mesh, Recv, Send
+from .wire import ANY, EMPTY, NO_ROOT, NO_SIZE, Meta, WireNames, empty_target
 
 # Kinds of operation, sent in every message header (names for error messages).
 OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter",

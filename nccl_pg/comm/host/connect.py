@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ...errors import DistBackendError, DistNetworkError
-from .transport import MeshTimeoutError
+from .wire import MeshTimeoutError
 
 # communicator token, sender's rank, communicator size
 HELLO = struct.Struct("<16sII")
