@@ -267,7 +267,7 @@ def _boundary_handle(w: World, parent: SimComm) -> bytes | int:
     except TimeoutError:
         w.violations.record(
             f"ncclCommGrow on rank {parent.rank} (a boundary rank, 0 or N-1, of communicator 0x{parent.handle:x}) "
-            f"blocked {cuda_state.SYNC_PATIENCE:.0f} s in bcastGrowHandle waiting for the coordinator's "
+            f"blocked {cuda_state.SYNC_PATIENCE:g} s in bcastGrowHandle waiting for the coordinator's "
             "ncclCommGetUniqueId (bootstrap.cc: bootstrapRecv in the caller's thread, for a nonblocking communicator "
             "too): on a GPU it blocks until the coordinator calls it")
         return INTERNAL
