@@ -144,6 +144,15 @@ class Communicator(ABC):
 
     supports_shrink: bool = False
     supports_revoke: bool = False
+    # True where shrink() is refused on a communicator that reports an error (NCCL: ncclCommShrink's
+    # ncclCommEnsureReady), so that whether it can shrink differs between ranks: a reconfigure's ranks then
+    # agree on shrinking or starting afresh (docs/ELASTIC.md).
+    shrink_refuses_errors: bool = False
+
+    def can_shrink(self) -> bool:
+        """Whether ``shrink()`` can be issued on this rank now."""
+        return self.supports_shrink and self.state not in (CommState.ABORTED, CommState.DESTROYED,
+                                                           CommState.INITIALIZING)
 
     def shrink(self, exclude: Sequence[int], config: CommConfig | None = None,
                abort_first: bool = False) -> Communicator:

@@ -64,6 +64,10 @@ class Shared:
 
     def __init__(self) -> None:
         self.members: set[int] = set()
+        # The proxy's asyncResult: one proxy per family (init.cc commAlloc: ``comm->proxyState =
+        # parent->sharedRes->proxyState`` for a sharing child; proxy.cc ncclProxyCreate otherwise), which
+        # ncclCommGetAsyncError of every member reads.
+        self.proxy_error = SUCCESS
 
 
 class GroupJob:
@@ -94,7 +98,6 @@ class SimComm:
         self.shared.members.add(self.handle)
         self.destroy_flag = self.finalize_called = self.revoked = False
         self.freed: str | None = None
-        self.proxy_error = SUCCESS
         self.coll_seq = 0
         self.send_seq: dict[int, int] = {}
         self.recv_seq: dict[int, int] = {}
@@ -122,6 +125,15 @@ class SimComm:
         self.abort = parent.abort
         self.shared = parent.shared
         self.shared.members.add(self.handle)
+
+    @property
+    def proxy_error(self) -> int:
+        """proxyState->asyncResult: shared by the communicators that share resources (Shared)."""
+        return self.shared.proxy_error
+
+    @proxy_error.setter
+    def proxy_error(self, value: int) -> None:
+        self.shared.proxy_error = value
 
     def peer_lost(self, addr: Addr) -> None:
         if any(self.peers[p] == addr for p in self.connected_peers) and self.proxy_error == SUCCESS:
