@@ -159,6 +159,16 @@ def test_left_and_joined_in_one_call(tmp_path, dead):
     assert order(out[4]["calls"]) == ["ncclCommGrow"]
 
 
+def test_survivors_agree_on_a_fresh_communicator_when_one_cannot_shrink(tmp_path):
+    """Rank 3 leaves; only rank 0's communicator reports an error (as only the lost rank's network neighbours'
+    proxies would): NCCL would refuse rank 0's shrink and wait in the others' for it, so all survivors agree on a
+    fresh communicator."""
+    out = change(tmp_path, 4, old=[0, 1, 2, 3], new=[0, 1, 2], lost_peer_seen=[0])
+    for r in (0, 1, 2):
+        assert out[r]["after"] == [6.0, r, 3], out[r]
+        assert order(out[r]["calls"]) == ["ncclCommRevoke", "ncclCommInitRankConfig"], out[r]["calls"]
+
+
 def test_identity(tmp_path):
     """Nobody leaves, nobody joins: a healthy group is returned as it is (no NCCL call); after a revoke, a fresh
     communicator of the same ranks replaces the broken one (the revoked one aborted, never finalized)."""

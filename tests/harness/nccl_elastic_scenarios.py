@@ -160,6 +160,10 @@ def membership(ctx: Ctx) -> dict | None:
             dist.abort_process_group()
             return _end(simnccl, dist, res)
         old_group = dist._get_default_group()
+        if ctx.rank in ctx.args.get("lost_peer_seen", []):  # as NCCL's proxy would record a lost network peer
+            from simnccl import ncclsim  # noqa: PLC0415
+
+            ncclsim.world().comms[old_group._comm._ctl.handle].proxy_error = ncclsim.REMOTE
     mark = _mark(simnccl)
     hs = _handles(ctx, "change", dist.get_init_handle(), new)
     kwargs = {} if ctx.rank in old else {"store": ctx.store, "backend": "nccl", "device_id": DEVICE}

@@ -85,8 +85,9 @@ class Grows(Children):
 
     def grow(self, nranks: int, unique_id: bytes | None = None, config: CommConfig | None = None) -> Grows:
         """ncclCommGrow of the control communicator, this rank keeping its rank (rank -1); ``unique_id``: None, or
-        the coordinator's own id. The new communicator shares nothing with this one; destroy this one once the
-        new one is READY."""
+        the coordinator's own id. The coordinator passes its id to NCCL either way (init.cc takes it from any
+        rank, and a one-rank parent's grow cannot complete without it: bcastGrowHandle sends it nothing). The new
+        communicator shares nothing with this one; destroy this one once the new one is READY."""
         self._need(_lib.V_GROW, "ncclCommGrow")
         if isinstance(nranks, bool) or not isinstance(nranks, int) or nranks <= self._nranks:
             raise ValueError(f"grow: nranks must be an int larger than this communicator's {self._nranks} ranks, "
@@ -101,7 +102,8 @@ class Grows(Children):
         ncfg = self._ctl_config(cfg)
         child: Grows = self._sibling(nranks, self._rank, cfg, f"{self.name}.grow", None)  # type: ignore[assignment]
         child._keep.append(ncfg)
-        uid = None if unique_id is None else nccl_id(bytes(unique_id))
+        held = self._grow_id  # the coordinator passes its id, given or not: a one-rank parent's grow needs it
+        uid = None if held is None else nccl_id(held)
         prev = device_guard(self.device)
         try:
             self._acquire("ncclCommGrow")
