@@ -156,6 +156,8 @@ def test_left_and_joined_in_one_call(tmp_path, dead):
         grow_calls(calls, new == 0)
         if dead:
             assert out[old]["failed"]
+        comm = out[old]["comm"]  # the names tests/test_gpu_reconfigure.py reads on a GPU
+        assert comm.endswith(".grow") and (".shrink" in comm) != dead, comm
     assert order(out[4]["calls"]) == ["ncclCommGrow"]
 
 
