@@ -219,3 +219,70 @@ def test_bench_elastic_nccl_sim_rows(tmp_path):
     for way in ("kill", "leave"):
         for step in ("shrink_requests_per_rank", "grow_requests_per_rank"):
             assert rows[(way, 3)][step] == rows[(way, 5)][step], (way, step, rows)
+
+
+SITE = """\
+import atexit, json, os, sys
+sys.path.insert(0, {tests!r})
+import simnccl  # every Python process of the job (the launcher too) runs NCCL on the simulation
+simnccl.install()
+
+
+def _report():
+    member = os.environ.get("NCCL_PG_ELASTIC_MEMBER")
+    if member is not None:  # a rank: what reached the simulation
+        with open(os.path.join({report!r}, f"member{{member}}.json"), "w") as f:
+            json.dump({{"violations": simnccl.violations(), "live": simnccl.live_communicators(),
+                       "calls": [c for c, _ in simnccl.call_log()]}}, f)
+
+
+atexit.register(_report)
+"""
+
+
+@pytest.mark.parametrize("victim", [2, 0])
+def test_the_worked_example_on_nccl(tmp_path, victim):
+    """examples/elastic.py's NCCL variant (CuPy arrays: simnccl.xp, on simulated GPUs LOCAL_RANK % 2), run as
+    the issue writes it under `nccl-pg run --nproc 4 --elastic`, every process importing the simulation through a
+    sitecustomize: exit 0, shrunk to 3, grown back to 4 with the replacement, every rank's checksum that of the
+    undisturbed run; no violation, no communicator left; the replacement joined through ncclCommGrow, and the
+    survivors grew with it through ncclCommGetUniqueId (the coordinator) and ncclCommGrow (their shrink was a
+    fresh communicator: the broken one, aborted by error handling 2 or revoked by the recovery first, lost a
+    network peer, which NCCL does not shrink)."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    site, report = tmp_path / "site", tmp_path / "report"
+    site.mkdir()
+    report.mkdir()
+    (site / "sitecustomize.py").write_text(SITE.format(tests=str(repo / "tests"), report=str(report)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_PG_", "TORCH_NCCL_"))}
+    env.update(PYTHONPATH=str(site), NCCL_PG_DEBUG_INFO_TEMP_FILE=str(tmp_path / "trace_"))
+    p = subprocess.run([str(Path(sys.executable).parent / "nccl-pg"), "run", "--nproc", "4", "--elastic",
+                        "examples/elastic.py", "--backend", "nccl", "--kill-rank", str(victim), "--kill-step", "20"],
+                       cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    reference = subprocess.run([sys.executable, "examples/elastic.py", "--reference"], cwd=repo, capture_output=True,
+                               text=True, timeout=60, check=True).stdout.split()[-1]
+    finals = dict(re.findall(r"\[(rank\d)\]: final ([0-9a-f]+)", p.stdout))
+    survivors = {f"rank{r}" for r in range(4) if r != victim}
+    assert finals == dict.fromkeys(survivors | {"rank4"}, reference), p.stdout
+    assert dict(re.findall(r"\[(rank\d)\]: membership: uuid 1: world size (\d)", p.stdout)) == \
+        dict.fromkeys(survivors, "3"), p.stdout
+    assert re.search(r"\[rank4\]: membership: uuid 2: world size 4, rank 3 \(joined", p.stdout), p.stdout
+    reports = {f.stem: json.loads(f.read_text()) for f in report.glob("member*.json")}
+    assert set(reports) == {f"member{r}" for r in range(5) if r != victim}, reports
+    for who, r in reports.items():
+        assert r["violations"] == [] and r["live"] == 0, (who, r)
+    assert order([[c] for c in reports["member4"]["calls"]]) == ["ncclCommGrow"]
+    coordinator = f"member{min(r for r in range(4) if r != victim)}"
+    for who, r in reports.items():
+        if who != "member4":  # a revoke may come first, if the recovery gets there before error handling aborts
+            calls = [c for c in order([[c] for c in r["calls"]]) if c != "ncclCommRevoke"]
+            assert calls == ["ncclCommInitRankConfig", "ncclCommInitRankConfig"] + \
+                (["ncclCommGetUniqueId"] if who == coordinator else []) + ["ncclCommGrow"], (who, r)
