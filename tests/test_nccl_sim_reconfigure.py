@@ -165,7 +165,8 @@ def test_survivors_agree_on_a_fresh_communicator_when_one_cannot_shrink(tmp_path
     """Rank 3 leaves; only rank 0's communicator reports an error (as only the lost rank's network neighbours'
     proxies would): NCCL would refuse rank 0's shrink and wait in the others' for it, so all survivors agree on a
     fresh communicator."""
-    out = change(tmp_path, 4, old=[0, 1, 2, 3], new=[0, 1, 2], lost_peer_seen=[0])
+    out = change(tmp_path, 4, {"NCCL_PG_ASYNC_ERROR_HANDLING": "0"}, old=[0, 1, 2, 3], new=[0, 1, 2],
+                 lost_peer_seen=[0])  # error handling 0: the watchdog, seeing the error, does not abort it first
     for r in (0, 1, 2):
         assert out[r]["after"] == [6.0, r, 3], out[r]
         assert order(out[r]["calls"]) == ["ncclCommRevoke", "ncclCommInitRankConfig"], out[r]["calls"]

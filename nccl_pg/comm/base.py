@@ -190,7 +190,10 @@ class Communicator(ABC):
         (ncclCommGrow with rank = -1). ``unique_id``: None, or the
         coordinator's own id. Needs a READY communicator with nothing in
         flight; with ``config.blocking=False`` the child is returned
-        INITIALIZING and polled; ``config.timeout`` bounds it."""
+        INITIALIZING and polled; ``config.timeout`` bounds it. Call it once
+        the coordinator's ``get_unique_id`` has returned (the group layer's
+        members wait for its record): NCCL's ranks 0 and N-1 receive the id
+        inside ncclCommGrow, and would wait there for good without it."""
         raise NotImplementedError(f"{type(self).__name__} cannot grow")
 
     @abstractmethod
