@@ -13,7 +13,8 @@ This module is the binding's surface (``module()``, the functions named as
 nccl4py names them, ``install()``, ``world()``); the behaviour is in
 nccl_state.py (communicators, shared resources, thread safety, configuration),
 nccl_groups.py (groups, enqueue, launches), nccl_kernels.py (the device side)
-and nccl_lifecycle.py (init, split, shrink, finalize, destroy, abort, revoke).
+nccl_lifecycle.py (init, split, shrink, finalize, destroy, abort, revoke) and
+nccl_grow.py (ncclCommGetUniqueId, ncclCommGrow).
 Every rule cites what it follows: NCCL's sources at tag v2.30.7-1 (``src/init.cc``,
 ``group.cc``, ``enqueue.cc``, ``nccl.h.in``, ``argcheck.cc``, ``bootstrap.cc``)
 or the user guide at that tag (``docs/userguide/source/usage/*.rst``); the

@@ -1,6 +1,8 @@
 """A tiny CuPy stand-in over the simulated CUDA runtime: the subset of CuPy's
 API that nccl_pg's NCCL backend (``cupy.cuda.Device``,
-``cupy.cuda.get_current_stream``, ``a.device.id``) and the simulated tests use.
+``cupy.cuda.get_current_stream``, ``a.device.id``), the simulated tests and
+examples/elastic.py use (elementwise arithmetic and sums: a kernel each on
+the current stream).
 While the simulation is installed it is ``sys.modules["cupy"]``, so the
 backend takes its CuPy path (the caller's current stream) on simulated
 arrays. It proves nothing about CuPy itself.
