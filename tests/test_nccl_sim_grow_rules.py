@@ -326,3 +326,21 @@ def test_nothing_may_be_outstanding() -> None:
     assert any("with NCCL operations still outstanding" in v for v in simnccl.violations()), simnccl.violations()
     simnccl.clear()
     _abort(*parent)
+
+
+def test_a_parent_in_error_or_aborted() -> None:
+    """ncclCommGrow's ncclCommEnsureReady returns the parent's error (here a lost network peer, the proxy's
+    asyncResult: ncclRemoteError), as ncclCommGetUniqueId's does; an aborted parent is freed (use after free)."""
+    parent = _parent(2)
+    ncclsim.world().comms[int(parent[0].handle)].proxy_error = ncclsim.REMOTE
+    for call in (lambda: real.comm_get_unique_id(parent[0]), lambda: real.comm_grow(parent[0], 3, 0, -1, _config())):
+        with pytest.raises(real.NCCLError) as err:
+            call()
+        assert _status(err) == ncclsim.REMOTE
+    real.comm_abort(parent[1])
+    with pytest.raises(real.NCCLError) as err:
+        real.comm_grow(parent[1], 3, 0, -1, _config())
+    assert _status(err) == ncclsim.INVALID_ARGUMENT
+    assert any("use after free: ncclCommGrow" in v for v in simnccl.violations()), simnccl.violations()
+    simnccl.clear()
+    real.comm_abort(parent[0])
