@@ -25,6 +25,7 @@ import hashlib
 import os
 import signal
 import sys
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -107,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             items = xp.arange(dist.get_rank(), BATCH, dist.get_world_size(), dtype=xp.int64)
             total = contributions(xp, step, items)
-            dist.all_reduce(total)
+            # Waited for on the CPU, so that a failed step fails here, before its result is used: on NCCL a
+            # plain all_reduce only orders the GPU stream, and the loop would run on ahead of the failure.
+            dist.all_reduce(total, async_op=True).wait(timedelta(seconds=args.timeout))
             previous, state = state, update(xp, state, total)
             step += 1
         except dist.DistBackendError as exc:

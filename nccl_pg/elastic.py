@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from . import env
-from .distributed import _get_default_group, all_reduce, broadcast, init_process_group, is_initialized
+from .distributed import _get_default_group, broadcast, init_process_group, is_initialized
 from .errors import DistBackendError, DistStoreError
 from .group.process_group import ProcessGroup
 from .membership import get_init_handle, job_store, reconfigure
@@ -243,7 +243,7 @@ class Elastic:
         """One all_reduce (MIN) of [the step reached, -(new member)]: the
         step every old member has, and whether anyone needs the state."""
         mine = np.array([_NO_STEP if step is None else step, -int(step is None)], dtype=np.int64)
-        all_reduce(mine, op=ReduceOp.MIN)
+        mine = _get_default_group().allreduce_host(mine, ReduceOp.MIN)  # a GPU array on NCCL, numpy on the host
         agreed, anyone_new = int(mine[0]), mine[1] < 0
         if agreed == _NO_STEP:  # nobody has a state: everyone starts afresh
             return Recovery(0, False, changes)

@@ -185,6 +185,8 @@ def _seen(value: Any) -> Any:
     if isinstance(value, real.Config) or (isinstance(value, int) and value in _CONFIGS):
         cfg = value if isinstance(value, real.Config) else real.Config.from_ptr(value)
         return ("Config", cfg.blocking, cfg.split_share, cfg.shrink_share, cfg.min_ctas, cfg.comm_name)
+    if isinstance(value, int) and value in _UIDS:
+        return ("UniqueId", ctypes.string_at(value, 128))
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value)
     if isinstance(value, list):
@@ -210,9 +212,16 @@ CFG = dict(blocking=0, split_share=1, shrink_share=1, min_ctas=3, comm_name="ops
 SEEN_CFG = ("Config", 0, 1, 1, 3, "ops-7")
 
 
-def _uid(raw: bytes) -> Any:
-    return real.UniqueId.from_buffer(bytearray(raw))
+_UIDS: set[int] = set()  # the addresses of the ids made here, passed by address (comm_grow's unique_id)
 
+
+def _uid(raw: bytes) -> Any:
+    uid = real.UniqueId.from_buffer(bytearray(raw))
+    _UIDS.add(uid.ptr)
+    return uid
+
+
+GROW_ID = _uid(PATTERN)  # a new rank's grow: nccl4py passes the id's address, the simulation reads it during the call
 
 # (simulation function, the binding call as the backend makes it, the arguments the simulation must see,
 #  what the simulation returns, a check of what the binding returned)
@@ -247,6 +256,12 @@ CASES: list[tuple[str, Callable[[], Any], tuple[Any, ...], Any, Callable[[Any], 
      real.Comm(0xBEEF_0100), lambda r: r.handle == 0xBEEF_0100),
     ("comm_shrink", lambda: real.comm_shrink(real.Comm(H), [3, 1, 7], 3, _config(**CFG), 1),
      (("Comm", H), [3, 1, 7], 3, SEEN_CFG, 1), real.Comm(0xBEEF_0200), lambda r: r.handle == 0xBEEF_0200),
+    ("comm_get_unique_id", lambda: real.comm_get_unique_id(real.Comm(H)), (("Comm", H),), _uid(PATTERN),
+     lambda r: ctypes.string_at(r.ptr, 128) == PATTERN),
+    ("comm_grow", lambda: real.comm_grow(real.Comm(H), 9, 0, -1, _config(**CFG)), (("Comm", H), 9, 0, -1, SEEN_CFG),
+     real.Comm(0xBEEF_0400), lambda r: r.handle == 0xBEEF_0400),
+    ("comm_grow", lambda: real.comm_grow(real.Comm(0), 9, GROW_ID, 7, _config(**CFG)),
+     (("Comm", 0), 9, ("UniqueId", PATTERN), 7, SEEN_CFG), real.Comm(0xBEEF_0500), lambda r: r.handle == 0xBEEF_0500),
     ("comm_get_async_error", lambda: real.comm_get_async_error(real.Comm(H)), (("Comm", H),), 6, lambda r: r == 6),
     ("comm_user_rank", lambda: real.comm_user_rank(real.Comm(H)), (("Comm", H),), 5, lambda r: r == 5),
     ("comm_count", lambda: real.comm_count(real.Comm(H)), (("Comm", H),), 17, lambda r: r == 17),
@@ -335,6 +350,8 @@ def test_null_out_parameters_are_invalid_arguments() -> None:
     assert lib.ncclGetVersion(None) == 4
     assert lib.ncclCommCount(ctypes.c_void_p(H), None) == 4
     assert lib.ncclCommGetAsyncError(ctypes.c_void_p(H), None) == 4
+    assert lib.ncclCommGetUniqueId(ctypes.c_void_p(H), None) == 4
+    assert lib.ncclCommGrow(None, 3, None, 2, None, None) == 4  # init.cc: "if (newcomm == NULL)" first
 
 
 def test_error_strings_are_ncclx() -> None:

@@ -23,6 +23,16 @@ Measured on CLOCK_MONOTONIC, which all processes of the machine share:
                        over the ranks, and whether it grows with N (O(1))
 
     python3 tools/bench_elastic.py [--sizes 4 16 64] [--repeat 3] [--json out.json]
+
+On NCCL, without a GPU: ``--nccl-sim`` runs the same recovery on the NCCL
+backend's simulation (tests/simnccl, through the real nccl4py binding over
+its stub libnccl.so.2), twice per size: rank 1 SIGKILLed (``kill``) or leaving
+alive (``leave``, a scale-down), then a replacement joining. It records each
+rank's NCCL lifecycle calls (init, revoke, shrink, ncclCommGetUniqueId,
+ncclCommGrow, finalize, destroy, abort; in order) and store requests per step:
+simulated counts, not GPU timings.
+
+    python3 tools/bench_elastic.py --nccl-sim [--sizes 4 8] [--json out.json]
 """
 
 from __future__ import annotations
@@ -167,11 +177,136 @@ def worker(mode: str, port: int, n: int, who: str) -> None:
         pg.shutdown()
 
 
+# --- on the NCCL backend's simulation: the call sequence and store requests (no timings) ----------------------
+
+SIM_DEVICE = 1
+LIFECYCLE = ("ncclCommInitRankConfig", "ncclCommInitRankScalable", "ncclCommSplit", "ncclCommRevoke",
+             "ncclCommShrink", "ncclCommGetUniqueId", "ncclCommGrow", "ncclCommFinalize", "ncclCommDestroy",
+             "ncclCommAbort")
+
+
+def nccl_worker(mode: str, port: int, n: int, who: str) -> None:
+    """One rank of ``kill`` or ``leave`` on simnccl: each step's NCCL lifecycle calls and store requests."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import simnccl  # noqa: PLC0415
+
+    simnccl.install()
+    simnccl.select_device(SIM_DEVICE)
+    from datetime import timedelta  # noqa: PLC0415
+
+    from simnccl import xp  # noqa: PLC0415
+
+    import nccl_pg as dist  # noqa: PLC0415
+    from nccl_pg import TCPStore  # noqa: PLC0415
+
+    root = _counting(TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT))
+    survivors = [r for r in range(n) if r != VICTIM]
+    out: dict[str, Any] = {}
+
+    def step(name: str, fn: Any) -> None:
+        root.counts.clear()
+        mark = len(simnccl.call_log())
+        fn()
+        x = xp.ones(4, dtype=xp.float32)
+        dist.all_reduce(x)
+        out[name] = {"calls": [c for c, _ in simnccl.call_log()[mark:] if c in LIFECYCLE],
+                     "requests": sum(root.counts.values()), "sum": float(x.get()[0]), "size": dist.get_world_size()}
+
+    if who == "new":
+        step("grow", lambda: dist.reconfigure(2, _handles(root, "grow", [*map(str, survivors), "new"], "new",
+                                                          dist.get_init_handle()), TIMEOUT, store=root,
+                                              backend="nccl", device_id=SIM_DEVICE))
+    else:
+        rank = int(who)
+        dist.init_process_group("nccl", store=root, rank=rank, world_size=n, timeout=TIMEOUT, device_id=SIM_DEVICE)
+        dist.all_reduce(xp.ones(4, dtype=xp.float32))
+        root.set(f"up/{rank}", "1")
+        root.wait([f"up/{r}" for r in range(n)], TIMEOUT)
+        if rank == VICTIM:
+            if mode == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            root.wait([f"shrunk/{r}" for r in survivors], TIMEOUT)  # leaving, alive, out of the change
+            dist.abort_process_group()
+            dist.destroy_process_group()
+            return
+        if mode == "kill":
+            try:
+                dist.all_reduce(xp.ones(4, dtype=xp.float32), async_op=True).wait(timedelta(seconds=TIMEOUT))
+                raise RuntimeError("the all_reduce with a dead rank completed")
+            except dist.DistBackendError:
+                pass
+        step("shrink", lambda: dist.reconfigure(1, _handles(root, "shrink", [str(r) for r in survivors], who,
+                                                            dist.get_init_handle()), TIMEOUT))
+        root.set(f"shrunk/{rank}", "1")
+        step("grow", lambda: dist.reconfigure(2, _handles(root, "grow", [*map(str, survivors), "new"], who,
+                                                          dist.get_init_handle()), TIMEOUT))
+    dist.destroy_process_group()
+    out.update(violations=simnccl.violations(), live=simnccl.live_communicators())
+    root.set(f"result/{who}", json.dumps(out))
+
+
+def nccl_scenario(mode: str, n: int, logdir: Path) -> dict[str, Any]:
+    from nccl_pg import TCPStore  # noqa: PLC0415
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, timeout=TIMEOUT)
+    log = open(logdir / f"nccl_{mode}_{n}.log", "w")  # noqa: SIM115 - closed below
+    procs = [_spawn(f"nccl-{mode}", store.port, n, str(r), log) for r in range(n)]
+    survivors = [r for r in range(n) if r != VICTIM]
+    try:
+        store.wait([f"shrunk/{r}" for r in survivors], TIMEOUT)
+        procs.append(_spawn(f"nccl-{mode}", store.port, n, "new", log))
+        keys = [f"result/{r}" for r in survivors] + ["result/new"]
+        store.wait(keys, TIMEOUT)
+        results = dict(zip([*map(str, survivors), "new"], (json.loads(v) for v in store.multi_get(keys)),
+                           strict=True))
+        for p in procs:
+            p.wait(TIMEOUT)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        log.close()
+        store.close()
+    for who, r in results.items():
+        assert r["violations"] == [] and r["live"] == 0, (who, r)
+        assert r["grow"]["sum"] == n and r["grow"]["size"] == n, (who, r)
+        assert who == "new" or (r["shrink"]["sum"] == n - 1 and r["shrink"]["size"] == n - 1), (who, r)
+    member = str(survivors[1])
+    return {"mode": mode, "n": n, "coordinator": {s: results["0"][s]["calls"] for s in ("shrink", "grow")},
+            "member": {s: results[member][s]["calls"] for s in ("shrink", "grow")},
+            "new": {"grow": results["new"]["grow"]["calls"]},
+            "shrink_requests_per_rank": max(r["shrink"]["requests"] for w, r in results.items() if w != "new"),
+            "grow_requests_per_rank": max(r["grow"]["requests"] for r in results.values())}
+
+
+def nccl_main(sizes: list[int], logs: Path, json_out: Path | None) -> int:
+    short = {"ncclCommInitRankConfig": "Init", "ncclCommRevoke": "Revoke", "ncclCommShrink": "Shrink(ABORT)",
+             "ncclCommGetUniqueId": "GetUniqueId", "ncclCommGrow": "Grow", "ncclCommFinalize": "Finalize",
+             "ncclCommDestroy": "Destroy", "ncclCommAbort": "Abort", "ncclCommSplit": "Split"}
+    print(f"# {platform.node()}, {date.today()}: NCCL backend on tests/simnccl (simulated calls and store requests, "
+          f"not GPU timings); NCCL_PG_NCCL_OPS={os.environ.get('NCCL_PG_NCCL_OPS', 'nonblocking')}")
+    rows = []
+    for n in sizes:
+        for mode in ("kill", "leave"):
+            row = nccl_scenario(mode, n, logs)
+            rows.append(row)
+            for who in ("coordinator", "member", "new"):
+                for st, calls in row[who].items():
+                    print(f"{n:>3} {mode:<6} {who:<12} {st:<7} {' '.join(short.get(c, c) for c in calls)}")
+            print(f"{n:>3} {mode:<6} store requests per rank: shrink {row['shrink_requests_per_rank']}, grow "
+                  f"{row['grow_requests_per_rank']}", flush=True)
+    if json_out:
+        json_out.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
 # --- the run --------------------------------------------------------------------------------------------------
 
 def _spawn(mode: str, port: int, n: int, who: str, log: Any) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("NCCL_PG_")}
     env.update(NCCL_PG_DUMP_ON_TIMEOUT="0", NCCL_PG_ASYNC_ERROR_HANDLING="0", PYTHONPATH=str(ROOT))
+    if "NCCL_PG_NCCL_OPS" in os.environ:  # the NCCL backend's variant, for --nccl-sim
+        env["NCCL_PG_NCCL_OPS"] = os.environ["NCCL_PG_NCCL_OPS"]
     return subprocess.Popen([sys.executable, __file__, "--worker", mode, str(port), str(n), who],
                             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
 
@@ -216,15 +351,20 @@ def scenario(mode: str, n: int, logdir: Path) -> dict[str, Any]:
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+        mode = sys.argv[2]
+        run = nccl_worker if mode.startswith("nccl-") else worker
+        run(mode.removeprefix("nccl-"), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[4, 16, 64])
     parser.add_argument("--repeat", type=int, default=3, help="runs of each way per size (medians reported)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     parser.add_argument("--logs", type=Path, default=Path("/tmp/bench_elastic"), help="the ranks' output")
+    parser.add_argument("--nccl-sim", action="store_true", help="the NCCL backend's simulated call sequence instead")
     args = parser.parse_args()
     args.logs.mkdir(parents=True, exist_ok=True)
+    if args.nccl_sim:
+        return nccl_main(args.sizes if args.sizes != [4, 16, 64] else [4, 8], args.logs, args.json)
     rows = []
     print(f"# {platform.node()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, {date.today()}; "
           f"medians of {args.repeat} runs, the two ways alternating")

@@ -144,6 +144,15 @@ class Communicator(ABC):
 
     supports_shrink: bool = False
     supports_revoke: bool = False
+    # True where shrink() is refused on a communicator that reports an error (NCCL: ncclCommShrink's
+    # ncclCommEnsureReady), so that whether it can shrink differs between ranks: a reconfigure's ranks then
+    # agree on shrinking or starting afresh (docs/ELASTIC.md).
+    shrink_refuses_errors: bool = False
+
+    def can_shrink(self) -> bool:
+        """Whether ``shrink()`` can be issued on this rank now."""
+        return self.supports_shrink and self.state not in (CommState.ABORTED, CommState.DESTROYED,
+                                                           CommState.INITIALIZING)
 
     def shrink(self, exclude: Sequence[int], config: CommConfig | None = None,
                abort_first: bool = False) -> Communicator:
@@ -181,7 +190,10 @@ class Communicator(ABC):
         (ncclCommGrow with rank = -1). ``unique_id``: None, or the
         coordinator's own id. Needs a READY communicator with nothing in
         flight; with ``config.blocking=False`` the child is returned
-        INITIALIZING and polled; ``config.timeout`` bounds it."""
+        INITIALIZING and polled; ``config.timeout`` bounds it. Call it once
+        the coordinator's ``get_unique_id`` has returned (the group layer's
+        members wait for its record): NCCL's ranks 0 and N-1 receive the id
+        inside ncclCommGrow, and would wait there for good without it."""
         raise NotImplementedError(f"{type(self).__name__} cannot grow")
 
     @abstractmethod

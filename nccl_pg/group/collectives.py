@@ -125,6 +125,15 @@ class Collectives(Issuing):
                            check=[("tensor", _one(tensor))] if self._nan is not None else None,
                            fingerprint=self._detail and Fingerprint(OpType.ALLREDUCE, self._backend.dtype(t), t.size, rop))
 
+    def allreduce_host(self, values: np.ndarray, op: Op = ReduceOp.SUM) -> np.ndarray:
+        """all_reduce of a small numpy array on whatever device this group's backend drives (copied there and
+        back): the agreements of the control plane (nccl_pg.elastic's step), on NCCL as on the host."""
+        buf = self._backend.from_host(np.ascontiguousarray(values), self._device)
+        work = self.allreduce(buf, op)
+        if work is not None:
+            work.wait()
+        return np.asarray(self._backend.to_host(buf)).reshape(np.shape(values))
+
     def allreduce_coalesced(self, tensors: Sequence[Array], op: Op = ReduceOp.SUM) -> Work:
         flats = [self._flat(t, f"all_reduce_coalesced tensors[{i}]", output=True) for i, t in enumerate(tensors)]
         self._same_dtype(flats, "all_reduce_coalesced")

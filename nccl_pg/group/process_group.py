@@ -52,19 +52,20 @@ class ProcessGroup(Collectives):
 
     def shrink(self, excluded: list[int], abort_first: bool, options: Options | None, *, group_name: str,
                group_desc: str, uid: int, global_ranks: Sequence[int] | None = None,
-               init_timeout: float | None = None) -> ProcessGroup:
+               init_timeout: float | None = None, native: bool | None = None) -> ProcessGroup:
         """Collective over the ranks not in ``excluded`` (from
         ``check_shrink``; only the survivors call it): a new group of the
         survivors, in their order. This group is left to the caller to
         destroy. ``init_timeout`` bounds the new communicator's creation
-        (default: the new group's timeout)."""
+        (default: the new group's timeout). ``native``: through the
+        communicator's own shrink, or a fresh communicator (default: as
+        this rank's communicator can)."""
         with self._lock:
             if self._state is GroupState.DESTROYED:
                 raise DistBackendError(f"process group {self.uid} ({self.group_desc!r}) on rank {self._rank} was "
                                        "destroyed; it cannot be shrunk")
             comm = self._comm
-            native = comm is not None and comm.supports_shrink and comm.state not in (
-                CommState.ABORTED, CommState.DESTROYED, CommState.INITIALIZING)
+            native = comm is not None and (comm.can_shrink() if native is None else native)
             if abort_first:  # the failures that follow are this rank's doing: no error handling on them
                 self._error_handled = True
                 if self._state is GroupState.OPEN:
@@ -160,9 +161,12 @@ class ProcessGroup(Collectives):
         if left or (not plan.joiners and not self.healthy()):
             self.revoke()
             if left:
+                comm, native = self._comm, None
+                if comm is not None and comm.shrink_refuses_errors:  # every survivor takes the same way
+                    native = _agree(plan, meet, deadline, self._rank, comm.can_shrink())
                 current = self.shrink(left, True, names.options, group_name=f"{self.group_name}:shrunk",
                                       group_desc=names.desc, uid=names.uid, global_ranks=names.global_ranks,
-                                      init_timeout=_left(deadline, "the shrink"))
+                                      init_timeout=_left(deadline, "the shrink"), native=native)
             else:  # nobody left, nobody joins, but the group is broken: a fresh communicator of the same ranks
                 current = ProcessGroup._fresh(plan, meet, deadline, self._backend, self._device, names)
             self.abort()  # after an abortive shrink: aborted, never finalized
@@ -194,7 +198,11 @@ class ProcessGroup(Collectives):
         processes, and every member grows it (ncclCommGrow, rank = -1),
         keeping its rank. Without a communicator able to grow (lazy, broken,
         NCCL < 2.29.2) every member and new process builds a fresh one
-        through the store instead, as the published record says."""
+        through the store instead, as the published record says. The other
+        members read that record before they grow (one parked wait, one get):
+        NCCL's ranks 0 and N-1 would otherwise block inside ncclCommGrow until
+        the coordinator's ncclCommGetUniqueId (bootstrap.cc bcastGrowHandle),
+        and a coordinator that goes fresh takes everyone with it."""
         comm = self._comm
         native = (comm is not None and comm.supports_grow and comm.state is CommState.READY
                   and self._state is GroupState.OPEN)
@@ -207,6 +215,12 @@ class ProcessGroup(Collectives):
                 assert comm is not None
                 unique_id = comm.get_unique_id()
             meet.set(_grow_key(plan), _GrowRecord(plan.digest, plan.size, unique_id.hex()).encode())
+        else:
+            coordinator_grows = bool(_grow_record(plan, meet, deadline, "member").unique_id)
+            if coordinator_grows and not native:
+                raise DistBackendError(f"reconfigure to uuid {plan.uuid}: the coordinator grows its communicator, but "
+                                       f"rank {self._rank}'s cannot ({'none' if comm is None else comm.state.value})")
+            native = coordinator_grows
         if not native:
             return ProcessGroup._fresh(plan, meet, deadline, self._backend, self._device, names)
         assert comm is not None
@@ -231,18 +245,7 @@ class ProcessGroup(Collectives):
         (ncclCommGrow with no parent), or the fresh communicator they build."""
         if plan.quorum is None:  # nobody comes from a configuration: everyone starts afresh
             return cls._fresh(plan, meet, deadline, backend, device, names)
-        key = _grow_key(plan)
-        try:
-            meet.wait([key], _left(deadline, "waiting for the members' grow"))
-        except DistStoreError as exc:
-            raise DistBackendError(f"timeout: reconfigure to uuid {plan.uuid}: rank {plan.rank} (joining) waited for "
-                                   f"the members of configuration {plan.quorum} to start the grow, in vain "
-                                   f"({exc})") from None
-        record = _GrowRecord.decode(meet.get(key))
-        if record.digest != plan.digest or record.size != plan.size:
-            raise DistBackendError(f"reconfigure to uuid {plan.uuid}: the members were given other init_handles "
-                                   f"than rank {plan.rank} (joining): their plan is a group of {record.size} ranks, "
-                                   f"digest {record.digest}; this one's {plan.size}, {plan.digest}")
+        record = _grow_record(plan, meet, deadline, "joining")
         if not record.unique_id:
             return cls._fresh(plan, meet, deadline, backend, device, names)
         child = cls(PrefixStore(f"nccl_pg/u{plan.uuid}", meet), plan.rank, plan.size, names.options,
@@ -312,6 +315,38 @@ class _GrowRecord:
 
 def _grow_key(plan: handles.Plan) -> str:
     return f"nccl_pg/reconfigure/{plan.quorum}-{plan.uuid}/grow"
+
+
+def _agree(plan: handles.Plan, meet: Store, deadline: float, rank: int, can: bool) -> bool:
+    """Whether every survivor's communicator can shrink (each says so in ``meet``: a set, a parked wait, a
+    multi_get); else they all build a fresh one."""
+    prefix = f"nccl_pg/reconfigure/{plan.quorum}-{plan.uuid}/shrink"
+    meet.set(f"{prefix}/{rank}", b"1" if can else b"0")
+    keys = [f"{prefix}/{r}" for r in plan.survivors]
+    try:
+        meet.wait(keys, _left(deadline, "the survivors' agreement on the shrink"))
+    except DistStoreError as exc:  # the store's error names the keys still missing
+        raise DistBackendError(f"timeout: reconfigure to uuid {plan.uuid}: rank {rank} waited for the other "
+                               f"survivors of configuration {plan.quorum} to reach the shrink, in vain "
+                               f"({exc})") from None
+    return all(bytes(v) == b"1" for v in meet.multi_get(keys))
+
+
+def _grow_record(plan: handles.Plan, meet: Store, deadline: float, who: str) -> _GrowRecord:
+    """The coordinator's record of this grow (a parked wait, then a get), checked against this process's plan."""
+    key = _grow_key(plan)
+    try:
+        meet.wait([key], _left(deadline, "waiting for the coordinator's grow record"))
+    except DistStoreError as exc:
+        raise DistBackendError(f"timeout: reconfigure to uuid {plan.uuid}: rank {plan.rank} ({who}) waited for the "
+                               f"coordinator (rank 0 of configuration {plan.quorum}) to start the grow, in vain "
+                               f"({exc})") from None
+    record = _GrowRecord.decode(meet.get(key))
+    if record.digest != plan.digest or record.size != plan.size:
+        raise DistBackendError(f"reconfigure to uuid {plan.uuid}: the coordinator was given other init_handles than "
+                               f"rank {plan.rank} ({who}): its plan is a group of {record.size} ranks, digest "
+                               f"{record.digest}; this one's {plan.size}, {plan.digest}")
+    return record
 
 
 def _left(deadline: float, what: str) -> float:

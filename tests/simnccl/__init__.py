@@ -144,6 +144,13 @@ def counters() -> dict[str, Any]:
     return {"nccl": dict(w.calls), "cuda": dict(s.calls), "threads": w.threads_started}
 
 
+def call_log() -> list[tuple[str, dict[str, Any]]]:
+    """The communicator lifecycle calls made so far (init, split, shrink, revoke, ncclCommGetUniqueId,
+    ncclCommGrow, finalize, destroy, abort), in order, each with what identifies it ("comm": the handle it was
+    made on, 0 for NULL; shrink's "flags"; grow's "nranks", "rank", "id": whether an id was passed)."""
+    return list(ncclsim.world().log)
+
+
 def live_communicators() -> int:
     return len(ncclsim.world().comms)
 

@@ -231,6 +231,28 @@ def _shrink(comm: int, exclude: int, count: int, out: int, config: int,
     return _answer(call)
 
 
+@_handler("ncclCommGetUniqueId", _P, _P)
+def _comm_get_unique_id(comm: int, out: int) -> int:
+    if not out:
+        return INVALID_ARGUMENT
+
+    def call() -> None:
+        uid = _nccl.comm_get_unique_id(_comm(comm))  # referenced while its storage is read
+        ctypes.memmove(out, uid.ptr, ID_BYTES)
+
+    return _answer(call)
+
+
+@_handler("ncclCommGrow", _P, _I, _P, _I, _P, _P)
+def _grow(comm: int, nranks: int, unique_id: int, rank: int, out: int, config: int) -> int:
+    """init.cc ncclCommGrow: ``*newcomm`` is written before the job runs (``initState = ncclInProgress``), so at
+    once; the id is read during the call (the simulation copies it, as NCCL copies it into its job)."""
+    if not out:
+        return INVALID_ARGUMENT
+    return _answer(lambda: _write_comm(out, _nccl.comm_grow(_comm(comm), nranks, unique_id, rank,
+                                                             _config(config)).handle))
+
+
 @_handler("ncclCommGetAsyncError", _P, _P)
 def _get_async_error(comm: int, out: int) -> int:
     if not out:

@@ -99,6 +99,14 @@ def as_buffer(v: Any) -> Any:
     return v
 
 
+def as_address(v: Any) -> int:
+    """unique_id of comm_grow: whatever Python's int() takes (a UniqueId gives its address; 0 is NULL)."""
+    ptr = int(v)
+    if not -_LONG <= ptr < _LONG:
+        raise OverflowError("Python int too large to convert to C ssize_t")
+    return ptr
+
+
 def as_int_list(v: Any) -> Any:
     """exclude_ranks_list: a pointer (int) or a sized sequence of C ints (bytes is one)."""
     if isinstance(v, int):
@@ -110,7 +118,7 @@ def as_int_list(v: Any) -> Any:
 
 _BY_TYPE = {"int": as_int, "size_t": as_size_t, "intptr_t": as_intptr, "unsigned int": as_int}
 _BY_NAME = {"comm": as_comm, "config": as_config, "comm_id": as_buffer, "comm_ids": as_buffer,
-            "exclude_ranks_list": as_int_list}
+            "exclude_ranks_list": as_int_list, "unique_id": as_address}
 
 
 def convert(name: str, args: tuple[Any, ...]) -> list[Any]:

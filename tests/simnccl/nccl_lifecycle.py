@@ -50,6 +50,14 @@ _JOB_TIME = 0.02  # the shortest child init (a GPU's takes milliseconds at least
 def new_unique_id(w: World) -> Any:
     """bootstrap.cc bootstrapGetUniqueId: a root is started in this process; the id says where it listens."""
     token = os.urandom(16)
+    uid = make_id(w, token)
+    w.start_thread(lambda: _root(w, token), "simnccl-bootstrap-root")
+    return uid
+
+
+def make_id(w: World, token: bytes, extra: bytes = b"") -> Any:
+    """A simulated ncclUniqueId: where this process's root ``token`` listens, then ``extra`` (a grow's magic and
+    parent size, as bootstrap.h's ncclBootstrapHandle carries them) from byte 80."""
     host = w.net.addr[0].encode()
     raw = bytearray(128)
     raw[:8] = _MAGIC
@@ -57,9 +65,9 @@ def new_unique_id(w: World) -> Any:
     raw[9:9 + len(host)] = host
     raw[9 + len(host):11 + len(host)] = w.net.addr[1].to_bytes(2, "big")
     raw[64:80] = token
+    raw[80:80 + len(extra)] = extra
     uid = UniqueId()
     ctypes.memmove(uid.ptr, bytes(raw), 128)
-    w.start_thread(lambda: _root(w, token), "simnccl-bootstrap-root")
     return uid
 
 
@@ -71,7 +79,7 @@ def id_bytes(v: Any, n: int) -> bytes:
     return bytes(memoryview(v).cast("B"))[:128 * n]
 
 
-def _parse_id(raw: bytes) -> tuple[Addr, bytes]:
+def parse_id(raw: bytes) -> tuple[Addr, bytes]:
     if raw[:8] != _MAGIC:
         raise ValueError("not a simulated ncclUniqueId")
     host_len = raw[8]
@@ -124,7 +132,7 @@ def init(w: World, name: str, nranks: int, rank: int, ids: list[bytes], cfg_ptr:
     if not 0 < len(ids) <= nranks or not 0 <= rank < nranks:
         raise_(INVALID_ARGUMENT)
     try:
-        roots = [_parse_id(raw) for raw in ids]
+        roots = [parse_id(raw) for raw in ids]
     except ValueError:
         raise_(INVALID_ARGUMENT)
         raise
@@ -337,10 +345,19 @@ def _destroy_sync(w: World, c: SimComm, call: str, inline: bool) -> int:
     return SUCCESS
 
 
+def _growing(w: World, c: SimComm, call: str) -> None:
+    """A grow's parent torn down while the grow's job still works on its bootstrap (nccl_grow.py)."""
+    if c.growing:
+        w.violations.record(f"{call} of communicator 0x{c.handle:x} while a grow of it is in progress (comms.rst, "
+                            "ncclCommGrow: \"After the grow operation completes, the parent communicator should be "
+                            "destroyed\"; its job works on the parent's bootstrap, bootstrap.cc bootstrapInit)")
+
+
 def finalize(w: World, comm: Any) -> None:
     """init.cc ncclCommFinalize: ready, not finalized twice, then commDestroySync as the call's job (nonblocking:
     on a thread, ncclInProgress meanwhile)."""
     c = live_comm(w, comm, "ncclCommFinalize")
+    _growing(w, c, "ncclCommFinalize")
     with Call(w, "ncclCommFinalize", c):
         group_start(w)
         ret = ensure_ready(c)
@@ -376,6 +393,7 @@ def destroy(w: World, comm: Any) -> None:
     """init.cc ncclCommDestroy. Its ncclCommEnsureReady failing returns before ncclGroupEndInternal: the calling
     thread's group depth stays one deeper (NCCLCHECK before the exit label), as NCCL does."""
     c = live_comm(w, comm, "ncclCommDestroy")  # "comm %p has already been destroyed"
+    _growing(w, c, "ncclCommDestroy")
     with Call(w, "ncclCommDestroy", c):
         group_start(w)
         c.destroy_flag = True

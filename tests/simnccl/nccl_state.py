@@ -41,9 +41,11 @@ except ImportError:  # pragma: no cover - ml_dtypes comes with the test extra
     pass
 
 # First NCCL version (ncclGetVersion code) with each function the backend may call: the first tag whose
-# src/nccl.h.in declares it (ncclCommRevoke: v2.28.7-1).
+# src/nccl.h.in declares it (ncclCommRevoke: v2.28.7-1; ncclCommGetUniqueId and ncclCommGrow: v2.29.2-1, absent
+# from v2.28.9-1).
 FIRST_VERSION = {"comm_split": 21800, "comm_init_rank_scalable": 22300, "comm_shrink": 22700,
-                 "allto_all": 22800, "gather": 22800, "scatter": 22800, "comm_revoke": 22807}
+                 "allto_all": 22800, "gather": 22800, "scatter": 22800, "comm_revoke": 22807,
+                 "comm_get_unique_id": 22902, "comm_grow": 22902}
 
 
 class Flag:
@@ -62,6 +64,10 @@ class Shared:
 
     def __init__(self) -> None:
         self.members: set[int] = set()
+        # The proxy's asyncResult: one proxy per family (init.cc commAlloc: ``comm->proxyState =
+        # parent->sharedRes->proxyState`` for a sharing child; proxy.cc ncclProxyCreate otherwise), which
+        # ncclCommGetAsyncError of every member reads.
+        self.proxy_error = SUCCESS
 
 
 class GroupJob:
@@ -92,7 +98,6 @@ class SimComm:
         self.shared.members.add(self.handle)
         self.destroy_flag = self.finalize_called = self.revoked = False
         self.freed: str | None = None
-        self.proxy_error = SUCCESS
         self.coll_seq = 0
         self.send_seq: dict[int, int] = {}
         self.recv_seq: dict[int, int] = {}
@@ -103,6 +108,8 @@ class SimComm:
         self.op_slots = 0
         self.child_count = 0
         self.shrink_count = 0
+        self.grow_id = 0  # the childCount a grow id was made for (ncclCommGetUniqueId), until a grow consumes it
+        self.growing = 0  # grow jobs still working on this communicator's bootstrap (it is their parent)
         self.pending = 0
         self.launched = 0  # kernels launched (host order: enqueue, or cudaGraphLaunch for a captured one)
         self.executed = 0  # kernels that have run, in launch order
@@ -118,6 +125,15 @@ class SimComm:
         self.abort = parent.abort
         self.shared = parent.shared
         self.shared.members.add(self.handle)
+
+    @property
+    def proxy_error(self) -> int:
+        """proxyState->asyncResult: shared by the communicators that share resources (Shared)."""
+        return self.shared.proxy_error
+
+    @proxy_error.setter
+    def proxy_error(self, value: int) -> None:
+        self.shared.proxy_error = value
 
     def peer_lost(self, addr: Addr) -> None:
         if any(self.peers[p] == addr for p in self.connected_peers) and self.proxy_error == SUCCESS:
@@ -155,6 +171,7 @@ class World:
         self.groups: dict[int, GroupState] = {}  # every thread's group, to check across threads
         self._next = 0x5100
         self.calls: dict[str, int] = {}
+        self.log: list[tuple[str, dict[str, Any]]] = []  # communicator lifecycle calls, in order (call_log())
         self.threads_started = 0
         self.inside: dict[int, dict[int, tuple[int, str]]] = {}  # id(Shared) -> {thread: (comm, call)}
         self.delay: dict[str, float] = {}  # call -> seconds spent inside it (tests widen race windows)

@@ -13,7 +13,8 @@ This module is the binding's surface (``module()``, the functions named as
 nccl4py names them, ``install()``, ``world()``); the behaviour is in
 nccl_state.py (communicators, shared resources, thread safety, configuration),
 nccl_groups.py (groups, enqueue, launches), nccl_kernels.py (the device side)
-and nccl_lifecycle.py (init, split, shrink, finalize, destroy, abort, revoke).
+nccl_lifecycle.py (init, split, shrink, finalize, destroy, abort, revoke) and
+nccl_grow.py (ncclCommGetUniqueId, ncclCommGrow).
 Every rule cites what it follows: NCCL's sources at tag v2.30.7-1 (``src/init.cc``,
 ``group.cc``, ``enqueue.cc``, ``nccl.h.in``, ``argcheck.cc``, ``bootstrap.cc``)
 or the user guide at that tag (``docs/userguide/source/usage/*.rst``); the
@@ -30,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from . import checks, cuda_state, nccl_lifecycle, nccl_state
+from . import checks, cuda_state, nccl_grow, nccl_lifecycle, nccl_state
 from .nccl_groups import enqueue
 from .nccl_groups import group_end as _group_end
 from .nccl_groups import group_start as _group_start
@@ -79,6 +80,11 @@ def __getattr__(name: str) -> Any:  # noqa: N807 - PEP 562: ``ncclsim.WORLD`` is
 def _coll(kind: str, nccl_name: str, send: int, recv: int, count: int, dtype: int, op: int, root: int,
           comm: Any, stream: int, peer: int = -1) -> None:
     enqueue(world(), nccl_name, comm, Task(kind, nccl_name, send, recv, count, dtype, op, root, peer, stream))
+
+
+def _note(w: World, call: str, comm: Any, **details: Any) -> None:
+    """A communicator lifecycle call, in the order made (simnccl.call_log())."""
+    w.log.append((call, {"comm": int(comm.handle), **details}))
 
 
 # The binding's functions (parameter names as in nccl4py 0.6.0; checked in module()).
@@ -164,27 +170,43 @@ def get_unique_id() -> Any:
 
 def comm_init_rank_config(nranks: Any, comm_id: Any, rank: Any, config: Any) -> Any:
     w, a = enter("ncclCommInitRankConfig", "comm_init_rank_config", (nranks, comm_id, rank, config))
-    return nccl_lifecycle.init(w, "ncclCommInitRankConfig", a[0], a[2], [nccl_lifecycle.id_bytes(a[1], 1)], a[3])
+    comm = nccl_lifecycle.init(w, "ncclCommInitRankConfig", a[0], a[2], [nccl_lifecycle.id_bytes(a[1], 1)], a[3])
+    _note(w, "ncclCommInitRankConfig", comm, nranks=a[0], rank=a[2])
+    return comm
 
 
 def comm_init_rank_scalable(nranks: Any, myrank: Any, n_id: Any, comm_ids: Any, config: Any) -> Any:
     w, a = enter("ncclCommInitRankScalable", "comm_init_rank_scalable", (nranks, myrank, n_id, comm_ids, config))
     raw = nccl_lifecycle.id_bytes(a[3], a[2])
     ids = [raw[i * 128:(i + 1) * 128] for i in range(a[2])]
-    return nccl_lifecycle.init(w, "ncclCommInitRankScalable", a[0], a[1], ids, a[4])
+    comm = nccl_lifecycle.init(w, "ncclCommInitRankScalable", a[0], a[1], ids, a[4])
+    _note(w, "ncclCommInitRankScalable", comm, nranks=a[0], rank=a[1])
+    return comm
 
 
 def comm_split(comm: Any, color: Any, key: Any, config: Any) -> Any:
     w, a = enter("ncclCommSplit", "comm_split", (comm, color, key, config))
+    _note(w, "ncclCommSplit", comm, color=a[1])
     return nccl_lifecycle.child(w, "ncclCommSplit", comm, a[3], a[1], a[2], None, 0)
 
 
 def comm_shrink(comm: Any, exclude_ranks_list: Any, exclude_ranks_count: Any, config: Any, shrink_flags: Any) -> Any:
     w, a = enter("ncclCommShrink", "comm_shrink", (comm, exclude_ranks_list, exclude_ranks_count, config, shrink_flags))
     excl = a[1]
+    _note(w, "ncclCommShrink", comm, flags=a[4])
     if isinstance(excl, int):
         excl = list(np.frombuffer(ctypes.string_at(excl, 4 * a[2]), np.int32)) if a[2] else []
     return nccl_lifecycle.child(w, "ncclCommShrink", comm, a[3], 0, 0, sorted(int(x) for x in excl[:a[2]]), a[4])
+
+
+def comm_get_unique_id(comm: Any) -> Any:
+    w, _ = enter("ncclCommGetUniqueId", "comm_get_unique_id", (comm,))
+    return nccl_grow.get_unique_id(w, comm)
+
+
+def comm_grow(comm: Any, n_ranks: Any, unique_id: Any, rank: Any, config: Any) -> Any:
+    w, a = enter("ncclCommGrow", "comm_grow", (comm, n_ranks, unique_id, rank, config))
+    return nccl_grow.grow(w, comm, a[1], a[2], a[3], a[4])
 
 
 def comm_get_async_error(comm: Any) -> Any:
@@ -212,21 +234,25 @@ def comm_count(comm: Any) -> Any:
 
 def comm_finalize(comm: Any) -> Any:
     w, _ = enter("ncclCommFinalize", "comm_finalize", (comm,))
+    _note(w, "ncclCommFinalize", comm)
     nccl_lifecycle.finalize(w, comm)
 
 
 def comm_destroy(comm: Any) -> Any:
     w, _ = enter("ncclCommDestroy", "comm_destroy", (comm,))
+    _note(w, "ncclCommDestroy", comm)
     nccl_lifecycle.destroy(w, comm)
 
 
 def comm_abort(comm: Any) -> Any:
     w, _ = enter("ncclCommAbort", "comm_abort", (comm,))
+    _note(w, "ncclCommAbort", comm)
     nccl_lifecycle.abort(w, comm)
 
 
 def comm_revoke(comm: Any, revoke_flags: Any) -> Any:
     w, a = enter("ncclCommRevoke", "comm_revoke", (comm, revoke_flags))
+    _note(w, "ncclCommRevoke", comm)
     c = find_comm(w, comm, "ncclCommRevoke")
     if c is None:
         return None  # NULL comm: success
@@ -267,7 +293,7 @@ def red_op_destroy(op: Any, comm: Any) -> Any:
 _FUNCTIONS: list[Callable[..., Any]] = [
     all_reduce, reduce, broadcast, all_gather, reduce_scatter, allto_all, gather, scatter, send, recv, group_start,
     group_end, get_version, get_error_string, get_unique_id, comm_init_rank_config, comm_init_rank_scalable,
-    comm_split, comm_shrink, comm_get_async_error, comm_user_rank, comm_count, comm_finalize, comm_destroy,
+    comm_split, comm_shrink, comm_get_unique_id, comm_grow, comm_get_async_error, comm_user_rank, comm_count, comm_finalize, comm_destroy,
     comm_abort, comm_revoke, red_op_create_pre_mul_sum, red_op_destroy]
 
 

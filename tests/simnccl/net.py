@@ -46,6 +46,7 @@ class Net:
         self.out: dict[Addr, tuple[socket.socket, threading.Lock]] = {}
         self.out_lock = threading.Lock()
         self.on_lost: list[Callable[[Addr], None]] = []
+        self.refusing: dict[Any, Callable[[Any], None]] = {}  # keys whose listener is closed: each message refused
         self.closed = False
         self.sent = 0
         threading.Thread(target=self._accept, name="simnccl-net-accept", daemon=True).start()
@@ -73,9 +74,7 @@ class Net:
                         break
                     sender, key, payload = pickle.loads(body)
                     peer = tuple(sender)  # type: ignore[assignment]
-                    with self.cv:
-                        self.mail.setdefault(key, deque()).append(payload)
-                        self.cv.notify_all()
+                    self._deliver(key, payload)
         except OSError:
             pass
         if peer is not None and not self.closed:
@@ -84,6 +83,29 @@ class Net:
                 self.cv.notify_all()
             for callback in list(self.on_lost):
                 callback(peer)
+
+    def _deliver(self, key: Any, payload: Any) -> None:
+        with self.cv:
+            refuse = self.refusing.get(key)
+            if refuse is None:
+                self.mail.setdefault(key, deque()).append(payload)
+                self.cv.notify_all()
+        if refuse is not None:
+            refuse(payload)
+
+    def refuse(self, key: Any, answer: Callable[[Any], None]) -> None:
+        """From now on a message under ``key`` (and any waiting) is not delivered but given to ``answer``: a
+        listener closed, whose connections are refused."""
+        with self.cv:
+            self.refusing[key] = answer
+            waiting = self.mail.pop(key, deque())
+        for payload in waiting:
+            answer(payload)
+
+    def pending(self, key: Any) -> int:
+        """Messages under ``key`` delivered and not received yet."""
+        with self.cv:
+            return len(self.mail.get(key, ()))
 
     def recv(self, key: Any, peer: Addr | None, aborted: Callable[[], bool], fail_on_lost: bool = True,
              deadline: float | None = None) -> Any:
@@ -116,9 +138,7 @@ class Net:
     def send(self, addr: Addr, key: Any, payload: Any) -> bool:
         """False when the peer is known dead or cannot be reached."""
         if addr == self.addr:  # a rank of this process: straight into the mailbox
-            with self.cv:
-                self.mail.setdefault(key, deque()).append(payload)
-                self.cv.notify_all()
+            self._deliver(key, payload)
             return True
         if addr in self.dead:
             return False

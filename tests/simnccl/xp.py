@@ -1,6 +1,8 @@
 """A tiny CuPy stand-in over the simulated CUDA runtime: the subset of CuPy's
 API that nccl_pg's NCCL backend (``cupy.cuda.Device``,
-``cupy.cuda.get_current_stream``, ``a.device.id``) and the simulated tests use.
+``cupy.cuda.get_current_stream``, ``a.device.id``), the simulated tests and
+examples/elastic.py use (elementwise arithmetic and sums: a kernel each on
+the current stream).
 While the simulation is installed it is ``sys.modules["cupy"]``, so the
 backend takes its CuPy path (the caller's current stream) on simulated
 arrays. It proves nothing about CuPy itself.
@@ -256,6 +258,10 @@ class ndarray:  # noqa: N801 - CuPy's name
             self.stream = s
 
     def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, tuple) and all(k is None or k == slice(None) for k in key) and \
+                sum(k is not None for k in key) == self.ndim:  # a[:, None], a[None, :]: a view with axes of 1
+            dims = iter(self.shape)
+            return self.reshape(tuple(1 if k is None else next(dims) for k in key))
         if isinstance(key, int):
             key = slice(key, key + 1 if key != -1 else None)
             return self.reshape(-1)[key].reshape(())
@@ -302,6 +308,59 @@ class ndarray:  # noqa: N801 - CuPy's name
         return self.get() != (other.get() if isinstance(other, ndarray) else other)
 
     __hash__ = None  # type: ignore[assignment]
+
+    # Arithmetic: a kernel each on the current stream, as CuPy's elementwise and reduction kernels run.
+    def __add__(self, other: Any) -> ndarray:
+        return _kernel("add", np.add, self, other)
+
+    def __radd__(self, other: Any) -> ndarray:
+        return _kernel("add", np.add, other, self)
+
+    def __sub__(self, other: Any) -> ndarray:
+        return _kernel("subtract", np.subtract, self, other)
+
+    def __rsub__(self, other: Any) -> ndarray:
+        return _kernel("subtract", np.subtract, other, self)
+
+    def __mul__(self, other: Any) -> ndarray:
+        return _kernel("multiply", np.multiply, self, other)
+
+    def __rmul__(self, other: Any) -> ndarray:
+        return _kernel("multiply", np.multiply, other, self)
+
+    def __mod__(self, other: Any) -> ndarray:
+        return _kernel("remainder", np.remainder, self, other)
+
+    def sum(self, axis: int | None = None) -> ndarray:
+        return _kernel("sum", lambda a: np.sum(a, axis=axis), self)
+
+    def copy(self) -> ndarray:
+        return _kernel("copy", np.copy, self)
+
+
+def _kernel(name: str, fn: Any, *args: Any) -> ndarray:
+    """``fn`` of ``args`` (arrays of this module, or scalars) into a new array, as a kernel on the current
+    stream: it reads its inputs and writes its output when the stream runs it, in stream order (the
+    simulation's race checks see both)."""
+    from . import cuda_memory  # noqa: PLC0415
+
+    arrays = [a for a in args if isinstance(a, ndarray)]
+    probe = fn(*[np.zeros(a.shape, a.dtype) if isinstance(a, ndarray) else a for a in args])
+    out = ndarray(np.shape(probe), np.asarray(probe).dtype)
+    stream = get_current_stream()
+    st = cudart.sim().stream(stream.ptr)
+    assert st is not None
+
+    def run() -> None:
+        vals = [cuda_memory.view(a.data.ptr, a.nbytes, name).view(a.dtype).reshape(a.shape)
+                if isinstance(a, ndarray) else a for a in args]
+        result = np.ascontiguousarray(fn(*vals), out.dtype)
+        cuda_memory.view(out.data.ptr, out.nbytes, name)[:] = result.reshape(-1).view(np.uint8)
+
+    reads = [m for a in arrays for m in cuda_memory.allocs(a.data.ptr, a.nbytes)]
+    st.enqueue(f"xp {name} kernel", run, reads, cuda_memory.allocs(out.data.ptr, out.nbytes))
+    out.stream = stream
+    return out
 
 
 def _capsule(a: ndarray) -> Any:

@@ -19,6 +19,8 @@ from ...reduce_op import ReduceOp
 
 # ncclResult_t values (stable across NCCL releases).
 SUCCESS = 0
+INVALID_ARGUMENT = 4
+INVALID_USAGE = 5
 IN_PROGRESS = 7
 # NCCL_SPLIT_NOCOLOR
 NOCOLOR = -1
@@ -31,6 +33,7 @@ V_SCALABLE = 22300  # ncclCommInitRankScalable
 V_NATIVE_ALLTOALL = 22800  # ncclAlltoAll / ncclGather / ncclScatter
 V_SHRINK = 22700  # ncclCommShrink
 V_REVOKE = 22807  # ncclCommRevoke (nccl.h.in declares it from v2.28.7-1)
+V_GROW = 22902  # ncclCommGetUniqueId / ncclCommGrow (nccl.h.in declares them from v2.29.2-1)
 # ncclCommShrink flags
 SHRINK_DEFAULT = 0
 SHRINK_ABORT = 1

@@ -52,6 +52,13 @@ class NcclBackend(Backend):
     def create(self, store: Any, nranks: int, rank: int, config: CommConfig, device: Any = None) -> NcclCommunicator:
         return NcclCommunicator.create(store, nranks, rank, config, device_index(device))
 
+    def join_grow(self, store: Any, unique_id: bytes, nranks: int, rank: int, config: CommConfig,
+                  device: Any = None) -> NcclCommunicator:
+        """ncclCommGrow with no parent (NCCL needs only the coordinator's id: ``store`` is unused)."""
+        comm = NcclCommunicator.join_grow(unique_id, nranks, rank, config, device_index(device))
+        assert isinstance(comm, NcclCommunicator)
+        return comm
+
     def flat(self, array: Any, what: str) -> DeviceArray:
         return as_device_array(array, what)
 

@@ -150,6 +150,13 @@ class Calls(Communicator):
     def _poll(self, deadline: float, what: str, comm: Any = None) -> None:
         """Poll ``comm`` (the control communicator by default) until it leaves ncclInProgress; raises its error
         or a timeout."""
+        code = self._settled(deadline, what, comm)
+        if code != SUCCESS:
+            raise DistBackendError(f"{self.name}: NCCL {what} failed on rank {self._rank}: {_lib.error_text(code)}")
+
+    def _settled(self, deadline: float, what: str, comm: Any = None) -> int:
+        """Poll ``comm`` (the control communicator by default) until it leaves ncclInProgress; its
+        ncclCommGetAsyncError then. Raises a timeout."""
         b = bindings()
         try:
             while True:
@@ -160,11 +167,8 @@ class Calls(Communicator):
                     code = int(self._call("ncclCommGetAsyncError", b.comm_get_async_error, target))
                 finally:
                     self._lock.release()
-                if code == SUCCESS:
-                    return
                 if code != IN_PROGRESS:
-                    raise DistBackendError(f"{self.name}: NCCL {what} failed on rank {self._rank}: "
-                                           f"{_lib.error_text(code)}")
+                    return code
                 if time.monotonic() >= deadline:
                     raise DistBackendError(f"timeout: {self.name}: NCCL {what} on rank {self._rank} did not finish "
                                            f"within {self.config.timeout:.1f} s")

@@ -223,6 +223,27 @@ class Children(Operations):
     def supports_revoke(self) -> bool:  # type: ignore[override]
         return self._version >= _lib.V_REVOKE
 
+    shrink_refuses_errors = True  # ncclCommShrink's ncclCommEnsureReady refuses a parent that reports an error
+
+    def can_shrink(self) -> bool:
+        """Whether ncclCommShrink would take this communicator now: NCCL refuses a parent whose
+        ncclCommGetAsyncError reports an error (init.cc ncclCommInitChildComm -> ncclCommEnsureReady), a lost
+        network peer's included (the proxy's asyncResult, which neither a revoke nor NCCL_SHRINK_ABORT clears)."""
+        if not self.supports_shrink or self._freed or self._ctl is None or self._state in (
+                CommState.INITIALIZING, CommState.ABORTED, CommState.DESTROYED):
+            return False
+        try:
+            self._acquire("shrink")
+        except DistBackendError:
+            return False
+        try:
+            code = int(bindings().comm_get_async_error(self._ctl))
+        except Exception:
+            return False
+        finally:
+            self._lock.release()
+        return code == _lib.SUCCESS
+
     def _need(self, version: int, what: str) -> None:
         if self._version < version:
             raise DistBackendError(f"{what} needs NCCL >= {'.'.join(map(str, _lib.version_tuple(version)))}; "
@@ -262,10 +283,14 @@ class Children(Operations):
         answer ncclInProgress, so it is polled (bounded) until NCCL says it is
         quiescent; past the deadline it is aborted. Later operations are
         refused here, and destroy() aborts it (finalize is invalid after a
-        revoke)."""
+        revoke). Nothing to do once revoked, aborted or destroyed: NCCL
+        refuses a second revoke (init.cc: "Disallow revoke if revoke in
+        progress"), and an abort stopped everything already."""
         self._need(_lib.V_REVOKE, "ncclCommRevoke")
         if self._state is CommState.INITIALIZING:
             self.wait_ready(self.config.timeout + WAIT_READY_GRACE)
+        if self._freed or self._state in (CommState.REVOKED, CommState.ABORTED, CommState.DESTROYED):
+            return
         deadline = time.monotonic() + self.config.timeout
         self._wait_ctl_idle(deadline, "revoke")
         self._set_error(DistBackendError(f"{self.name}: communicator revoked on rank {self._rank}"),
@@ -275,14 +300,24 @@ class Children(Operations):
         try:
             self._check_live("revoke")
             self._ctl_idle.clear()
-            self._call("ncclCommRevoke", bindings().comm_revoke, self._ctl, 0)
+            try:
+                bindings().comm_revoke(self._ctl, 0)
+            except Exception as exc:
+                # A nonblocking revoke ends with ncclCommGetAsyncError (init.cc ncclCommRevoke): an error the
+                # communicator reported before (a lost network peer: the proxy's asyncResult) comes back too,
+                # and the revoke was made all the same. Only its own refusals are failures.
+                if getattr(exc, "status", None) in (None, _lib.INVALID_ARGUMENT, _lib.INVALID_USAGE):
+                    self._ctl_idle.set()
+                    err = DistBackendError(f"{self.name}: ncclCommRevoke failed on rank {self._rank}: "
+                                           f"{type(exc).__name__}: {exc}")
+                    self._set_error(err)
+                    raise err from exc
         finally:
             self._lock.release()
         try:
-            self._poll(deadline, "revoke")
+            self._settled(deadline, "revoke")  # quiescent; an earlier error it reports stays the communicator's
         except DistBackendError as exc:
             self._set_error(exc)
             self._abort_handles()
         for s in self._streams:
             s.release_kept()
-

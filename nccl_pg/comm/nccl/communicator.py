@@ -38,10 +38,10 @@ from ..base import WAIT_READY_GRACE, CommConfig, CommState
 from . import _lib
 from ._lib import bindings
 from .calls import _ABORT_WAIT
-from .children import Children
 from .config import nccl_config, rank_has_root, root_count, roots, unique_id, unique_id_bytes
 from .device import adopt_thread, device_guard, restore_device
 from .family import Family
+from .growing import Grows
 from .stream import CudaEvent, CudaStream
 
 __all__ = ["NcclCommunicator", "nccl_config", "rank_has_root", "root_count", "unique_id_bytes"]
@@ -56,7 +56,7 @@ class _GraphsAlive(DistBackendError):
     """NCCL's finalize waits for the CUDA graphs that captured this communicator's operations."""
 
 
-class NcclCommunicator(Children):
+class NcclCommunicator(Grows):
     def __init__(self, nranks: int, rank: int, device: int, config: CommConfig, name: str,
                  family: Family | None = None, mode: str | None = None) -> None:
         if not 0 <= rank < nranks:
@@ -220,7 +220,9 @@ class NcclCommunicator(Children):
 
     def abort(self) -> None:
         """ncclCommAbort of the family (the NCCL kernels in flight exit); the
-        state becomes ABORTED and async_error() keeps the first cause."""
+        state becomes ABORTED and async_error() keeps the first cause. A
+        grow still in progress aborts its parent first (growing.py)."""
+        self._stop_grow()
         self._set_error(DistBackendError(f"{self.name}: communicator aborted on rank {self._rank}"),
                         CommState.ABORTED)
         self._abort_handles()

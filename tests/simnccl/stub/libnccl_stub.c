@@ -150,6 +150,9 @@ static int unavailable(const char *name) {
   X(ncclCommShrink, (ncclComm_t comm, int *excludeRanksList, int excludeRanksCount, ncclComm_t *newcomm,             \
                      ncclConfig_t *config, int shrinkFlags),                                                          \
     (comm, excludeRanksList, excludeRanksCount, newcomm, config, shrinkFlags))                                        \
+  X(ncclCommGetUniqueId, (ncclComm_t comm, ncclUniqueId * uniqueId), (comm, uniqueId))                               \
+  X(ncclCommGrow, (ncclComm_t comm, int nRanks, const ncclUniqueId *uniqueId, int rank, ncclComm_t *newcomm,         \
+                   ncclConfig_t *config), (comm, nRanks, uniqueId, rank, newcomm, config))                            \
   X(ncclCommGetAsyncError, (ncclComm_t comm, ncclResult_t * asyncError), (comm, asyncError))                          \
   X(ncclCommCount, (const ncclComm_t comm, int *count), (comm, count))                                                \
   X(ncclCommUserRank, (const ncclComm_t comm, int *rank), (comm, rank))                                               \
@@ -244,10 +247,6 @@ const char *ncclGetErrorString(ncclResult_t result) {
     (comm, nranks, commId, rank))                                                                                     \
   X(ncclResult_t, RESULT, ncclCommInitAll, (ncclComm_t * comm, int ndev, const int *devlist),                 \
     (comm, ndev, devlist))                                                                                            \
-  X(ncclResult_t, RESULT, ncclCommGetUniqueId, (ncclComm_t comm, ncclUniqueId *uniqueId), (comm, uniqueId))   \
-  X(ncclResult_t, RESULT, ncclCommGrow, (ncclComm_t comm, int nRanks, const ncclUniqueId *uniqueId, int rank, \
-                                                ncclComm_t *newcomm, ncclConfig_t *config),                           \
-    (comm, nRanks, uniqueId, rank, newcomm, config))                                                                  \
   X(const char *, TEXT, ncclGetLastError, (ncclComm_t comm), (comm))                                                  \
   X(ncclResult_t, RESULT, ncclCommCuDevice, (const ncclComm_t comm, int *device), (comm, device))              \
   X(ncclResult_t, RESULT, ncclCommRegister, (const ncclComm_t comm, void *buff, size_t size, void **handle),  \
