@@ -318,6 +318,24 @@ def check_dtype(dtype: np.dtype, what: str) -> None:
                     "(bool, integers, floats, complex, bfloat16, float8)")
 
 
+def all_to_all_counts(nranks: int, send_size: int, recv_size: int, send_counts: Sequence[int] | None,
+                      recv_counts: Sequence[int] | None) -> tuple[list[int], list[int]]:
+    """all_to_all's per-peer element counts, checked the same way on every
+    backend: none given means equal splits of equal arrays; otherwise both,
+    one non-negative count per rank."""
+    if send_counts is None and recv_counts is None:
+        if send_size % nranks or send_size != recv_size:
+            raise ValueError(f"all_to_all: send ({send_size}) and recv ({recv_size}) must be equal and "
+                             f"divisible by {nranks} ranks")
+        return [send_size // nranks] * nranks, [recv_size // nranks] * nranks
+    if send_counts is None or recv_counts is None:
+        raise ValueError("all_to_all: give both send_counts and recv_counts, or neither")
+    sc, rc = [int(c) for c in send_counts], [int(c) for c in recv_counts]
+    if len(sc) != nranks or len(rc) != nranks or min(sc + rc) < 0:
+        raise ValueError(f"all_to_all: counts must be {nranks} non-negative numbers each")
+    return sc, rc
+
+
 def check_reduction(dtype: np.dtype, op: ReduceOp, scale: float | None, what: str) -> None:
     """The reductions both backends refuse (NCCL's rules: no float8
     reductions, complex only sums, no mean of booleans)."""

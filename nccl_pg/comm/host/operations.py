@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...reduce_op import ReduceOp
-from ..base import Stream, check_dtype, check_reduction
+from ..base import Stream, all_to_all_counts, check_dtype, check_reduction
 from . import algorithms as alg
 from .stream import HostStream
 from .transport import Mesh, Recv, Send
@@ -127,17 +127,7 @@ class Operations:
     def all_to_all(self, send: Any, recv: Any, stream: Stream, send_counts: Sequence[int] | None = None,
                    recv_counts: Sequence[int] | None = None) -> None:
         s, r = _flat(send, "all_to_all send"), _out(recv, "all_to_all recv")
-        n = self.nranks
-        if send_counts is None and recv_counts is None:
-            if s.size % n or s.size != r.size:
-                raise ValueError(f"all_to_all: send ({s.size}) and recv ({r.size}) must be equal and divisible "
-                                 f"by {n} ranks")
-            send_counts = recv_counts = [s.size // n] * n
-        elif send_counts is None or recv_counts is None:
-            raise ValueError("all_to_all: give both send_counts and recv_counts, or neither")
-        sc, rc = [int(c) for c in send_counts], [int(c) for c in recv_counts]
-        if len(sc) != n or len(rc) != n or min(sc + rc) < 0:
-            raise ValueError(f"all_to_all: counts must be {n} non-negative numbers each")
+        sc, rc = all_to_all_counts(self.nranks, s.size, r.size, send_counts, recv_counts)
         self._same(s, r, "all_to_all", sum(sc), sum(rc))
         self._enqueue(stream, "all_to_all", lambda m: alg.all_to_all(m, s, r, sc, rc), max(s.nbytes, r.nbytes))
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from ...errors import DistBackendError
 from ...reduce_op import ReduceOp
-from ..base import WAIT_READY_GRACE, CommState, Stream
+from ..base import WAIT_READY_GRACE, CommState, Stream, all_to_all_counts
 from . import _lib
 from ._lib import bindings
 from .array import DeviceArray, as_device_array
@@ -162,22 +162,13 @@ class Operations(Calls):
                    recv_counts: Sequence[int] | None = None) -> None:
         s, r = self._array(send, "all_to_all send"), self._array(recv, "all_to_all recv")
         cs, n = self._stream(stream), self._nranks
-        if send_counts is None and recv_counts is None:
-            if s.size % n or s.size != r.size:
-                raise ValueError(f"all_to_all: send ({s.size}) and recv ({r.size}) must be equal and divisible "
-                                 f"by {n} ranks")
-            self._same(s, r, "all_to_all", s.size, r.size)
-            native = self._native("allto_all")
-            if native is not None:
-                self._moving("ncclAlltoAll", native, s, r, s.size // n, cs)
-                return
-            send_counts = recv_counts = [s.size // n] * n
-        elif send_counts is None or recv_counts is None:
-            raise ValueError("all_to_all: give both send_counts and recv_counts, or neither")
-        sc, rc = [int(c) for c in send_counts], [int(c) for c in recv_counts]
-        if len(sc) != n or len(rc) != n or min(sc + rc) < 0:
-            raise ValueError(f"all_to_all: counts must be {n} non-negative numbers each")
+        even = send_counts is None and recv_counts is None
+        sc, rc = all_to_all_counts(n, s.size, r.size, send_counts, recv_counts)
         self._same(s, r, "all_to_all", sum(sc), sum(rc))
+        native = self._native("allto_all") if even else None
+        if native is not None:
+            self._moving("ncclAlltoAll", native, s, r, s.size // n, cs)
+            return
         so, ro = np.concatenate([[0], np.cumsum(sc)]), np.concatenate([[0], np.cumsum(rc)])
         self._p2p_group("all_to_all", cs, [(p, s[int(so[p]):int(so[p + 1])]) for p in range(n)],
                         [(p, r[int(ro[p]):int(ro[p + 1])]) for p in range(n)])
