@@ -41,6 +41,19 @@ class Children(Operations):
         its operations communicator shares its abort flag (user splits go through the split source)."""
         return nccl_config(cfg, split_share=True if self._mode == "blocking" else None)
 
+    def _start(self, step: Any, arg: Any, kind: str) -> None:
+        """Run a new communicator's init-like ``step(arg, deadline, own_thread)``: inline under a blocking config
+        (its error raised, the communicator freed), else on a thread of its own that the caller polls."""
+        deadline = time.monotonic() + self.config.timeout
+        if self.config.blocking:
+            step(arg, deadline)
+            if self._error is not None:
+                self.destroy()
+                raise self._error
+        else:
+            threading.Thread(target=step, args=(arg, deadline, True), daemon=True,
+                             name=f"nccl_pg-nccl-{kind}-{self.name}").start()
+
     def _fail(self, exc: BaseException, what: str) -> None:
         """An init, split or shrink failed: record why, and free what NCCL created."""
         self._set_error(exc if isinstance(exc, DistBackendError) else DistBackendError(

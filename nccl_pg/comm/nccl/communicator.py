@@ -107,15 +107,7 @@ class NcclCommunicator(Grows):
         (keys private to it: give each communicator its own PrefixStore)."""
         cfg = config or CommConfig()
         comm = cls(nranks, rank, device, cfg, cfg.comm_name or name)
-        deadline = time.monotonic() + cfg.timeout
-        if cfg.blocking:
-            comm._init(store, deadline)
-            if comm._error is not None:
-                comm.destroy()
-                raise comm._error
-        else:
-            threading.Thread(target=comm._init, args=(store, deadline, True), daemon=True,
-                             name=f"nccl_pg-nccl-init-{comm.name}").start()
+        comm._start(comm._init, store, "init")
         return comm
 
     def __repr__(self) -> str:

@@ -140,15 +140,7 @@ class Grows(Children):
             raise ValueError(f"join_grow: rank {rank!r} is out of range for a grown communicator of {nranks} ranks")
         cfg = config or CommConfig()
         comm = cls(nranks, rank, device, cfg, cfg.comm_name or name)  # type: ignore[call-arg]
-        deadline = time.monotonic() + cfg.timeout
-        if cfg.blocking:
-            comm._join(raw, deadline)
-            if comm._error is not None:
-                comm.destroy()
-                raise comm._error
-        else:
-            threading.Thread(target=comm._join, args=(raw, deadline, True), daemon=True,
-                             name=f"nccl_pg-nccl-grow-{comm.name}").start()
+        comm._start(comm._join, raw, "grow")
         return comm
 
     def _join(self, raw: bytes, deadline: float, own_thread: bool = False) -> None:
