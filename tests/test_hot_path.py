@@ -50,10 +50,11 @@ BOUNDS = {
 }
 
 
-# A thread woken, or the caller blocked, once per op would count OPS (1000); a loaded machine adds a few
-# switches on its own (a GIL hand-off to another of the process's threads, seen up to 7 in a full suite run
-# beside other jobs), so the bound is 1% of the ops, far below one per op.
-SWITCH_NOISE = OPS // 100
+# A thread woken, or the caller blocked, once per op would count OPS (1000); the machine adds a few
+# switches on its own (GIL hand-offs to another of the process's threads: up to 7 seen in a full suite run
+# beside other jobs, and 11 blocks of the caller against 3 wake-ups of the poller in a full run on a quiet
+# 2-CPU machine, 2026-11-27), so the bound is 3% of the ops, still 30 times below one per op.
+SWITCH_NOISE = 3 * OPS // 100
 
 
 @pytest.mark.parametrize("backend", ["null", "host1"])
@@ -82,7 +83,7 @@ def test_completion_hooks_wake_only_the_hook_runner() -> None:
     assert c["store"] == 0, c
     if c["woken_by"] is None:
         pytest.skip("no per-thread context switch counts here (Linux /proc)")
-    assert c["woken_by"]["nccl_pg-poller"] <= 2, c
+    assert c["woken_by"]["nccl_pg-poller"] <= SWITCH_NOISE, c  # once per Work would be OPS
     assert c["woken_by"]["nccl_pg-hooks"] <= OPS, c
 
 

@@ -160,7 +160,7 @@ def test_sleeping_rank_is_named_alone_with_its_line(tmp_path: Path) -> None:
     ranks 0 and 2 time out, their diagnosis names rank 1, and the harness
     blames rank 1 alone, at the sleeping line, well within the deadline;
     the dumps are in the test's directory and no dump pipe is left."""
-    err, pids = _fails_within(rank_1_sleeps_in_user_code, 3, 20.0, tmp_path)
+    err, pids = _fails_within(rank_1_sleeps_in_user_code, 3, 12.0, tmp_path)
     assert err.ranks == [1]
     [culprit] = err.culprits
     assert (culprit.rank, culprit.file, culprit.line, culprit.function) == \
@@ -186,7 +186,7 @@ def test_rank_spinning_in_c_with_the_gil_held_is_named_with_its_line(tmp_path: P
     only a C-level handler can say where it is. The harness asks through the library's (NCCL_PG_STACKS_SIGNAL,
     written to <dump_dir>/c_stacks/rank1.<pid>.txt, the file nccl-pg why and trace read) and blames rank 1 alone,
     at the spinning line, within the deadline."""
-    err, pids = _fails_within(rank_1_spins_in_c, 2, 24.0, tmp_path)
+    err, pids = _fails_within(rank_1_spins_in_c, 2, 14.0, tmp_path)
     assert err.ranks == [1], str(err)
     [culprit] = err.culprits
     assert (culprit.file, culprit.line, culprit.function, culprit.pid) == \
@@ -324,7 +324,7 @@ def test_a_ranks_children_are_gone_after_the_test(hang: bool, tmp_path: Path) ->
     where.mkdir()
     if hang:
         with pytest.raises(RanksFailed, match=r"ranks \[0, 1\] were still running at the timeout"):
-            run_ranks(start_grandchild, 2, timeout=15, args=(str(where), True), dump_dir=tmp_path / "ranks")
+            run_ranks(start_grandchild, 2, timeout=6, args=(str(where), True), dump_dir=tmp_path / "ranks")
     else:
         run_ranks(start_grandchild, 2, timeout=30, args=(str(where), False), dump_dir=tmp_path / "ranks")
     pids = [int(p.read_text()) for p in sorted(where.glob("grandchild*.pid"))]
@@ -341,7 +341,7 @@ def test_a_ranks_children_are_gone_after_the_test(hang: bool, tmp_path: Path) ->
 def test_dump_pipes_are_in_the_tests_directory_and_removed(tmp_path: Path) -> None:
     """Ranks killed at the deadline cannot remove their dump pipes: the
     harness does (and they are in this test's directory, not a shared one)."""
-    with ProcessRanks(hang_after_a_collective, 2, timeout=10, dump_dir=tmp_path) as ranks:
+    with ProcessRanks(hang_after_a_collective, 2, timeout=6, dump_dir=tmp_path) as ranks:
         deadline = time.monotonic() + 10
         while len(list(tmp_path.glob("*.pipe"))) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)

@@ -164,21 +164,21 @@ def test_max_time_autopsy_prints_the_verdict_and_leaves_a_report(job):
     """--max-time on the same job: before stopping the ranks the launcher asks them why, prints the verdict
     naming rank 1 and its line, and writes the report (Markdown and JSON) beside the dumps, which the ranks
     wrote; the job ends with 124 and nothing of it left."""
-    j = job("sleep", "--max-time", "10", "--autopsy-time", "4", "--grace-period", "2")
+    j = job("sleep", "--max-time", "7", "--autopsy-time", "4", "--grace-period", "2")
     pids = j.wait_ready()
     code, _, err = j.finish(timeout=90)
     line = _line(JOB, "STUCK HERE (sleep)")
     assert code == 124, err
-    assert "--max-time 10 s expired; asking the ranks why (at most 4 s) before stopping them" in err, err
-    assert re.search(r"nccl-pg run: autopsy \(--max-time 10 s expired\): incident \d+, 4 of 4 ranks answered", err), err
+    assert "--max-time 7 s expired; asking the ranks why (at most 4 s) before stopping them" in err, err
+    assert re.search(r"nccl-pg run: autopsy \(--max-time 7 s expired\): incident \d+, 4 of 4 ranks answered", err), err
     assert re.search(rf"nccl-pg run:   rank 1 \(\S+, pid {pids[1]}\) never joined all_reduce #2 of group 0 "
                      rf"\(default_pg\), which ranks 0, 2, 3 issued; it is at \S+job.py:{line} in eval_step", err), err
     # the verdict comes before the ranks are stopped
-    assert err.index("never joined") < err.index("--max-time 10 s expired; sending SIGTERM"), err
+    assert err.index("never joined") < err.index("--max-time 7 s expired; sending SIGTERM"), err
     reports = sorted(j.dumps.glob("nccl_pg_autopsy_*.report.*"))
     assert [p.suffix for p in reports] == [".json", ".md"], reports
     data = json.loads(reports[0].read_text())
-    assert data["verdicts"][0]["ranks"] == [1] and data["reason"] == "--max-time 10 s expired"
+    assert data["verdicts"][0]["ranks"] == [1] and data["reason"] == "--max-time 7 s expired"
     md = reports[1].read_text()
     assert "## Verdict" in md and f"job.py:{line} in eval_step" in md and "time.sleep(1000)" in md, md
     assert oct(reports[0].stat().st_mode & 0o777) == "0o600"
