@@ -7,6 +7,9 @@ CUDA_MAJOR ?= 13
 TORCH ?= torch==2.13.0
 # The extras the suite needs: its tools, NCCL and NVRTC of one CUDA major, torch, torchft (its adapter's test).
 TEST_EXTRAS = test,test-cu$(CUDA_MAJOR),torch,torchft
+# pytest-xdist workers for `make test`: 2 halves the suite's time on 2 cores (most tests wait on deadlines);
+# more than the machine's cores makes timing-sensitive tests slow. 0 runs it in one process.
+TEST_WORKERS ?= 2
 
 .PHONY: install install-test test test-sim test-gpu bench demo lint torch-suite
 
@@ -34,7 +37,7 @@ install-test:
 
 # The CPU suite: every test that does not need a GPU. Tests that need one skip, saying so; any other skip fails.
 test: install-test
-	$(PYTHON) -m pytest -q --gpu-skips-only
+	$(PYTHON) -m pytest -q --gpu-skips-only -n $(TEST_WORKERS)
 
 # The NCCL backend's logic on the simulated bindings (tests/simnccl; also part of `make test`): no GPU needed.
 test-sim: install-test

@@ -20,7 +20,7 @@ from harness.procs import World
 from nccl_pg.store import TCPStoreServer
 
 T = 1.0  # the group timeout of these worlds
-BUDGET = 0.1  # min(2 s, T / 10): how long a timed-out rank waits for answers
+BUDGET = 0.3  # min(2 s, max(0.3 s, T / 10)): how long a timed-out rank waits for answers
 BOUND = 1.0  # the contract (tests/test_error_handling.py): failures surface within timeout + 1 s
 
 
@@ -96,7 +96,7 @@ def test_timeout_with_the_store_frozen(tmp_path, job_server_process):
         w.set("exit")
         res = w.results(timeout=30)[0]["op"]
     assert not res["ok"] and res["backend"], res
-    assert "timeout" in res["msg"] and "could not read the other ranks' progress from the store within 0.10 s" \
+    assert "timeout" in res["msg"] and f"could not read the other ranks' progress from the store within {BUDGET:.2f} s" \
         in res["msg"], res["msg"]
     assert T <= res["t1"] - res["t0"] < T + BOUND, res
 

@@ -97,7 +97,8 @@ def user_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
     root = tmp_path_factory.mktemp("user_suite")
     (root / "test_user_suite.py").write_text(USER_TESTS)
     env = {**os.environ, "GITHUB_ACTIONS": "true", "GITHUB_WORKSPACE": str(root)}
-    env.pop("PYTEST_ADDOPTS", None)
+    for name in ("PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
+        env.pop(name, None)  # the user's suite is not a worker of ours: it must not take our worker's GPU share
     out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", "--junitxml",
                           str(root / "junit.xml"), "test_user_suite.py"], cwd=root, env=env, capture_output=True,
                          text=True, timeout=200)

@@ -47,15 +47,16 @@ __all__ = ["PARK", "Diagnosis", "Timeout", "all_key", "answer_key", "budget", "c
 log = logging.getLogger(__name__)
 
 # How long a timed-out rank waits for the others' answers: a tenth of the operation's timeout, at most 2 s,
-# so that the error follows the timeout closely whatever it is.
-BUDGET_SHARE, BUDGET_CAP = 0.1, 2.0
+# so that the error follows the timeout closely whatever it is; at least 0.3 s, so that a short timeout on a
+# busy machine (store answers in a tenth of a second or more) still gets its explanation.
+BUDGET_SHARE, BUDGET_MIN, BUDGET_CAP = 0.1, 0.3, 2.0
 # After the answers: reading them (and finding the silent ranks when some are) gets this much more, at least.
 FINISH_MIN = 0.2
 # Operations of a group that time out within this long after its last diagnosis here are explained by it:
 # a burst of async operations timing out together is one incident.
 REUSE = 1.0
 def budget(timeout: float) -> float:
-    return min(BUDGET_CAP, BUDGET_SHARE * timeout)
+    return min(BUDGET_CAP, max(BUDGET_MIN, BUDGET_SHARE * timeout))
 
 
 def _finish_time(b: float) -> float:
