@@ -5,6 +5,7 @@ apply (so the semantics of add/compare_set/append/queues are defined once)."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -354,6 +355,30 @@ def fork_count() -> int:
     store compares it with its own to notice that it is in a forked child
     (cheaper than os.getpid(), a system call, on every operation)."""
     return _forks
+
+
+class SharedClient:
+    """The connections a store object and its clones share: counted, and
+    closed by the last user that lets go of them."""
+
+    lock: threading.Lock
+    users: int
+
+    def share(self) -> None:
+        """One more store object (a clone) uses these connections."""
+        with self.lock:
+            self.users += 1
+
+    def release(self) -> None:
+        """A user is done with them; the last one closes them."""
+        with self.lock:
+            self.users -= 1
+            last = self.users == 0
+        if last:
+            self.close()
+
+    def close(self) -> None:
+        raise NotImplementedError
 
 
 class Backoff:

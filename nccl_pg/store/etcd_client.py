@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from ..errors import DistNetworkError, DistStoreError
-from .base import Backoff, fork_count
+from .base import Backoff, SharedClient, fork_count
 
 # One connection attempt to one member waits at most this long, so that a member whose machine is gone
 # (no refusal, silence) leaves time within the deadline to try the others.
@@ -180,7 +180,7 @@ def _dropped(conn: http.client.HTTPConnection) -> bool:
         sock.settimeout(timeout)
 
 
-class EtcdClient:
+class EtcdClient(SharedClient):
     """The connections of an EtcdStore and its clones to the members of one cluster."""
 
     def __init__(self, endpoints: str | Sequence[str]) -> None:

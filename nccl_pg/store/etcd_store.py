@@ -177,8 +177,7 @@ class EtcdStore(Store):
         other = object.__new__(EtcdStore)
         other.__dict__.update(self.__dict__)
         other._closed = False
-        with self._client.lock:
-            self._client.users += 1
+        self._client.share()
         return other
 
     def close(self) -> None:
@@ -186,12 +185,7 @@ class EtcdStore(Store):
         if self._closed:
             return
         self._closed = True
-        client = self._client
-        with client.lock:
-            client.users -= 1
-            last = client.users == 0
-        if last:
-            client.close()
+        self._client.release()
 
     # --- requests ------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ import weakref
 from .. import env
 from ..errors import DistNetworkError, DistStoreError
 from . import protocol as P
-from .base import Backoff
+from .base import Backoff, SharedClient
 
 log = logging.getLogger(__name__)
 
@@ -448,7 +448,7 @@ def _timeval(seconds: float) -> bytes:
     return _TIMEVAL.pack(micros // 1_000_000, micros % 1_000_000)
 
 
-class Client:
+class Client(SharedClient):
     """The connection of a TCPStore and its clones, made on first use (again
     after a loss, an idle period or a fork)."""
 

@@ -178,8 +178,7 @@ class TCPStore(Store):
         other = object.__new__(TCPStore)
         other.__dict__.update(self.__dict__)
         other._server, other._tenant, other._closed = None, None, False
-        with self._client.lock:
-            self._client.users += 1
+        self._client.share()
         return other
 
     def parking(self) -> Parking:
@@ -399,12 +398,7 @@ class TCPStore(Store):
         if self._closed:
             return
         self._closed = True
-        client = self._client
-        with client.lock:
-            client.users -= 1
-            last = client.users == 0
-        if last:
-            client.close()
+        self._client.release()
         if self._server is not None and self._owner_forks == fork_count():
             self._stop_server()
 
