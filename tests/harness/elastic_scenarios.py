@@ -22,7 +22,7 @@ def _sum(dist) -> tuple[float, int, int]:
     return float(a[0]), dist.get_rank(), dist.get_world_size()
 
 
-def _handles(ctx: Ctx, stage: str, mine: str, who: list[int]) -> list[str]:
+def handles(ctx: Ctx, stage: str, mine: str, who: list[int]) -> list[str]:
     """Publish this process's handle for ``stage``; everyone's (of ``who``) in order."""
     ctx.store.set(f"{stage}/handle/{ctx.rank}", mine)
     keys = [f"{stage}/handle/{r}" for r in who]
@@ -56,14 +56,14 @@ def kill_shrink_grow(ctx: Ctx) -> dict | None:
         survivors = [r for r in original if r != victim]
         t0 = time.monotonic()
         old = dist.get_init_handle()
-        hs = _handles(ctx, "shrink", old, survivors)
+        hs = handles(ctx, "shrink", old, survivors)
         g = dist.reconfigure(1, hs, timeout=20)
         res["shrunk"] = _sum(dist)
         res["shrink_s"] = time.monotonic() - t0
         res["shrunk_native"] = ".shrink" in g._comm.name
-        hs = _handles(ctx, "grow", dist.get_init_handle(), survivors + [n - 1])
+        hs = handles(ctx, "grow", dist.get_init_handle(), survivors + [n - 1])
     else:
-        hs = _handles(ctx, "grow", dist.get_init_handle(), [r for r in original if r != victim] + [n - 1])
+        hs = handles(ctx, "grow", dist.get_init_handle(), [r for r in original if r != victim] + [n - 1])
     g = dist.reconfigure(2, hs, timeout=20, store=ctx.store if ctx.rank == n - 1 else None)
     res["grown"] = _sum(dist)
     res["comm"] = g._comm.name
@@ -93,7 +93,7 @@ def both_at_once(ctx: Ctx) -> dict | None:
         comm = old._comm
         for name in ("abort", "finalize", "destroy"):
             setattr(comm, name, _spy(calls, name, getattr(comm, name)))
-    hs = _handles(ctx, "both", dist.get_init_handle(), [0, 2, 3, 4])
+    hs = handles(ctx, "both", dist.get_init_handle(), [0, 2, 3, 4])
     g = dist.reconfigure(5, hs, timeout=20, store=ctx.store if ctx.rank == 4 else None)
     res["after"] = _sum(dist)
     res["comm"] = g._comm.name
@@ -121,10 +121,10 @@ def identity(ctx: Ctx) -> dict:
     _sum(dist)
     g0 = dist._get_default_group()
     comm0 = g0._comm
-    g1 = dist.reconfigure(1, _handles(ctx, "id1", dist.get_init_handle(), list(range(ctx.n))), timeout=20)
+    g1 = dist.reconfigure(1, handles(ctx, "id1", dist.get_init_handle(), list(range(ctx.n))), timeout=20)
     res = {"same_group": g1 is g0, "same_comm": g1._comm is comm0, "uuid": g1.uuid, "sum1": _sum(dist)}
     dist.revoke_process_group()
-    g2 = dist.reconfigure(2, _handles(ctx, "id2", dist.get_init_handle(), list(range(ctx.n))), timeout=20)
+    g2 = dist.reconfigure(2, handles(ctx, "id2", dist.get_init_handle(), list(range(ctx.n))), timeout=20)
     res.update(new_group=g2 is not g1, old_state=g1.diag.state(), sum2=_sum(dist), rank2=dist.get_rank(),
                default=dist._get_default_group() is g2)
     dist.destroy_process_group()
@@ -146,7 +146,7 @@ def bad_input(ctx: Ctx) -> dict:
     import nccl_pg as dist  # noqa: PLC0415
 
     dist.init_process_group("host", store=ctx.store, rank=ctx.rank, world_size=2, timeout=20)
-    hs = _handles(ctx, "bad", dist.get_init_handle(), [0, 1])
+    hs = handles(ctx, "bad", dist.get_init_handle(), [0, 1])
     stranger = "nccl_pg:-1:-1:" + "ab" * 8
     other = dist.get_init_handle().rsplit(":", 1)[0] + ":" + "cd" * 8
     seen = [
@@ -182,7 +182,7 @@ def joiner_never_comes(ctx: Ctx) -> dict:
 
     dist.init_process_group("host", store=ctx.store, rank=ctx.rank, world_size=ctx.n, timeout=20)
     _sum(dist)
-    hs = _handles(ctx, "late", dist.get_init_handle(), list(range(ctx.n)))
+    hs = handles(ctx, "late", dist.get_init_handle(), list(range(ctx.n)))
     t0 = time.monotonic()
     try:
         dist.reconfigure(1, [*hs, "nccl_pg:-1:-1:" + "ab" * 8], timeout=ctx.args["timeout"])
@@ -200,7 +200,7 @@ def other_handles(ctx: Ctx) -> dict:
 
     if ctx.rank < 2:
         dist.init_process_group("host", store=ctx.store, rank=ctx.rank, world_size=2, timeout=20)
-    hs = _handles(ctx, "other", dist.get_init_handle(), [0, 1, 2])
+    hs = handles(ctx, "other", dist.get_init_handle(), [0, 1, 2])
     mine = [*hs, "nccl_pg:-1:-1:" + "ab" * 8] if ctx.rank == 2 else hs
     try:
         dist.reconfigure(1, mine, timeout=ctx.args["timeout"], store=ctx.store if ctx.rank == 2 else None)

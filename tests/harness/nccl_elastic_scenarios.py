@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from harness.elastic_scenarios import handles
 from harness.procs import Ctx
 
 LIFECYCLE = ("ncclCommInitRankConfig", "ncclCommInitRankScalable", "ncclCommSplit", "ncclCommRevoke",
@@ -80,13 +81,6 @@ class Ranks:
         return res
 
 
-def _handles(ctx: Ctx, stage: str, mine: str, who: list[int]) -> list[str]:
-    ctx.store.set(f"{stage}/handle/{ctx.rank}", mine)
-    keys = [f"{stage}/handle/{r}" for r in who]
-    ctx.store.wait(keys, timeout=30)
-    return [v.decode() for v in ctx.store.multi_get(keys)]
-
-
 def kill_shrink_grow(ctx: Ctx) -> dict | None:
     """Ranks 0..n-2 start on NCCL; ``victim`` SIGKILLs itself inside an all_reduce; the survivors reconfigure to
     themselves (revoke, ncclCommShrink with NCCL_SHRINK_ABORT), then rank n-1, a process in no group, joins them
@@ -111,17 +105,17 @@ def kill_shrink_grow(ctx: Ctx) -> dict | None:
         res["failed"] = rt.fails(dist, timeout)
         mark = rt.mark()
         t0 = time.monotonic()
-        hs = _handles(ctx, "shrink", dist.get_init_handle(), survivors)
+        hs = handles(ctx, "shrink", dist.get_init_handle(), survivors)
         dist.reconfigure(1, hs, timeout=timeout)
         res["shrunk"] = rt.sum(dist)
         res["shrink_s"] = time.monotonic() - t0
         res["shrink_calls"] = rt.calls(mark)
         mark = rt.mark()
-        hs = _handles(ctx, "grow", dist.get_init_handle(), survivors + [n - 1])
+        hs = handles(ctx, "grow", dist.get_init_handle(), survivors + [n - 1])
         dist.reconfigure(2, hs, timeout=timeout)
     else:
         mark = rt.mark()
-        hs = _handles(ctx, "grow", dist.get_init_handle(), survivors + [n - 1])
+        hs = handles(ctx, "grow", dist.get_init_handle(), survivors + [n - 1])
         dist.reconfigure(2, hs, timeout=timeout, store=ctx.store, backend="nccl", device_id=rt.device)
     res["grown"] = rt.sum(dist)
     res["grow_calls"] = rt.calls(mark)
@@ -166,7 +160,7 @@ def membership(ctx: Ctx) -> dict | None:
 
             ncclsim.world().comms[old_group._comm._ctl.handle].proxy_error = ncclsim.REMOTE
     mark = rt.mark()
-    hs = _handles(ctx, "change", dist.get_init_handle(), new)
+    hs = handles(ctx, "change", dist.get_init_handle(), new)
     kwargs = {} if ctx.rank in old else {"store": ctx.store, "backend": "nccl", "device_id": rt.device}
     g = dist.reconfigure(1, hs, timeout=timeout, **kwargs)
     res["after"] = rt.sum(dist)
@@ -179,7 +173,7 @@ def membership(ctx: Ctx) -> dict | None:
     if ctx.args.get("then_revoke"):  # identity again, on a broken group: a fresh communicator of the same ranks
         mark = rt.mark()
         dist.revoke_process_group()
-        g2 = dist.reconfigure(2, _handles(ctx, "again", dist.get_init_handle(), new), timeout=timeout)
+        g2 = dist.reconfigure(2, handles(ctx, "again", dist.get_init_handle(), new), timeout=timeout)
         res["again"] = rt.sum(dist)
         res["again_calls"] = rt.calls(mark)
         res["again_new_group"] = g2 is not g
