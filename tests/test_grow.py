@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from harness.threads import on_threads
 
 from nccl_pg import DistBackendError, ReduceOp
 from nccl_pg.comm.base import CommConfig
@@ -27,22 +28,8 @@ CFG = CommConfig(timeout=10)
 
 
 def _run(fns: list[Callable[[], Any]], timeout: float = 30) -> list[Any]:
-    """Run each function on a thread; their results (or exceptions) in order."""
-    out: list[Any] = [None] * len(fns)
-
-    def call(i: int) -> None:
-        try:
-            out[i] = fns[i]()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            out[i] = exc
-
-    threads = [threading.Thread(target=call, args=(i,), daemon=True) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-        assert not t.is_alive(), "a rank is still running"
-    return out
+    """Each function on a thread (a rank); their results or exceptions, in order."""
+    return on_threads(fns, timeout)
 
 
 def _sum(comm: Any) -> float:

@@ -8,7 +8,6 @@ simulation reads them, never GPU behaviour."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 import simnccl
 from harness.sim_threads import DEVICE
+from harness.threads import on_threads
 
 from nccl_pg import DistBackendError, ReduceOp
 from nccl_pg.comm.base import CommConfig, CommState
@@ -47,22 +47,7 @@ def _clean():
 
 def _run(fns: list[Callable[[], Any]], timeout: float = 30) -> list[Any]:
     """Each function on a thread of its own (a rank, on simulated GPU DEVICE); results or exceptions, in order."""
-    out: list[Any] = [None] * len(fns)
-
-    def call(i: int) -> None:
-        simnccl.select_device(DEVICE)
-        try:
-            out[i] = fns[i]()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            out[i] = exc
-
-    threads = [threading.Thread(target=call, args=(i,), daemon=True, name=f"rank{i}") for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-        assert not t.is_alive(), "a rank is still running"
-    return out
+    return on_threads(fns, timeout, setup=lambda: simnccl.select_device(DEVICE))
 
 
 def _comms(n: int, cfg: CommConfig = CFG) -> list[NcclCommunicator]:

@@ -29,6 +29,29 @@ def parallel(n: int, fn: Callable[[int], Any], timeout: float = 30.0) -> list[An
         pool.shutdown(wait=False, cancel_futures=True)
 
 
+def on_threads(fns: Sequence[Callable[[], Any]], timeout: float = 30.0,
+               setup: Callable[[], object] | None = None) -> list[Any]:
+    """Each function on a thread of its own (named rank<i>, ``setup()`` first): their results, or the
+    exceptions they raised, in order. Fails if one is still running ``timeout`` s after it was joined."""
+    out: list[Any] = [None] * len(fns)
+
+    def call(i: int) -> None:
+        if setup is not None:
+            setup()
+        try:
+            out[i] = fns[i]()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out[i] = exc
+
+    threads = [threading.Thread(target=call, args=(i,), daemon=True, name=f"rank{i}") for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+        assert not t.is_alive(), "a rank is still running"
+    return out
+
+
 _names = iter(range(1 << 62))
 
 
