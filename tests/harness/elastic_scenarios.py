@@ -42,12 +42,7 @@ def kill_shrink_grow(ctx: Ctx) -> dict | None:
     if ctx.rank in original:
         dist.init_process_group("host", store=ctx.store, rank=ctx.rank, world_size=n - 1, timeout=20)
         res["before"] = _sum(dist)
-        if ctx.rank == victim:
-            ctx.store.wait(["survivors_in"], timeout=30)
-            time.sleep(0.3)  # the survivors are inside their all_reduce
-            os.kill(os.getpid(), signal.SIGKILL)
-        if ctx.store.add("in", 1) == n - 2:
-            ctx.set("survivors_in")
+        ctx.die_inside_the_next_collective(victim, n - 1)
         try:
             dist.all_reduce(np.ones(4))
             res["failed"] = None

@@ -96,12 +96,7 @@ def kill_shrink_grow(ctx: Ctx) -> dict | None:
         dist.init_process_group("nccl", store=ctx.store, rank=ctx.rank, world_size=n - 1, timeout=timeout,
                                 device_id=rt.device)
         res["before"] = rt.sum(dist)
-        if ctx.rank == victim:
-            ctx.store.wait(["survivors_in"], timeout=30)
-            time.sleep(0.3)  # the survivors are inside their all_reduce
-            os.kill(os.getpid(), signal.SIGKILL)
-        if ctx.store.add("in", 1) == n - 2:
-            ctx.set("survivors_in")
+        ctx.die_inside_the_next_collective(victim, n - 1)
         res["failed"] = rt.fails(dist, timeout)
         mark = rt.mark()
         t0 = time.monotonic()

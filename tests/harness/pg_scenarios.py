@@ -477,13 +477,7 @@ def shrink_after_sigkill(ctx: Ctx) -> dict | None:
     dist.all_reduce(a)
     assert a[0] == 6.0
     store.add("ready", 1)
-    if rank == 2:
-        store.wait(["survivors_in"], timeout=30)
-        time.sleep(0.3)  # the survivors are inside their all_reduce
-        os.kill(os.getpid(), signal.SIGKILL)
-    store.add("in", 1)
-    if store.add("in", 0) == 2:
-        store.set("survivors_in", b"1")
+    ctx.die_inside_the_next_collective(2, 3)
     t0 = time.monotonic()
     try:
         dist.all_reduce(np.ones(4, dtype=np.float32))

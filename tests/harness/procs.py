@@ -24,6 +24,7 @@ import dataclasses
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -234,6 +235,17 @@ class Ctx:
         """All ranks meet, over the store only (the seeds' gloo barrier)."""
         self.store.set(f"{name}/{self.rank}", "1")
         self.store.wait([f"{name}/{r}" for r in range(self.n)], timeout=timeout)
+
+    def die_inside_the_next_collective(self, victim: int, members: int) -> None:
+        """Rank ``victim`` SIGKILLs itself once the other ``members - 1`` ranks have counted themselves in on
+        their way into the next collective (0.3 s later, so that they are inside it; if they were not yet,
+        they would still find it dead there). Every member calls it just before that collective."""
+        if self.rank == victim:
+            self.store.wait(["survivors_in"], timeout=30)
+            time.sleep(0.3)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.store.add("in", 1) == members - 1:
+            self.set("survivors_in")
 
     def publish(self, result: dict) -> None:
         self.store.set(f"result/{self.rank}", json.dumps(result))
