@@ -12,11 +12,11 @@ from __future__ import annotations
 import atexit
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
-from ..comm.base import CommState, check_exclude
+from ..comm.base import CommConfig, CommState, Communicator, check_exclude
 from ..errors import DistBackendError, DistStoreError
 from ..store import PrefixStore, Store
 from ..timeouts import Timeout, to_seconds
@@ -224,17 +224,8 @@ class ProcessGroup(Collectives):
         if not native:
             return ProcessGroup._fresh(plan, meet, deadline, self._backend, self._device, names)
         assert comm is not None
-        child = ProcessGroup(PrefixStore(f"nccl_pg/u{plan.uuid}", meet), self._rank, plan.size, names.options,
-                             backend=self._backend, device_id=self._device, group_name="0", group_desc=names.desc,
-                             uid=names.uid, global_ranks=names.global_ranks)
-        try:
-            cfg = replace(child._comm_config(), timeout=_left(deadline, "the grow"))
-            child._set_comm(comm.grow(plan.size, unique_id or None, cfg))
-            child.wait_comm(deadline, "the grow")
-        except BaseException:
-            child.abort()
-            child.shutdown(0)
-            raise
+        child = ProcessGroup._of(plan, self._rank, meet, self._backend, self._device, names, names.options)
+        child.start_comm(deadline, "the grow", lambda cfg: comm.grow(plan.size, unique_id or None, cfg))
         return child
 
     @classmethod
@@ -248,18 +239,9 @@ class ProcessGroup(Collectives):
         record = _grow_record(plan, meet, deadline, "joining")
         if not record.unique_id:
             return cls._fresh(plan, meet, deadline, backend, device, names)
-        child = cls(PrefixStore(f"nccl_pg/u{plan.uuid}", meet), plan.rank, plan.size, names.options,
-                    backend=backend, device_id=device, group_name="0", group_desc=names.desc, uid=names.uid,
-                    global_ranks=names.global_ranks)
-        try:
-            cfg = replace(child._comm_config(), timeout=_left(deadline, "the grow"))
-            child._set_comm(child._backend.join_grow(meet, bytes.fromhex(record.unique_id), plan.size, plan.rank,
-                                                     cfg, device))
-            child.wait_comm(deadline, "the grow")
-        except BaseException:
-            child.abort()
-            child.shutdown(0)
-            raise
+        child = cls._of(plan, plan.rank, meet, backend, device, names, names.options)
+        child.start_comm(deadline, "the grow", lambda cfg: child.comm_backend.join_grow(
+            meet, bytes.fromhex(record.unique_id), plan.size, plan.rank, cfg, device))
         child.uuid = plan.uuid
         return child
 
@@ -268,20 +250,34 @@ class ProcessGroup(Collectives):
                names: GroupSetup) -> ProcessGroup:
         """Every process of the new configuration builds a new communicator
         through the store, now (so that reconfigure returns a working group)."""
-        child = cls(PrefixStore(f"nccl_pg/u{plan.uuid}", meet), plan.rank, plan.size,
-                    replace(names.options, timeout=_left(deadline, "a fresh communicator")), backend=backend,
-                    device_id=device, group_name="0", group_desc=names.desc, uid=names.uid,
-                    global_ranks=names.global_ranks)
-        try:
-            child.eager_init()
-            child.wait_comm(deadline, "a fresh communicator")
-        except BaseException:
-            child.abort()
-            child.shutdown(0)
-            raise
+        child = cls._of(plan, plan.rank, meet, backend, device, names,
+                        replace(names.options, timeout=_left(deadline, "a fresh communicator")))
+        child.start_comm(deadline, "a fresh communicator", None)
         child._set_default_timeout(names.options.timeout)
         child.uuid = plan.uuid
         return child
+
+    @classmethod
+    def _of(cls, plan: handles.Plan, rank: int, meet: Store, backend: Any, device: Any, names: GroupSetup,
+            options: Options) -> ProcessGroup:
+        """The group of configuration ``plan`` (its keys under the plan's uuid in ``meet``), not started."""
+        return cls(PrefixStore(f"nccl_pg/u{plan.uuid}", meet), rank, plan.size, options, backend=backend,
+                   device_id=device, group_name="0", group_desc=names.desc, uid=names.uid,
+                   global_ranks=names.global_ranks)
+
+    def start_comm(self, deadline: float, what: str, grow: Callable[[CommConfig], Communicator] | None) -> None:
+        """Give this new group its communicator, ready by ``deadline``: the one ``grow(config)`` makes, or
+        else its own eager init. If that fails, nothing is left of the group."""
+        try:
+            if grow is None:
+                self.eager_init()
+            else:
+                self._set_comm(grow(replace(self._comm_config(), timeout=_left(deadline, what))))
+            self.wait_comm(deadline, what)
+        except BaseException:
+            self.abort()
+            self.shutdown(0)
+            raise
 
 
 @dataclass(frozen=True)
