@@ -3,15 +3,19 @@ PIP ?= $(PYTHON) -m pip
 NPROC ?= 4
 # The CUDA major of the test install (13 or 12): NCCL's library, NVRTC and cuda-bindings all of that major.
 CUDA_MAJOR ?= 13
-# torch's CPU build for the torch-backend tests (a bare `torch` from PyPI is a multi-GB CUDA build).
-TORCH ?= torch==2.13.0
-# The extras the suite needs: its tools, NCCL and NVRTC of one CUDA major, torch, torchft (its adapter's test).
+# The versions every install is validated against (issue 30): pip takes them as constraints, so a fresh clone
+# installs exactly these whatever was released since. One place: tools/pins/ (common.txt and one file per CUDA
+# major; torch's pin picks its CPU build, which a bare `torch` from PyPI is not); `make check-latest` shows what
+# the newest releases would change.
+PINS = -c tools/pins/common.txt -c tools/pins/cu$(CUDA_MAJOR).txt
+# The extras the suite needs: its tools (mypy included: tests/test_typing.py runs it), NCCL and NVRTC of one CUDA
+# major, torch, torchft (its adapter's test).
 TEST_EXTRAS = test,test-cu$(CUDA_MAJOR),torch,torchft
 # pytest-xdist workers for `make test`: 2 halves the suite's time on 2 cores (most tests wait on deadlines);
 # more than the machine's cores makes timing-sensitive tests slow. 0 runs it in one process.
 TEST_WORKERS ?= 2
 
-.PHONY: install install-test test test-sim test-gpu bench demo lint torch-suite
+.PHONY: install install-test test test-sim test-gpu bench demo lint torch-suite check-latest
 
 # The CUDA major of this machine's NVIDIA driver (empty without one): 12 for a 12.x driver, else 13.
 DRIVER_CUDA_MAJOR := $(shell nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9]*\).*/\1/p' | head -n 1 | \
@@ -20,13 +24,14 @@ DRIVER_CUDA_MAJOR := $(shell nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: 
 # What the demo needs: the package (its numpy host backend runs without a GPU), and on a machine with an NVIDIA
 # driver the CUDA extra of the driver's major (NCCL, CuPy, NVRTC), so that the demo runs on NCCL there.
 install:
-	$(PIP) install -q -e '.$(if $(DRIVER_CUDA_MAJOR),[cu$(DRIVER_CUDA_MAJOR)])'
+	$(PIP) install -q -e '.$(if $(DRIVER_CUDA_MAJOR),[cu$(DRIVER_CUDA_MAJOR)])' \
+		-c tools/pins/common.txt -c tools/pins/cu$(or $(DRIVER_CUDA_MAJOR),$(CUDA_MAJOR)).txt
 
 # Everything the CPU suite needs, so that only GPU tests skip: the test tools, NCCL's library and NVRTC of
 # one CUDA major, torch's CPU build, and etcd (Debian's etcd-server) for the EtcdStore tests where the
 # machine allows (root and apt-get); elsewhere it says how to install it.
 install-test:
-	$(PIP) install -q -e '.[$(TEST_EXTRAS)]' '$(TORCH)'
+	$(PIP) install -q -e '.[$(TEST_EXTRAS)]' $(PINS)
 	@command -v etcd >/dev/null || { \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 			export DEBIAN_FRONTEND=noninteractive; \
@@ -81,6 +86,16 @@ torch-suite: install-test
 # ruff (SLF001 included: no reaching into another module's private members), then mypy over the package
 # (configured in pyproject.toml); any finding fails. tests/test_layering.py checks the imports (`make test`).
 lint:
-	$(PIP) install -q -e '.[$(TEST_EXTRAS),lint]' '$(TORCH)'
+	$(PIP) install -q -e '.[$(TEST_EXTRAS),lint]' $(PINS)
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m mypy
+
+# Drift check, not part of `make test`: the newest releases of everything (but LATEST_KEEP, pinned still) in a
+# scratch venv (LATEST_VENV), the CPU suite run there, and a report of which versions moved and which tests fail
+# that pass with the pins (tools/check_latest.py; exit 1 when a newer release breaks a test). torch stays pinned
+# by default: its newest PyPI release is a multi-GB CUDA build (LATEST_KEEP= floats it too).
+LATEST_VENV ?= build/latest-venv
+LATEST_KEEP ?= torch
+check-latest:
+	$(PYTHON) tools/check_latest.py --venv $(LATEST_VENV) --cuda-major $(CUDA_MAJOR) --extras '$(TEST_EXTRAS)' \
+		--keep '$(LATEST_KEEP)' --workers $(TEST_WORKERS)

@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -118,8 +119,10 @@ def _compile_against_nccl_h(tmp_path: Path, source: Path) -> subprocess.Complete
     include = find_nvidia_header_directory("nccl")
     assert include is not None, "nccl.h not found: install the test-cu13 (or test-cu12) extra"
     header = (Path(include) / "nccl.h").read_text()
-    assert "#define NCCL_VERSION_CODE 23203" in header, \
-        f"the stub follows NCCL 2.32.3's nccl.h (what nccl4py 0.6.0 was generated from); {include} has another"
+    code = re.search(r"#define NCCL_VERSION_CODE (\d+)", header)
+    assert code and int(code.group(1)) == simnccl.SIM_VERSION, (
+        f"the stub follows NCCL {nccl_versions()[1]}'s nccl.h (tools/pins/); {include} has version code "
+        f"{code and code.group(1)}: install with the pins (`make install-test`)")
     shim = tmp_path / "shim"
     shim.mkdir(exist_ok=True)
     (shim / "cuda_runtime.h").write_text("typedef struct CUstream_st *cudaStream_t;\n"
@@ -127,6 +130,31 @@ def _compile_against_nccl_h(tmp_path: Path, source: Path) -> subprocess.Complete
     (shim / "cuda_fp16.h").write_text("")
     return subprocess.run(["cc", "-fsyntax-only", "-Wall", "-Werror", "-DSIMNCCL_CHECK_HEADER", f"-I{shim}",
                            f"-I{include}", str(source)], capture_output=True, text=True, timeout=60)
+
+
+def nccl_versions() -> tuple[str, str]:
+    """(installed, pinned): the installed nvidia-nccl wheel's version, and the one tools/pins/ pins for its CUDA
+    major."""
+    pins = Path(__file__).resolve().parent.parent / "tools" / "pins"
+    for major in (13, 12):
+        try:
+            installed = metadata.version(f"nvidia-nccl-cu{major}")
+        except metadata.PackageNotFoundError:
+            continue
+        pin = re.search(rf"^nvidia-nccl-cu{major}==(\S+)$", (pins / f"cu{major}.txt").read_text(), re.M)
+        assert pin, f"tools/pins/cu{major}.txt pins no nvidia-nccl-cu{major}"
+        return installed, pin.group(1)
+    raise AssertionError("no nvidia-nccl wheel installed: install the test-cu13 (or test-cu12) extra")
+
+
+def test_the_simulation_follows_the_pinned_nccl() -> None:
+    """The pin, the stub's header check and the simulation's version move together (docs/TESTING.md, "Pinned
+    versions"): a pin moved alone fails here, and an install without the pins is named as such."""
+    installed, pinned = nccl_versions()
+    major, minor, patch = (int(x) for x in pinned.split(".")[:3])
+    assert simnccl.SIM_VERSION == major * 10000 + minor * 100 + patch, \
+        f"tools/pins/ pins NCCL {pinned}; the simulation follows {simnccl.SIM_VERSION}"
+    assert installed == pinned, f"NCCL {installed} is installed, not the pinned {pinned}: `make install-test`"
 
 
 def test_the_stub_has_the_signatures_of_nccl_h(tmp_path: Path) -> None:

@@ -176,18 +176,19 @@ class ServerIO(ServerRequests):
             if op == _ADD and n >= 17 and unpack_u32(buf, pos + 9)[0] == n - 17:  # hot too: inline
                 try:
                     key = str(view[pos + 13:stop - 8], "utf-8")
-                    value = int(data.get(key, 0)) + unpack_i64(buf, stop - 8)[0]
-                except (UnicodeDecodeError, ValueError):  # the generic path words the error
+                    total: int | None = int(data.get(key, 0)) + unpack_i64(buf, stop - 8)[0]
+                except (UnicodeDecodeError, ValueError):
+                    total = None
+                if total is None or not -(2**63) <= total < 2**63:  # the generic path words the error
                     self._request(conn, op, tag, bytes(view[pos + 9:stop]))
+                    if conn.phase != READY:  # a FATAL answer: nothing after it is handled (issue 30)
+                        return end
                 else:
-                    if not -(2**63) <= value < 2**63:
-                        self._request(conn, op, tag, bytes(view[pos + 9:stop]))
-                    else:
-                        data[key] = b"%d" % value
-                        out += pack_answer(13, tag, 0)
-                        out += pack_i64(value)
-                        if key in waiting:
-                            self._notify(key)
+                    data[key] = b"%d" % total
+                    out += pack_answer(13, tag, 0)
+                    out += pack_i64(total)
+                    if key in waiting:
+                        self._notify(key)
             elif (op == _GET and n >= 17 and unpack_u32(buf, pos + 9)[0] == n - 17
                   and 0 < unpack_f64(buf, stop - 8)[0] < math.inf):  # hot too: inline when the key is there
                 try:
