@@ -97,5 +97,5 @@ lint:
 LATEST_VENV ?= build/latest-venv
 LATEST_KEEP ?= torch
 check-latest:
-	$(PYTHON) tools/check_latest.py --venv $(LATEST_VENV) --cuda-major $(CUDA_MAJOR) --extras '$(TEST_EXTRAS)' \
+	$(PYTHON) tools/check_latest.py --venv $(LATEST_VENV) --cuda-major $(CUDA_MAJOR) --extras '$(TEST_EXTRAS),lint' \
 		--keep '$(LATEST_KEEP)' --workers $(TEST_WORKERS)

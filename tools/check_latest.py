@@ -48,16 +48,17 @@ def read_pins(*files: Path) -> dict[str, str]:
 class Move:
     name: str
     pinned: str | None  # None: installed, but pinned nowhere
-    latest: str | None  # None: pinned, but no longer installed
+    latest: str
 
 
 def moves(pins: dict[str, str], installed: dict[str, str]) -> list[Move]:
-    """What differs between the pins and an environment (versions compared without a local label: the pin
-    ``torch==2.13.0`` is met by ``2.13.0+cpu``, as pip's constraint is)."""
+    """The installed distributions whose version is not their pin, or that have none (versions compared without
+    a local label: the pin ``torch==2.13.0`` is met by ``2.13.0+cpu``, as pip's constraint is). Pins of what
+    this install does not contain (another extra's) are not moves."""
     out = []
-    for name in sorted(set(pins) | set(installed)):
-        pinned, latest = pins.get(name), installed.get(name)
-        if pinned is None or latest is None or latest.split("+", 1)[0] != pinned.split("+", 1)[0]:
+    for name, latest in sorted(installed.items()):
+        pinned = pins.get(name)
+        if pinned is None or latest.split("+", 1)[0] != pinned.split("+", 1)[0]:
             out.append(Move(name, pinned, latest))
     return out
 
@@ -90,8 +91,6 @@ def report(move_list: list[Move], total: int, failed: list[Failure], keep: list[
     for m in move_list:
         if m.pinned is None:
             lines.append(f"- {m.name}: not pinned -> {m.latest} (new dependency: pin it)")
-        elif m.latest is None:
-            lines.append(f"- {m.name}: {m.pinned} -> not installed any more")
         else:
             lines.append(f"- {m.name}: {m.pinned} -> {m.latest}")
     if not move_list:
