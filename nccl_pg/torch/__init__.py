@@ -26,6 +26,7 @@ def _autoload() -> None:
 
 import torch.distributed as tdist  # noqa: E402 - after _autoload, which torch looks up while this module imports it
 
+#: The backend's name for ``torch.distributed.init_process_group``.
 BACKEND_NAME = "nccl_pg"
 
 
