@@ -19,3 +19,6 @@ html_title = f"nccl_pg {release} API reference"
 # Signatures read as written (``timeout: float | timedelta | None = None``), not with every alias expanded.
 autodoc_typehints_format = "short"
 autodoc_member_order = "bysource"
+# Annotations as the sources write them (``from __future__ import annotations``): the array type by its public
+# name, not expanded.
+autodoc_type_aliases = {"Array": "nccl_pg.Array"}

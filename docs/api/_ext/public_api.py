@@ -81,6 +81,14 @@ def _section(home: str) -> str:
     return home
 
 
+def _source_order(obj: Any) -> tuple[str, int]:
+    """Where ``obj`` is defined (file, line), so that a section lists its names as their module does; data last."""
+    try:
+        return inspect.getsourcefile(obj) or "", inspect.getsourcelines(obj)[1]
+    except (TypeError, OSError):
+        return "~", 0
+
+
 def _data_doc(home: str, name: str) -> list[str]:
     """The ``#:`` comment or docstring of the assignment that defines ``name`` in module ``home``."""
     try:
@@ -102,7 +110,7 @@ class PublicApi(SphinxDirective):
         top = importlib.import_module(TOP)
         lines = [f".. automodule:: {modname}", ""]
         groups: dict[str, list[str]] = {}
-        for name in public_names(module):
+        for name in sorted(public_names(module), key=lambda n: _source_order(getattr(module, n))):
             groups.setdefault(_section(origin(module, name)), []).append(name)
         order = [s for s in SECTIONS if s in groups] + sorted(s for s in groups if s not in SECTIONS)
         for section in order:
