@@ -86,7 +86,7 @@ torch-suite: install-test
 # The API reference, from the docstrings (Sphinx autodoc; docs/api), into build/docs/html; any warning fails
 # (tests/test_docs.py builds it the same way in `make test`, and checks that every public name is in it).
 docs: install-test
-	$(PYTHON) -m sphinx -b html -W --keep-going -q docs/api build/docs/html
+	$(PYTHON) -m sphinx -E -b html -W --keep-going -q docs/api build/docs/html
 	@echo "docs: the API reference is in build/docs/html/index.html"
 
 # ruff (SLF001 included: no reaching into another module's private members), then mypy over the package
