@@ -1,11 +1,11 @@
 """PyTorch DistributedDataParallel on the "nccl_pg" backend: a torch training script whose only change is the
 backend's name. Run it as
 
-    nccl-pg run --nproc 2 examples/ddp.py            # CPU tensors: nccl_pg's host backend
-    nccl-pg run --nproc 2 examples/ddp.py --cuda     # CUDA tensors: NCCL, a GPU per rank (LOCAL_RANK)
-    torchrun --nproc-per-node 2 examples/ddp.py      # torch's launcher works the same
+    torchrun --nproc-per-node 2 examples/ddp.py          # CPU tensors: nccl_pg's host backend
+    torchrun --nproc-per-node 2 examples/ddp.py --cuda   # CUDA tensors: NCCL, a GPU per rank (LOCAL_RANK)
 
-with nccl_pg installed (``pip install 'dist/nccl_pg-*.whl[torch]'`` or ``pip install -e '.[torch]'``): its
+or under srun or mpirun (torch's env:// rendezvous: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), with nccl_pg
+installed (``pip install 'dist/nccl_pg-*.whl[torch]'`` or ``pip install -e '.[torch]'``): its
 entry point registers the backend when torch is imported (docs/TORCH.md). A small regression model is
 trained for a few epochs on a synthetic data set that DistributedSampler splits among the ranks; DDP averages
 the gradients in buckets through our all_reduce, with our watchdog, timeouts and flight recorder. At the end
