@@ -4,8 +4,8 @@ backend's name. Run it as
     torchrun --nproc-per-node 2 examples/ddp.py          # CPU tensors: nccl_pg's host backend
     torchrun --nproc-per-node 2 examples/ddp.py --cuda   # CUDA tensors: NCCL, a GPU per rank (LOCAL_RANK)
 
-or under srun or mpirun (torch's env:// rendezvous: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), with nccl_pg
-installed (``pip install 'dist/nccl_pg-*.whl[torch]'`` or ``pip install -e '.[torch]'``): its
+or from any launcher that sets torch's env:// variables (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE; LOCAL_RANK
+for --cuda), with nccl_pg installed (``pip install 'dist/nccl_pg-*.whl[torch]'`` or ``pip install -e '.[torch]'``): its
 entry point registers the backend when torch is imported (docs/TORCH.md). A small regression model is
 trained for a few epochs on a synthetic data set that DistributedSampler splits among the ranks; DDP averages
 the gradients in buckets through our all_reduce, with our watchdog, timeouts and flight recorder. At the end

@@ -79,8 +79,8 @@ def free_port() -> int:
 
 
 def run_ddp(tmp_path: Path, *args: str) -> list[str]:
-    """examples/ddp.py on 2 ranks started as srun or mpirun would (torch's env:// rendezvous: rank 0 hosts the
-    store): each rank's output."""
+    """examples/ddp.py on 2 ranks started as a launcher that sets torch's env:// variables would (rank 0 hosts
+    torch's store): each rank's output."""
     env = {**clean_env(tmp_path), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
            "LOCAL_WORLD_SIZE": "2"}
     procs = [subprocess.Popen([sys.executable, str(EXAMPLES / "ddp.py"), *args], cwd=tmp_path, text=True,
