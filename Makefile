@@ -9,13 +9,13 @@ CUDA_MAJOR ?= 13
 # the newest releases would change.
 PINS = -c tools/pins/common.txt -c tools/pins/cu$(CUDA_MAJOR).txt
 # The extras the suite needs: its tools (mypy included: tests/test_typing.py runs it), NCCL and NVRTC of one CUDA
-# major, torch, torchft (its adapter's test).
-TEST_EXTRAS = test,test-cu$(CUDA_MAJOR),torch,torchft
+# major, torch, torchft (its adapter's test), Sphinx (tests/test_docs.py builds the API reference).
+TEST_EXTRAS = test,test-cu$(CUDA_MAJOR),torch,torchft,docs
 # pytest-xdist workers for `make test`: 2 halves the suite's time on 2 cores (most tests wait on deadlines);
 # more than the machine's cores makes timing-sensitive tests slow. 0 runs it in one process.
 TEST_WORKERS ?= 2
 
-.PHONY: install install-test test test-sim test-gpu bench demo lint torch-suite check-latest
+.PHONY: install install-test test test-sim test-gpu bench demo lint torch-suite check-latest docs
 
 # The CUDA major of this machine's NVIDIA driver (empty without one): 12 for a 12.x driver, else 13.
 DRIVER_CUDA_MAJOR := $(shell nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9]*\).*/\1/p' | head -n 1 | \
@@ -82,6 +82,12 @@ bench: install-test
 # (about 10 min on 2 cores); exits 1 if a test passes on gloo and not on nccl_pg. Result in docs/TORCH.md.
 torch-suite: install-test
 	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(PYTHON) tools/torch_suite.py --world-sizes 2 3 -q
+
+# The API reference, from the docstrings (Sphinx autodoc; docs/api), into build/docs/html; any warning fails
+# (tests/test_docs.py builds it the same way in `make test`, and checks that every public name is in it).
+docs: install-test
+	$(PYTHON) -m sphinx -E -b html -W --keep-going -q docs/api build/docs/html
+	@echo "docs: the API reference is in build/docs/html/index.html"
 
 # ruff (SLF001 included: no reaching into another module's private members), then mypy over the package
 # (configured in pyproject.toml); any finding fails. tests/test_layering.py checks the imports (`make test`).

@@ -30,4 +30,5 @@ class DLPackArray(Protocol):
     __dlpack_device__: Callable[[], Any]
 
 
+#: What the collectives take: a CUDA array (``__cuda_array_interface__``), a DLPack exporter or a numpy array.
 Array: TypeAlias = CudaArray | DLPackArray | np.ndarray

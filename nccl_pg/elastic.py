@@ -1,5 +1,5 @@
 """Elastic recovery for a training loop: what a loop needs to go on when a
-rank dies, and to take its replacement back (docs/ELASTIC.md).
+rank dies, and to take its replacement back (docs/ELASTIC.md)::
 
     job = elastic.Elastic.from_env()          # under `nccl-pg run --elastic`
     rec = job.start("host")                   # the original ranks: init; a replacement: joins

@@ -238,6 +238,9 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
 
 def send_object_list(object_list: list[Any], dst: int | None = None, group: Group = None, device: Any = None,
                      group_dst: int | None = None, *, serializer: str | Serializer | None = None) -> None:
+    """Send the objects of ``object_list`` to rank ``dst`` (a global rank; ``group_dst``: in ``group``),
+    which receives them with ``recv_object_list``; ``serializer``: how they are serialized (default:
+    ``NCCL_PG_OBJECT_SERIALIZER``)."""
     pg = resolve(group, "send_object_list")
     if pg is None:
         return

@@ -33,6 +33,7 @@ class PremulSum:
 
 
 def make_premul_sum(factor: float) -> PremulSum:
+    """``ReduceOp.PREMUL_SUM`` with its factor: every input is multiplied by ``factor``, then summed."""
     return PremulSum(factor)
 
 

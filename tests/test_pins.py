@@ -51,13 +51,13 @@ def test_the_suite_runs_on_the_pinned_versions() -> None:
 def test_every_dependency_of_the_installs_is_pinned(major: str) -> None:
     """The package's dependencies and every extra a `make` target installs are pinned for both CUDA majors, so
     a new dependency cannot slip in unpinned."""
-    extras = ("test", f"test-cu{major}", f"cu{major}", "torch", "torchft", "lint")
+    extras = ("test", f"test-cu{major}", f"cu{major}", "torch", "torchft", "lint", "docs")
     names = set()
     for line in metadata.requires("nccl_pg") or []:  # pyproject.toml's dependencies, as installed
         req = Requirement(line)
         if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in extras):
             names.add(check_latest.canonical(req.name))
-    assert {"numpy", "nccl4py", f"nvidia-nccl-cu{major}", "torch", "hypothesis", "mypy"} <= names
+    assert {"numpy", "nccl4py", f"nvidia-nccl-cu{major}", "torch", "hypothesis", "mypy", "sphinx", "build"} <= names
     assert names - set(pins(major)) == set()
     other = "12" if major == "13" else "13"
     assert not any(name.endswith(f"-cu{other}") for name in pins(major)), "one CUDA major per install"

@@ -6,7 +6,7 @@ runs the CPU suite there, and reports which versions moved and which tests fail.
 runs them), so a failure here is what a newer release breaks. Exit status: 0 when the suite passes on the newest
 releases, 1 when some test fails, 2 when the scratch environment could not be built.
 
-    python tools/check_latest.py --venv build/latest-venv --cuda-major 13 --extras test,test-cu13,torch,torchft
+    python tools/check_latest.py --venv build/latest-venv --cuda-major 13 --extras test,test-cu13,torch,torchft,docs
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--venv", type=Path, default=ROOT / "build" / "latest-venv")
     parser.add_argument("--cuda-major", choices=("12", "13"), default="13")
-    parser.add_argument("--extras", default="test,test-cu13,torch,torchft")
+    parser.add_argument("--extras", default="test,test-cu13,torch,torchft,docs")
     parser.add_argument("--keep", default="torch", help="names (comma or space separated) that stay pinned")
     parser.add_argument("--workers", type=int, default=2, help="pytest-xdist workers (0: one process)")
     parser.add_argument("--pytest-args", default="", help="more arguments for pytest, e.g. '-k store'")

@@ -35,6 +35,7 @@ def all_reduce(tensor: Array, op: Any = ReduceOp.SUM, group: Group = None, async
 
 
 def all_reduce(tensor: Array, op: Any = ReduceOp.SUM, group: Group = None, async_op: bool = False) -> Work | None:
+    """Reduce ``tensor`` over the ranks of ``group`` with ``op``, in place: every rank ends with the result."""
     pg = resolve(group, "all_reduce")
     return None if pg is None else finish(pg.allreduce(tensor, op), async_op)
 
@@ -51,6 +52,7 @@ def all_reduce_coalesced(tensors: Sequence[Array], op: Any = ReduceOp.SUM, group
 
 def all_reduce_coalesced(tensors: Sequence[Array], op: Any = ReduceOp.SUM, group: Group = None,
                          async_op: bool = False) -> Work | None:
+    """``all_reduce`` of several arrays, issued as one operation (one Work for all)."""
     pg = resolve(group, "all_reduce_coalesced")
     return None if pg is None else finish(pg.allreduce_coalesced(list(tensors), op), async_op)
 
@@ -67,6 +69,8 @@ def broadcast(tensor: Array, src: int | None = None, group: Group = None, async_
 
 def broadcast(tensor: Array, src: int | None = None, group: Group = None, async_op: bool = False,
               group_src: int | None = None) -> Work | None:
+    """Copy rank ``src``'s ``tensor`` (a global rank; ``group_src``: its rank in ``group``) into ``tensor``
+    on every other rank of the group."""
     pg = resolve(group, "broadcast")
     if pg is None:
         return None
@@ -85,6 +89,8 @@ def reduce(tensor: Array, dst: int | None = None, op: Any = ReduceOp.SUM, group:
 
 def reduce(tensor: Array, dst: int | None = None, op: Any = ReduceOp.SUM, group: Group = None,
            async_op: bool = False, group_dst: int | None = None) -> Work | None:
+    """Reduce ``tensor`` over the group with ``op`` into rank ``dst``'s ``tensor`` (a global rank;
+    ``group_dst``: its rank in ``group``); only that rank gets the result."""
     pg = resolve(group, "reduce")
     if pg is None:
         return None
@@ -100,6 +106,8 @@ def all_gather(tensor_list: Sequence[Array], tensor: Array, group: Group = None,
 
 
 def all_gather(tensor_list: Sequence[Array], tensor: Array, group: Group = None, async_op: bool = False) -> Work | None:
+    """Every rank's ``tensor`` into ``tensor_list`` (one array per rank of the group, in rank order), on
+    every rank."""
     pg = resolve(group, "all_gather")
     return None if pg is None else finish(pg.allgather(tensor_list, tensor), async_op)
 
@@ -116,6 +124,8 @@ def all_gather_into_tensor(output_tensor: Array, input_tensor: Array, group: Gro
 
 def all_gather_into_tensor(output_tensor: Array, input_tensor: Array, group: Group = None,
                            async_op: bool = False) -> Work | None:
+    """Every rank's ``input_tensor`` into ``output_tensor`` (group size times as large: the inputs
+    one after the other in rank order), on every rank."""
     pg = resolve(group, "all_gather_into_tensor")
     return None if pg is None else finish(pg._allgather_base(output_tensor, input_tensor), async_op)
 
@@ -132,6 +142,8 @@ def reduce_scatter(output: Array, input_list: Sequence[Array], op: Any = ReduceO
 
 def reduce_scatter(output: Array, input_list: Sequence[Array], op: Any = ReduceOp.SUM, group: Group = None,
                    async_op: bool = False) -> Work | None:
+    """Reduce ``input_list`` (one array per rank of the group) over the group with ``op``: group rank i
+    gets the reduction of every rank's ``input_list[i]`` in ``output``."""
     pg = resolve(group, "reduce_scatter")
     return None if pg is None else finish(pg.reduce_scatter(output, input_list, op), async_op)
 
@@ -148,6 +160,8 @@ def reduce_scatter_tensor(output: Array, input: Array, op: Any = ReduceOp.SUM, g
 
 def reduce_scatter_tensor(output: Array, input: Array, op: Any = ReduceOp.SUM, group: Group = None,
                           async_op: bool = False) -> Work | None:
+    """Reduce ``input`` (group size times the size of ``output``) over the group with ``op``: group
+    rank i gets the reduction of every rank's i-th slice in ``output``."""
     pg = resolve(group, "reduce_scatter_tensor")
     return None if pg is None else finish(pg._reduce_scatter_base(output, input, op), async_op)
 
@@ -164,6 +178,8 @@ def all_to_all(output_tensor_list: Sequence[Array], input_tensor_list: Sequence[
 
 def all_to_all(output_tensor_list: Sequence[Array], input_tensor_list: Sequence[Array], group: Group = None,
                async_op: bool = False) -> Work | None:
+    """Each rank sends ``input_tensor_list[j]`` to group rank j and receives group rank j's in
+    ``output_tensor_list[j]``."""
     pg = resolve(group, "all_to_all")
     return None if pg is None else finish(pg.alltoall(output_tensor_list, input_tensor_list), async_op)
 
@@ -183,7 +199,9 @@ def all_to_all_single(output: Array, input: Array, output_split_sizes: Sequence[
 def all_to_all_single(output: Array, input: Array, output_split_sizes: Sequence[int] | None = None,
                       input_split_sizes: Sequence[int] | None = None, group: Group = None,
                       async_op: bool = False) -> Work | None:
-    """Split sizes count rows (the first dimension), as in torch."""
+    """``all_to_all`` on one array each way: ``input``'s parts (equal, or ``input_split_sizes``) go to
+    the group's ranks in order, and ``output`` receives theirs (``output_split_sizes``). Split sizes count rows
+    (the first dimension), as in torch."""
     pg = resolve(group, "all_to_all_single")
     if pg is None:
         return None
@@ -202,6 +220,8 @@ def gather(tensor: Array, gather_list: Sequence[Array] | None = None, dst: int |
 
 def gather(tensor: Array, gather_list: Sequence[Array] | None = None, dst: int | None = None, group: Group = None,
            async_op: bool = False, group_dst: int | None = None) -> Work | None:
+    """Every rank's ``tensor`` into ``gather_list`` (one array per rank of the group, in rank order) on
+    rank ``dst`` (a global rank; ``group_dst``: in ``group``); the others pass no list."""
     pg = resolve(group, "gather")
     if pg is None:
         return None
@@ -220,6 +240,8 @@ def scatter(tensor: Array, scatter_list: Sequence[Array] | None = None, src: int
 
 def scatter(tensor: Array, scatter_list: Sequence[Array] | None = None, src: int | None = None, group: Group = None,
             async_op: bool = False, group_src: int | None = None) -> Work | None:
+    """Rank ``src`` (a global rank; ``group_src``: in ``group``) sends ``scatter_list[i]`` to group rank i,
+    which receives it in ``tensor``; the others pass no list."""
     pg = resolve(group, "scatter")
     if pg is None:
         return None
@@ -235,6 +257,8 @@ def barrier(group: Group = None, async_op: bool = False, device_ids: Sequence[in
 
 
 def barrier(group: Group = None, async_op: bool = False, device_ids: Sequence[int] | None = None) -> Work | None:
+    """Complete once every rank of the group has entered it. ``device_ids`` is checked (a list of
+    ints, as torch requires) and otherwise unused."""
     if device_ids is not None and not (isinstance(device_ids, (list, tuple))
                                        and all(isinstance(d, int) for d in device_ids)):
         raise TypeError("Invalid function argument: device_ids type should be List[int]")

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 
 def is_nccl_available() -> bool:
+    """Whether the NCCL backend can run here: the CUDA driver sees a GPU (asked without creating a context)."""
     return backends.gpu_count() > 0
 
 
@@ -206,12 +207,14 @@ def new_group(ranks: Sequence[int] | None = None, timeout: Timeout | None = None
 
 
 def _set_pg_timeout(timeout: Timeout, group: Group = None) -> None:
+    """Set the timeout of ``group``'s future operations (the default group's if None), as torch's."""
     pg = _get_default_group() if group is None else group
     if isinstance(pg, ProcessGroup):
         pg._set_default_timeout(timeout)
 
 
 def _get_process_group_uid(pg: ProcessGroup) -> int:
+    """``pg``'s number, unique in this process (torch's private name)."""
     return pg.uid
 
 

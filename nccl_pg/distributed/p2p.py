@@ -18,6 +18,8 @@ from .world import Group, _get_default_group, global_rank_of, group_rank_of, res
 
 def isend(tensor: Any, dst: int | None = None, group: Group = None, tag: int = 0,
           group_dst: int | None = None) -> Work | None:
+    """Send ``tensor`` to rank ``dst`` (a global rank; ``group_dst``: in ``group``) without waiting: the
+    Work completes when it is sent (None on a non-member)."""
     pg = resolve(group, "isend")
     if pg is None:
         return None
@@ -28,6 +30,8 @@ def isend(tensor: Any, dst: int | None = None, group: Group = None, tag: int = 0
 
 def irecv(tensor: Any, src: int | None = None, group: Group = None, tag: int = 0,
           group_src: int | None = None) -> Work | None:
+    """Receive into ``tensor`` from rank ``src`` (a global rank; ``group_src``: in ``group``; neither:
+    from any rank, host backend only) without waiting: the Work completes when it has arrived."""
     pg = resolve(group, "irecv")
     if pg is None:
         return None
@@ -38,6 +42,7 @@ def irecv(tensor: Any, src: int | None = None, group: Group = None, tag: int = 0
 
 def send(tensor: Any, dst: int | None = None, group: Group = None, tag: int = 0,
          group_dst: int | None = None) -> None:
+    """Send ``tensor`` to rank ``dst`` (a global rank; ``group_dst``: in ``group``) and wait until it is sent."""
     finish(isend(tensor, dst, group, tag, group_dst), async_op=False)
 
 

@@ -74,10 +74,12 @@ class group(metaclass=_WorldMeta):  # noqa: N801 - torch's name
 
 
 def is_initialized() -> bool:
+    """Whether this process (or thread rank) has a default group."""
     return current_world().default_pg is not None
 
 
 def _get_default_group() -> ProcessGroup:
+    """The default group (torch's private name, which libraries call); ValueError when there is none."""
     pg = current_world().default_pg
     if pg is None:
         raise ValueError("Default process group has not been initialized, please make sure to call "
@@ -105,6 +107,7 @@ def get_rank(group: Group = None) -> int:
 
 
 def get_world_size(group: Group = None) -> int:
+    """The number of ranks in ``group`` (the default group if None); -1 when not a member."""
     if group is NON_GROUP_MEMBER:
         return -1
     pg = _get_default_group() if group is None else group
@@ -113,6 +116,7 @@ def get_world_size(group: Group = None) -> int:
 
 
 def get_backend(group: Group = None) -> str:
+    """The name of ``group``'s backend (the default group's if None), e.g. "host" or "nccl"."""
     pg = _get_default_group() if group is None else group
     if not isinstance(pg, ProcessGroup):
         raise ValueError("get_backend: this rank is not in the group")
@@ -120,10 +124,12 @@ def get_backend(group: Group = None) -> str:
 
 
 def get_process_group_ranks(group: ProcessGroup) -> list[int]:
+    """The global ranks of ``group``'s members, in group rank order."""
     return list(ranks_of(group))
 
 
 def get_group_rank(group: ProcessGroup, global_rank: int) -> int:
+    """``global_rank``'s rank in ``group``; ValueError when it is not a member."""
     ranks = ranks_of(group)
     if global_rank not in ranks:
         raise ValueError(f"Global rank {global_rank} is not part of group {group!r}")
@@ -131,6 +137,7 @@ def get_group_rank(group: ProcessGroup, global_rank: int) -> int:
 
 
 def get_global_rank(group: ProcessGroup, group_rank: int) -> int:
+    """The global rank of ``group``'s rank ``group_rank``."""
     ranks = ranks_of(group)
     if not 0 <= group_rank < len(ranks):
         raise ValueError(f"Group rank {group_rank} is not part of group {group!r} (size {len(ranks)})")

@@ -26,7 +26,9 @@ from .core import GroupState
 from .options import Options
 
 # shrink flags (torch's values): stop the parent's in-flight operations first, or not
+#: ``shrink_group(..., shrink_flags=SHRINK_DEFAULT)``: the parent's operations in flight go on (torch's value).
 SHRINK_DEFAULT = 0x00
+#: ``shrink_group(..., shrink_flags=SHRINK_ABORT)``: stop the parent's operations in flight first (torch's value).
 SHRINK_ABORT = 0x01
 
 

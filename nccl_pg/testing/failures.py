@@ -13,7 +13,7 @@ from ..distributed.world import World
 from ..errors import Culprit, DistBackendError
 from ..group.process_group import ProcessGroup
 
-# A test's deadline, by default (seconds, the whole run).
+#: A test's deadline, by default (seconds, the whole run).
 DEFAULT_TIMEOUT = 60.0
 # The share of the deadline an operation may take by default: the rest is left to the timeout's diagnosis
 # (at most a few seconds), to the other ranks' unwinding, and to the culprit's stack.

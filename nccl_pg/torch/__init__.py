@@ -14,8 +14,19 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import torch.distributed as tdist
 
+def _autoload() -> None:
+    """The ``torch.backends`` entry point: runs at ``import torch``. Defined
+    before this module imports torch: when that import is torch's first, torch
+    runs this entry point while the module is still loading, and the module
+    registers the backend itself at its end."""
+    if "register" in globals() and tdist.is_available():
+        register()
+
+
+import torch.distributed as tdist  # noqa: E402 - after _autoload, which torch looks up while this module imports it
+
+#: The backend's name for ``torch.distributed.init_process_group``.
 BACKEND_NAME = "nccl_pg"
 
 
@@ -60,12 +71,6 @@ def register() -> None:
     if not getattr(tdist.monitored_barrier, "_nccl_pg", False):
         tdist.monitored_barrier = tdist.distributed_c10d.monitored_barrier = _monitored_barrier(
             tdist.distributed_c10d.monitored_barrier)
-
-
-def _autoload() -> None:
-    """The ``torch.backends`` entry point: runs at ``import torch``."""
-    if tdist.is_available():
-        register()
 
 
 register()

@@ -152,4 +152,5 @@ class NcclBackend(Backend):
                    "cudaThreadExchangeStreamCaptureMode")
 
 
+#: The NCCL backend (the registry's ``"nccl"``): its communicators, streams and events.
 NCCL = NcclBackend()
