@@ -83,11 +83,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="this original rank hangs (sleeps for ever) at --kill-step instead; --elastic replaces it")
     parser.add_argument("--backend", default=None, help="host or nccl (default: nccl where there is a GPU)")
     parser.add_argument("--timeout", type=float, default=60.0,
-                        help="deadline of a whole recovery, and of each step's all_reduce, seconds (default: 60)")
+                        help="deadline of a whole recovery, seconds (default: 60)")
+    parser.add_argument("--op-timeout", type=float, default=None,
+                        help="timeout of each step's all_reduce, after which the others name a rank that did not "
+                             "come (default: --timeout)")
     parser.add_argument("--attempt-timeout", type=float, default=None,
                         help="deadline of one attempt of a recovery: how long the others wait for a rank that "
                              "does not come (default: the smaller of --timeout and 60)")
-    parser.add_argument("--step-time", type=float, default=0.0, help="seconds each step sleeps (default: 0)")
+    parser.add_argument("--step-time", type=float, default=0.1,
+                        help="seconds each step takes besides its all_reduce, as a real step computes (default: 0.1)")
     parser.add_argument("--reference", action="store_true", help="print the undisturbed run's checksum and exit")
     args = parser.parse_args(argv)
     victims = set(args.kill_ranks) | set(args.kill_rank or ())
@@ -119,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         device = int(os.environ.get("LOCAL_RANK", "0")) % cupy.cuda.runtime.getDeviceCount()
         cupy.cuda.Device(device).use()
         xp = cupy
-    rec = job.start(backend, **({"device_id": device} if device is not None else {}))
+    op_timeout = args.timeout if args.op_timeout is None else args.op_timeout
+    rec = job.start(backend, timeout=op_timeout, **({"device_id": device} if device is not None else {}))
     if rec.finished:  # a replacement started as the others ended: nothing left to do
         print(f"member {job.member}: the job finished before this process got in", flush=True)
         return 0
@@ -145,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             total = contributions(xp, step, items)
             # Waited for on the CPU, so that a failed step fails here, before its result is used: on NCCL a
             # plain all_reduce only orders the GPU stream, and the loop would run on ahead of the failure.
-            dist.all_reduce(total, async_op=True).wait(timedelta(seconds=2 * args.timeout))  # the op timeout first
+            dist.all_reduce(total, async_op=True).wait(timedelta(seconds=2 * op_timeout))  # the op timeout first
             previous, state = state, update(xp, state, total)
             step += 1
         except dist.DistBackendError as exc:

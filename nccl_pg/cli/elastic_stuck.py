@@ -35,10 +35,10 @@ STACK_CAP = 256 * 1024  # bytes of it kept
 
 
 def named_stuck(report: dict[str, Any]) -> list[int]:
-    """The members a report names stuck. Today's rule (the diagnosis's
-    evidence): every rank an operation's timeout blamed, i.e. that made no
-    progress past the op timeout (it never issued the operation, or did
-    not answer the diagnosis)."""
+    """The members a report names stuck. Today's rule: no progress past a
+    timeout, as the evidence says — an operation's timeout blamed them (the
+    diagnosis: they never issued it, or did not answer), or they did not
+    come to a recovery's configuration within a whole attempt."""
     suspects = report.get("suspects")
     if not isinstance(suspects, list):
         return []
@@ -91,8 +91,10 @@ class StuckWatch:
     def _take_stack(self, member: int, guard: int, report: dict[str, Any]) -> str:
         """Ask the rank for its C-level stack (its handler writes it); the line the launcher prints."""
         pid = _rank_pid(guard, report, member)
-        reporter = report.get("reporter")
-        why = f"member {reporter}'s operation timed out on it (configuration {report.get('uuid')})"
+        reporter, uuid = report.get("reporter"), report.get("uuid")
+        why = (f"it did not come to configuration {uuid} within member {reporter}'s attempt"
+               if report.get("kind") == "absent" else
+               f"member {reporter}'s operation timed out on it (configuration {uuid})")
         if pid is None:
             return f"{why}; its process was not found to take its stack"
         written = stacks.request(pid, env.STACKS_SIGNAL.get(), STACK_TIME, STACK_CAP)

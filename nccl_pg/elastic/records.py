@@ -230,16 +230,15 @@ class Records:
                 found[member] = _handle(raw, key, member)
         return Slots(config, found, gone)
 
-    def evict(self, config: Config, round_: int, why: str) -> bool:
+    def evict(self, config: Config, round_: int, why: str) -> list[int] | None:
         """After this process's ``round_``-th wait for ``config``'s slots ran
         out: if it is the first to claim the round, tombstone the empty slots
-        (the others' waits then end). True when it did."""
+        (the others' waits then end) and return whose they were; else None."""
         if self.store.add(f"{NAMESPACE}/{config.uuid}/evict/{round_}", 1) != 1:
-            return False
+            return None
         tomb = GONE + why.encode()
-        for i in range(len(config.members)):
-            self.store.compare_set(slot_key(config.uuid, i), b"", tomb)
-        return True
+        return [m for i, m in enumerate(config.members)
+                if self.store.compare_set(slot_key(config.uuid, i), b"", tomb) == tomb]
 
     def finish(self, member: int, uuid: int, step: int | None) -> None:
         """Member ``member``'s loop ended in configuration ``uuid``."""

@@ -39,6 +39,7 @@ from .. import env
 from ..distributed import _get_default_group, broadcast, init_process_group, is_initialized
 from ..distributed.world import current_world
 from ..errors import DistBackendError, DistStoreError
+from ..group.options import Options
 from ..group.process_group import ProcessGroup
 from ..membership import get_init_handle, job_store, reconfigure
 from ..reduce_op import ReduceOp
@@ -164,10 +165,12 @@ class Elastic:
         """An original rank: ``init_process_group(backend, **init_kwargs)``
         (env://, or the job's store), step 0. A process that comes in: writes
         the configuration with itself in, follows the records there, then
-        agrees on the step with the members (``init_kwargs``: ``device_id``,
-        ``pg_options`` for its group)."""
-        self._join_kwargs = {"backend": backend, **{k: v for k, v in init_kwargs.items()
-                                                    if k in ("device_id", "pg_options")}}
+        agrees on the step with the members (of ``init_kwargs``, ``timeout``
+        (the operations' timeout; default the Elastic's), ``device_id`` and
+        ``pg_options`` shape its group)."""
+        op_timeout = to_seconds(init_kwargs.get("timeout", self.timeout), "timeout")
+        self._join_kwargs = {"backend": backend, "pg_options": init_kwargs.get("pg_options") or Options(op_timeout),
+                             **({"device_id": init_kwargs["device_id"]} if "device_id" in init_kwargs else {})}
         if self.join_uuid is None:
             if not is_initialized():
                 kwargs = {"timeout": self.timeout, **init_kwargs}
@@ -293,9 +296,11 @@ class Elastic:
                 why = (f"did not come to configuration {target} within the {self.attempt_timeout:g} s attempt of "
                        f"member {me}")
                 marked = records.evict(config, self._rounds[target], why)
+                if marked:  # evidence for their launchers: alive, they made no progress for an attempt
+                    self._report(target, [{"member": m, "reason": why} for m in marked], "absent", why)
                 raise DistBackendError(f"timeout: nccl_pg elastic: member {me}: not every member of configuration "
                                        f"{target} {list(config.members)} came within the attempt"
-                                       + ("; it marked the missing ones gone" if marked else "")) from None
+                                       + (f"; it marked {marked} gone" if marked else "")) from None
             self._offered = None
             if any(why.startswith(FINISHED) for why in slots.gone.values()):
                 raise _Finished
@@ -365,15 +370,19 @@ class Elastic:
         if not culprits:
             return
         records = self._need_records()
+        members: Sequence[int]
         try:
-            members: Sequence[int] = records.read(pg.uuid).members
+            members = records.read(pg.uuid).members
         except (DistStoreError, ValueError):
             members = ()
         suspects = [{"rank": c.rank, "member": members[c.rank] if 0 <= c.rank < len(members) else None,
                      "host": c.host, "pid": c.pid, "reason": c.reason} for c in culprits]
+        self._report(pg.uuid, suspects, "op-timeout", str(error))
+
+    def _report(self, uuid: int, suspects: list[dict[str, Any]], kind: str, evidence: str) -> None:
         try:
-            records.report_stuck({"uuid": pg.uuid, "reporter": self.member, "suspects": suspects,
-                                  "error": str(error)[:2000]})
+            self._need_records().report_stuck({"uuid": uuid, "reporter": self.member, "kind": kind,
+                                               "suspects": suspects, "error": evidence[:2000]})
         except DistStoreError as exc:  # the recovery goes on; the launcher just learns nothing from this one
             log.warning("nccl_pg elastic: member %d: could not report the stuck ranks %s: %s", self.member,
                         [s["member"] for s in suspects], exc)
