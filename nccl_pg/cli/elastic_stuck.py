@@ -22,10 +22,10 @@ from typing import Any
 
 from .. import env, process_tree
 from ..diagnostics import stacks
+from ..elastic.records import STUCK_COUNT_KEY, Records, stuck_key
 from ..errors import DistStoreError
 from ..store import Store
 from ..store.base import Unparked
-from ..elastic.records import STUCK_COUNT_KEY, Records, stuck_key
 
 log = logging.getLogger(__name__)
 

@@ -36,9 +36,9 @@ from ..errors import DistError
 from ..store import TCPStoreServer
 from ..timeouts import option_seconds
 from . import elastic, jobs
-from .elastic_stuck import StuckWatch
 from ._rank_guard import CLEANUP_BUDGET, KILL_SIGNAL
 from .autopsy import AUTOPSY_TIME, Autopsy
+from .elastic_stuck import StuckWatch
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 EXIT_STATUS_HELP = ("exit status: 0 when every rank exits 0; otherwise that of the first rank to fail (128+N for "

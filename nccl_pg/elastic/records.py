@@ -94,10 +94,10 @@ class Config:
         """A record read from the store: anything else than what ``encode``
         writes is a ValueError naming the key."""
         try:
-            d = json.loads(raw) if len(raw) <= _MAX_RECORD else None
+            d: Any = json.loads(raw) if len(raw) <= _MAX_RECORD else None
             members = d["members"]
-            ok = (isinstance(d["uuid"], int) and isinstance(members, list)
-                  and all(isinstance(m, int) and not isinstance(m, bool) and m >= 0 for m in members)
+            ok = (type(d["uuid"]) is int and isinstance(members, list)
+                  and all(type(m) is int and m >= 0 for m in members)
                   and len(set(members)) == len(members) and isinstance(d.get("why", ""), str))
         except (ValueError, TypeError, KeyError):
             ok = False

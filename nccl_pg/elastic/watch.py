@@ -79,6 +79,7 @@ class RecordWatch:
                     return
                 target = self._target
                 parking = self._parking = self.store.parking()
+            assert target is not None
             pg, uuid = target
             try:
                 parking.wait([config_key(uuid + 1)], PARK)

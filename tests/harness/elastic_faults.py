@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import elastic as example  # noqa: E402  (examples/elastic.py)
 
-from nccl_pg.elastic import recovery, records  # noqa: E402
+from nccl_pg.elastic import records, recovery  # noqa: E402
 
 
 def _die(why: str) -> None:
