@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from harness.etcd_cluster import INSTALL_HINT, EtcdCluster, etcd_binary, fresh_job
+from harness.etcd_cluster import EtcdCluster, fresh_job
 from harness.fake_etcd import FakeMember, wait_until
 
 from nccl_pg.errors import DistStoreError
@@ -155,3 +155,23 @@ def test_parked_waits_leave_few_idle_connections(cluster: EtcdCluster) -> None:
     assert not any(t.is_alive() for t in threads)
     assert store._client.idle_connections() <= etcd_client.MAX_IDLE
     assert not store._client.streams
+
+
+def test_a_parking_is_one_watch_and_ends_at_close(cluster: EtcdCluster) -> None:
+    """EtcdStore.parking() (the record watch, the diagnosis listener, the
+    launcher's stuck watch): a parked wait costs its read and one watch, not a
+    request every slice, and close() ends it at once."""
+    from harness.threads import start_thread
+
+    from nccl_pg.store.base import Unparked
+
+    store = EtcdStore(cluster.url, fresh_job(), timeout=20)
+    parking = store.parking()
+    t, out = start_thread(lambda: parking.wait(["never"], 15))
+    time.sleep(1.0)
+    assert parking.store.requests <= 3, parking.store.requests  # (the default parking: ~20 a second)
+    start = time.monotonic()
+    parking.close()
+    t.join(5)
+    assert not t.is_alive() and time.monotonic() - start < 2
+    assert isinstance(out[0], Unparked), out

@@ -43,6 +43,8 @@ from .base import (
     COUNTED_PREFIX,
     HIDDEN_PREFIX,
     Backoff,
+    OwnParking,
+    Parking,
     Store,
     Value,
     added,
@@ -200,6 +202,16 @@ class EtcdStore(Store):
         other._closed = False
         self._client.share()
         return other
+
+    def parking(self) -> Parking:
+        """A wait on connections of its own (one watch however long it
+        parks), which ``close()`` ends at once without disturbing the calls
+        of other threads."""
+        other = object.__new__(EtcdStore)
+        other.__dict__.update(self.__dict__)
+        other._closed = False
+        other._client = EtcdClient(self._client.names)
+        return OwnParking(other)
 
     def close(self) -> None:
         """Release this object's share of the connections (the last user closes them)."""
