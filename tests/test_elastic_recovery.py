@@ -32,11 +32,11 @@ pytestmark = pytest.mark.timeout(RUN_LIMIT + 30)
 CASES = {
     "two at once, rank 0 among them": (4, ["--kill-ranks", "0,1"], "", 2),
     "a member dies after its handle went in": (4, ["--kill-ranks", "2"], "offered:3", 2),
-    "the replacement dies inside its grow": (4, ["--kill-ranks", "2"], "grow:4", 2),
     "a hung rank": (4, ["--hang-rank", "2"], "", 1),
 }
 if os.environ.get("ELASTIC_MATRIX"):
     CASES.update({
+        "the replacement dies inside its grow": (4, ["--kill-ranks", "2"], "grow:4", 2),
         "four of eight at once": (8, ["--kill-ranks", "1,3,4,6"], "", 4),
         "four of eight, rank 0 among them": (8, ["--kill-ranks", "0,1,2,3"], "", 4),
         "two of four, then one more during the recovery": (4, ["--kill-ranks", "1,2"], "offered:3", 3),
