@@ -53,7 +53,7 @@ test-sim: install-test
 # etcd leader, torchft's frozen replica over Gloo too. About 6 min on 2 cores.
 test-elastic: install-test
 	ELASTIC_MATRIX=1 $(PYTHON) -m pytest -q -n $(TEST_WORKERS) tests/test_elastic.py tests/test_elastic_recovery.py \
-		tests/test_elastic_nodes.py tests/test_torchft.py tests/test_reconfigure.py
+		tests/test_elastic_nodes.py tests/test_torchft.py tests/test_reconfigure.py tests/test_nccl_sim_reconfigure.py
 
 # On a machine with a GPU: the gpu-marked tests only (the NCCL backend, bench and doctor on a GPU).
 # Without a GPU it says so and exits 0; tools/gpu_check.sh runs the whole GPU checklist on a lent machine.
