@@ -167,3 +167,24 @@ def test_bench_elastic_store_requests_do_not_grow_with_the_ranks(tmp_path):
     assert rows[("reconfigure", 6)]["shrink_requests_per_rank"] <= 9
     # (+3 since issue 33: the members agree on keeping their group or a fresh one, as the survivors of a shrink do)
     assert rows[("reconfigure", 6)]["grow_requests_per_rank"] <= 15
+
+
+def test_bench_elastic_kills_measures_from_the_stamps():
+    """tools/bench_elastic_kills.py's arithmetic on stamps made by hand: the first victim's kill, the last
+    survivor's next step past the kill step, the first full-size step everywhere, a replacement's start to its
+    first step (a survivor's step that finished after the kill stamp but before the kill step does not count)."""
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import bench_elastic_kills as K
+    finally:
+        sys.path.pop(0)
+    done = lambda t, step, size: {"e": "done", "t": t, "step": step, "size": size}  # noqa: E731
+    stamps = {
+        "member0": [done(9.0, 20, 3), done(10.05, 20, 3), done(10.4, 21, 2), done(12.0, 22, 3)],
+        "member1": [{"e": "kill", "t": 10.0}],
+        "member2": [done(9.0, 20, 3), done(10.5, 21, 2), done(12.0, 22, 3)],
+        "member3": [{"e": "spawned", "at": 10.2}, done(11.9, 22, 3)],
+    }
+    got = K.measure(stamps, 3, 20)
+    assert got["survivors_s"] == pytest.approx(0.5) and got["full_size_s"] == pytest.approx(2.0)
+    assert got["replacement_s"] == pytest.approx(1.7) and got["killed"] == 1
