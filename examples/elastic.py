@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attempt-timeout", type=float, default=None,
                         help="deadline of one attempt of a recovery: how long the others wait for a rank that "
                              "does not come (default: the smaller of --timeout and 60)")
-    parser.add_argument("--step-time", type=float, default=0.1,
-                        help="seconds each step takes besides its all_reduce, as a real step computes (default: 0.1)")
+    parser.add_argument("--step-time", type=float, default=0.25,
+                        help="seconds each step takes besides its all_reduce, as a real step computes (default: 0.25)")
     parser.add_argument("--reference", action="store_true", help="print the undisturbed run's checksum and exit")
     args = parser.parse_args(argv)
     victims = set(args.kill_ranks) | set(args.kill_rank or ())
