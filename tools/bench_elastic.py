@@ -42,6 +42,10 @@ for memory: each is a torch process), in the same run; what is measured:
 tools/bench_elastic_kills.py.
 
     python3 tools/bench_elastic.py --kills [--sizes 8 16 64] [--json out.json]
+
+``--commit-cost``: what the torchft adapter's agreement in ``errored()`` (one
+1-element all_reduce per step, issue 33) costs a step, on two ranks, beside
+torchft's own Gloo group, for a small and a 1 MiB allreduce.
 """
 
 from __future__ import annotations
@@ -414,8 +418,21 @@ def main() -> int:
     parser.add_argument("--kills", action="store_true", help="healing after SIGKILLs, against torchft (issue 33)")
     parser.add_argument("--torchft-max", type=int, default=16, help="--kills: largest N run under torchft too")
     parser.add_argument("--limit", type=float, default=600.0, help="--kills: seconds one run may take")
+    parser.add_argument("--commit-cost", action="store_true", help="the torchft adapter's errored() agreement")
     args = parser.parse_args()
     args.logs.mkdir(parents=True, exist_ok=True)
+    if args.commit_cost:
+        import bench_elastic_kills as K  # noqa: PLC0415 - tools/ is this script's folder
+
+        print(f"# {platform.node()}, {os.cpu_count()} CPUs, {date.today()}, load {os.getloadavg()[0]:.1f}; "
+              "medians over 300 steps, microseconds (the slower of the 2 ranks)")
+        print(f"{'elements':>9} {'way':<8} {'allreduce us':>12} {'errored() us':>12} {'share of the step':>17}")
+        for elements in (8, 1 << 18):
+            for way, row in K.commit_cost(elements).items():
+                share = row["errored_us"] / (row["allreduce_us"] + row["errored_us"])
+                print(f"{elements:>9} {way:<8} {row['allreduce_us']:>12.0f} {row['errored_us']:>12.0f} {share:>17.0%}",
+                      flush=True)
+        return 0
     if args.kills:
         return kills_main(args.sizes if args.sizes != [4, 16, 64] else [8, 16, 64], args)
     if args.nccl_sim:

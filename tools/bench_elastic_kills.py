@@ -123,6 +123,52 @@ def torchft_replica(args: argparse.Namespace) -> int:
             stamp("done", step=manager.current_step(), size=manager.num_participants())
 
 
+def commit_rank(args: argparse.Namespace) -> int:
+    """One of two ranks of a torchft ProcessGroup (``--way``: nccl_pg's, or torchft's Gloo), configured as a
+    Manager would: per step, the allreduce of ``--elements`` float32 waited for, then ``errored()`` (what
+    should_commit reads); the medians of each, in microseconds, on stdout as JSON."""
+    import statistics  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+    from torchft.process_group import ProcessGroupGloo  # noqa: PLC0415
+
+    from nccl_pg.torch.torchft import ProcessGroupNcclPg  # noqa: PLC0415
+
+    pg = (ProcessGroupNcclPg if args.way == "nccl_pg" else ProcessGroupGloo)(timeout=timedeltas(30))
+    pg.configure(args.lighthouse, f"r{args.replica}", args.replica, 2)
+    t = torch.ones(args.elements)
+    step_us, errored_us = [], []
+    for i in range(args.steps + 20):
+        t0 = time.perf_counter()
+        pg.allreduce([t], torch.distributed.AllreduceOptions()).wait()
+        t1 = time.perf_counter()
+        assert pg.errored() is None
+        t2 = time.perf_counter()
+        if i >= 20:  # warm
+            step_us.append((t1 - t0) * 1e6)
+            errored_us.append((t2 - t1) * 1e6)
+    print(json.dumps({"allreduce_us": statistics.median(step_us), "errored_us": statistics.median(errored_us)}))
+    pg.shutdown()
+    return 0
+
+
+def commit_cost(elements: int, steps: int = 300) -> dict[str, dict[str, float]]:
+    """The adapter's agreement in errored(), against torchft's Gloo (whose errored() only reads a field)."""
+    from torch.distributed import TCPStore  # noqa: PLC0415
+
+    out = {}
+    for way in ("nccl_pg", "gloo"):
+        store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+        addr = f"localhost:{store.port}/{way}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_PG_", "TORCH_NCCL_"))}
+        procs = [subprocess.Popen([sys.executable, __file__, "--commit-rank", "--way", way, "--replica", str(r),
+                                   "--lighthouse", addr, "--elements", str(elements), "--steps", str(steps)],
+                                  cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True) for r in range(2)]
+        rows = [json.loads(p.communicate(timeout=300)[0].strip().splitlines()[-1]) for p in procs]
+        out[way] = {k: max(r[k] for r in rows) for k in rows[0]}
+    return out
+
+
 def timedeltas(seconds: float) -> Any:
     from datetime import timedelta  # noqa: PLC0415
 
@@ -258,6 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--torchft-replica", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--commit-rank", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--way", help=argparse.SUPPRESS)
+    parser.add_argument("--elements", type=int, default=8, help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=300, help=argparse.SUPPRESS)
     parser.add_argument("--replica", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--restarted", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--lighthouse", help=argparse.SUPPRESS)
@@ -271,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         return nccl_pg_rank(args)
     if args.torchft_replica:
         return torchft_replica(args)
+    if args.commit_rank:
+        return commit_rank(args)
     parser.error("run through tools/bench_elastic.py --kills")
     return 2
 
