@@ -18,11 +18,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness.etcd_cluster import INSTALL_HINT, EtcdCluster, etcd_binary, fresh_job
+from harness.etcd_cluster import EtcdCluster, fresh_job
 
 from nccl_pg import process_tree
 
@@ -97,12 +96,8 @@ def reference() -> str:
 
 
 @pytest.fixture
-def cluster() -> Iterator[EtcdCluster]:
-    """A cluster of this test's own (it kills a member)."""
-    if etcd_binary() is None:
-        pytest.skip(INSTALL_HINT)
-    with EtcdCluster(3, start_timeout=20) as c:
-        yield c
+def cluster(own_etcd_cluster: EtcdCluster) -> EtcdCluster:
+    return own_etcd_cluster  # of this test's own: it kills a member
 
 
 CASES = {"a node is lost": (1, False)}

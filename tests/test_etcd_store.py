@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from harness.etcd_cluster import INSTALL_HINT, EtcdCluster, etcd_binary, fresh_job
+from harness.etcd_cluster import EtcdCluster, fresh_job
 from harness.threads import start_thread
 
 from nccl_pg import rendezvous
@@ -26,15 +26,6 @@ from nccl_pg.store import EtcdStore, PrefixStore, etcd_client
 from nccl_pg.store.etcd_store import check_job
 
 pytestmark = [pytest.mark.usefixtures("clean_store_env"), pytest.mark.timeout(60)]
-
-
-@pytest.fixture
-def own_cluster() -> Iterator[EtcdCluster]:
-    """A cluster of this test's own, for tests that kill members."""
-    if etcd_binary() is None:
-        pytest.skip(INSTALL_HINT)
-    with EtcdCluster(3, start_timeout=20) as cluster:
-        yield cluster
 
 
 def until(condition: Callable[[], bool], seconds: float = 10.0) -> None:
@@ -58,12 +49,12 @@ def on_member(store: EtcdStore, index: int) -> EtcdStore:
 # --- losing a member ------------------------------------------------------------------
 
 
-def test_every_call_works_after_its_member_is_killed(own_cluster: EtcdCluster) -> None:
-    victim = own_cluster.leader()  # the leader: the cluster must elect another, too
-    store = on_member(EtcdStore(own_cluster.url, fresh_job(), timeout=20), victim)
+def test_every_call_works_after_its_member_is_killed(own_etcd_cluster: EtcdCluster) -> None:
+    victim = own_etcd_cluster.leader()  # the leader: the cluster must elect another, too
+    store = on_member(EtcdStore(own_etcd_cluster.url, fresh_job(), timeout=20), victim)
     store.set("before", b"1")
     store.queue_push("q", b"item")
-    own_cluster.kill(victim)  # the member this client uses; its pooled connection is now dead
+    own_etcd_cluster.kill(victim)  # the member this client uses; its pooled connection is now dead
     start = time.monotonic()
     store.set("a", b"A")
     assert store.get("before") == b"1" and store.get("a") == b"A"
@@ -83,20 +74,20 @@ def test_every_call_works_after_its_member_is_killed(own_cluster: EtcdCluster) -
     store.close()
 
 
-def test_blocked_waits_complete_when_their_member_dies(own_cluster: EtcdCluster) -> None:
+def test_blocked_waits_complete_when_their_member_dies(own_etcd_cluster: EtcdCluster) -> None:
     """wait, get and queue_pop parked on a watch at the leader; the leader is
     killed; the keys are then set through another member: every call completes."""
-    job, victim = fresh_job(), own_cluster.leader()
-    waiter = on_member(EtcdStore(own_cluster.url, job, timeout=30), victim)
-    writer = on_member(EtcdStore(own_cluster.url, job, timeout=30), (victim + 1) % 3)
+    job, victim = fresh_job(), own_etcd_cluster.leader()
+    waiter = on_member(EtcdStore(own_etcd_cluster.url, job, timeout=30), victim)
+    writer = on_member(EtcdStore(own_etcd_cluster.url, job, timeout=30), (victim + 1) % 3)
     calls = {"wait": lambda: waiter.clone().wait(["k"]), "get": lambda: waiter.clone().get("g"),
              "queue_pop": lambda: waiter.clone().queue_pop("q")}
     running = {name: start_thread(call) for name, call in calls.items()}
     until(lambda: len(waiter._client.streams) == 4)  # wait watches values and queues; get and pop one each
-    own_cluster.kill(victim)
+    own_etcd_cluster.kill(victim)
     # the waits moved to another member: their watches are open there
     until(lambda: len(waiter._client.streams) == 4 and all(
-        s.sock.getpeername()[1] != own_cluster.client_ports[victim] for s in list(waiter._client.streams)), 20)
+        s.sock.getpeername()[1] != own_etcd_cluster.client_ports[victim] for s in list(waiter._client.streams)), 20)
     writer.set("k", b"K")
     writer.set("g", b"G")
     writer.queue_push("q", b"Q")
@@ -107,7 +98,7 @@ def test_blocked_waits_complete_when_their_member_dies(own_cluster: EtcdCluster)
 
 
 @pytest.mark.timeout(120)
-def test_a_job_survives_the_loss_of_a_member(own_cluster: EtcdCluster, spawn: Callable[..., subprocess.Popen]) -> None:
+def test_a_job_survives_the_loss_of_a_member(own_etcd_cluster: EtcdCluster, spawn: Callable[..., subprocess.Popen]) -> None:
     """Four processes run rounds of rendezvous (set, add, barrier, multi_get,
     queue push/pop) on etcd; the leader is killed with SIGKILL in the middle.
     Every process finishes every round, and no add was lost or counted twice."""
@@ -126,11 +117,11 @@ def test_a_job_survives_the_loss_of_a_member(own_cluster: EtcdCluster, spawn: Ca
         "s.barrier('end', n)\n"
         "print('ok', s.get('total').decode(), flush=True)\n"
     )
-    procs = [spawn(code, own_cluster.url, job, rank, n, rounds) for rank in range(n)]
-    observer = EtcdStore(own_cluster.url, job, timeout=60)
+    procs = [spawn(code, own_etcd_cluster.url, job, rank, n, rounds) for rank in range(n)]
+    observer = EtcdStore(own_etcd_cluster.url, job, timeout=60)
     observer.wait([f"r{rounds // 3}/0"])
     assert not observer.check([f"r{rounds - 1}/0"])  # in the middle of the job
-    own_cluster.kill(own_cluster.leader())
+    own_etcd_cluster.kill(own_etcd_cluster.leader())
     outputs = [p.communicate(timeout=90)[0] for p in procs]
     assert [p.returncode for p in procs] == [0] * n, outputs
     total = rounds * sum(range(1, n + 1))
@@ -140,14 +131,14 @@ def test_a_job_survives_the_loss_of_a_member(own_cluster: EtcdCluster, spawn: Ca
 
 
 @pytest.mark.parametrize("timeout", [4.0, 30.0])
-def test_a_silent_member_is_left_for_the_next(own_cluster: EtcdCluster, timeout: float) -> None:
+def test_a_silent_member_is_left_for_the_next(own_etcd_cluster: EtcdCluster, timeout: float) -> None:
     """A frozen (SIGSTOPped) member is left within the request's deadline,
     whatever the store's timeout (the production constants: before issue 33
     a timeout under 20 s never left it)."""
-    follower = next(i for i in range(3) if i != own_cluster.leader())
-    store = on_member(EtcdStore(own_cluster.url, fresh_job(), timeout=timeout), follower)
+    follower = next(i for i in range(3) if i != own_etcd_cluster.leader())
+    store = on_member(EtcdStore(own_etcd_cluster.url, fresh_job(), timeout=timeout), follower)
     store.set("a", b"1")  # a pooled connection to the follower, which stays open
-    own_cluster.freeze(follower)
+    own_etcd_cluster.freeze(follower)
     start = time.monotonic()
     store.set("b", b"2")
     assert store.get("a") == b"1" and store.add("n", 1) == 1
@@ -171,11 +162,11 @@ def test_parked_watches_have_tcp_keepalive(etcd_cluster: EtcdCluster) -> None:
     assert out == [None]
 
 
-def test_every_member_gone_is_a_network_error(own_cluster: EtcdCluster) -> None:
-    store = EtcdStore(own_cluster.url, fresh_job(), timeout=20)
+def test_every_member_gone_is_a_network_error(own_etcd_cluster: EtcdCluster) -> None:
+    store = EtcdStore(own_etcd_cluster.url, fresh_job(), timeout=20)
     store.set("k", b"v")
     for member in range(3):
-        own_cluster.kill(member)
+        own_etcd_cluster.kill(member)
     start = time.monotonic()
     with pytest.raises(DistNetworkError, match="every member refused"):
         store.set("k", b"w")
