@@ -182,6 +182,9 @@ class Elastic:
             if self._store is None:
                 self._store = job_store()
                 self._records = Records(self._store)
+            assert self._records is not None
+            # Record 0 (a launcher wrote the same already; without one, the ranks go on without a lost rank)
+            self._records.start(range(_get_default_group().size()))
             self._done.add(0)
             self._seen = 0
             self._arm()
