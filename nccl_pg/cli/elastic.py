@@ -32,7 +32,6 @@ and after one attempt the survivors go on without them.
 from __future__ import annotations
 
 import argparse
-import os
 import secrets
 from dataclasses import dataclass
 
@@ -215,6 +214,3 @@ class Membership:
     def close(self) -> None:
         self.store.close()
 
-
-def describe_node(m: Membership) -> str:
-    return f"node {m.node}" if m.node is not None else f"a node coming in (pid {os.getpid()})"
