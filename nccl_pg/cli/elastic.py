@@ -52,9 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --elastic: start at most N replacements (on this node, in the whole job), then a "
                              f"death stops the job (default: {DEFAULT_MAX_REPLACEMENTS})")
     parser.add_argument("--no-replace-stuck", dest="replace_stuck", action="store_false",
-                        help="with --elastic: leave hung ranks alone. By default a rank that the others' operation "
-                             "timeout names (no progress past the op timeout, as the diagnosis says) has its stack "
-                             "taken, then is stopped and replaced like a dead one")
+                        help="with --elastic: leave hung ranks alone. By default a rank named stuck (no progress "
+                             "past a timeout: the others' operation timeout names it, as the diagnosis says, or it "
+                             "did not come to a recovery for a whole attempt) has its stack taken, then is stopped "
+                             "and replaced like a dead one")
     parser.add_argument("--nnodes", type=_positive, default=1, metavar="N",
                         help="with --elastic: the job's nodes, one launcher each, meeting on --rdzv-endpoint "
                              "(default: 1)")
