@@ -130,7 +130,7 @@ def test_a_job_survives_the_loss_of_a_member(own_etcd_cluster: EtcdCluster, spaw
     observer.close()
 
 
-@pytest.mark.parametrize("timeout", [4.0, 30.0])
+@pytest.mark.parametrize("timeout", [4.0, 25.0])
 def test_a_silent_member_is_left_for_the_next(own_etcd_cluster: EtcdCluster, timeout: float) -> None:
     """A frozen (SIGSTOPped) member is left within the request's deadline,
     whatever the store's timeout (the production constants: before issue 33
@@ -143,7 +143,8 @@ def test_a_silent_member_is_left_for_the_next(own_etcd_cluster: EtcdCluster, tim
     store.set("b", b"2")
     assert store.get("a") == b"1" and store.add("n", 1) == 1
     took = time.monotonic() - start
-    assert took < min(timeout, etcd_client.SILENT_AFTER) and store._client.current != follower, took
+    # left after half the time left, at most SILENT_AFTER; then three calls on a live member
+    assert took < min(timeout, etcd_client.SILENT_AFTER + 3) and store._client.current != follower, took
 
 
 def test_parked_watches_have_tcp_keepalive(etcd_cluster: EtcdCluster) -> None:

@@ -8,7 +8,7 @@ What it adds to plain HTTP is what a store needs:
   it; answers and watch lines bounded in size; malformed answers are a
   DistStoreError naming the member).
 - **Silent members**: a member that has not answered a request in full
-  after half of the time left (at most ``SILENT_AFTER``) is left for the
+  after half of the time left (at most ``SILENT_AFTER``, 10 s) is left for the
   next one, so that a frozen member costs part of a deadline, never all of
   it, whatever the store's timeout.
 - **Failover**: the endpoints are the cluster's members. Requests go to one
@@ -48,7 +48,7 @@ _CONNECT_ATTEMPT = 3.0
 # A member that has not answered a request in full after half of the time left, and at most this long, is
 # silent (hung, or its machine frozen): the request goes to the next member. etcd itself answers every request
 # within its request timeout (5 s + 2 election timeouts: 7 s by default), with an error if need be.
-SILENT_AFTER = 20.0
+SILENT_AFTER = 10.0
 MIN_SILENT = 0.5  # below twice this much time left, a request waits for its member to the end
 # Idle keep-alive connections kept per client (more are closed when given back), and how long one may sit idle.
 MAX_IDLE = 4
