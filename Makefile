@@ -15,7 +15,7 @@ TEST_EXTRAS = test,test-cu$(CUDA_MAJOR),torch,torchft,docs
 # more than the machine's cores makes timing-sensitive tests slow. 0 runs it in one process.
 TEST_WORKERS ?= 2
 
-.PHONY: install install-test test test-sim test-gpu bench demo lint torch-suite check-latest docs
+.PHONY: install install-test test test-sim test-gpu test-elastic bench demo lint torch-suite check-latest docs
 
 # The CUDA major of this machine's NVIDIA driver (empty without one): 12 for a 12.x driver, else 13.
 DRIVER_CUDA_MAJOR := $(shell nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9]*\).*/\1/p' | head -n 1 | \
@@ -47,6 +47,13 @@ test: install-test
 # The NCCL backend's logic on the simulated bindings (tests/simnccl; also part of `make test`): no GPU needed.
 test-sim: install-test
 	$(PYTHON) -m pytest -q -m simnccl
+
+# Elastic recovery's whole matrix (issue 33; the suite runs a selection): 8 ranks losing 4 (rank 0 among them), a
+# replacement killed inside its grow, a hung rank with a death, three etcd nodes losing rank 0's node with the
+# etcd leader, torchft's frozen replica over Gloo too. About 6 min on 2 cores.
+test-elastic: install-test
+	ELASTIC_MATRIX=1 $(PYTHON) -m pytest -q -n $(TEST_WORKERS) tests/test_elastic.py tests/test_elastic_recovery.py \
+		tests/test_elastic_nodes.py tests/test_torchft.py tests/test_reconfigure.py tests/test_nccl_sim_reconfigure.py
 
 # On a machine with a GPU: the gpu-marked tests only (the NCCL backend, bench and doctor on a GPU).
 # Without a GPU it says so and exits 0; tools/gpu_check.sh runs the whole GPU checklist on a lent machine.

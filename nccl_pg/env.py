@@ -77,6 +77,14 @@ def parse_str(raw: str) -> str:
     return raw
 
 
+def parse_etcd_url(raw: str) -> str:
+    """``etcd://host:port[,host:port...]/job`` (the form of the etcd:// init method)."""
+    head, _, job = raw.removeprefix("etcd://").partition("/")
+    if not raw.startswith("etcd://") or not head or not job or "/" in job:
+        raise ValueError("expected etcd://host:port[,host:port...]/job")
+    return raw
+
+
 def parse_choice(*choices: str) -> Callable[[str], str]:
     def parse(raw: str) -> str:
         if raw.lower() not in choices:
@@ -274,8 +282,13 @@ ELASTIC_MEMBER: Var[int | None] = Var(
     "(the original ranks: their rank; each replacement: the next number).")
 ELASTIC_UUID: Var[int | None] = Var(
     "NCCL_PG_ELASTIC_UUID", parse_int(0), None,
-    "Set by `nccl-pg run --elastic` for a replacement: the configuration (uuid) it joins.")
-ALL = (*ALL, ELASTIC_MEMBER, ELASTIC_UUID)
+    "Set by `nccl-pg run --elastic` for a process that comes in while the job runs (a replacement, a new "
+    "node's rank): the configuration (uuid) current when it was started.")
+ELASTIC_STORE: Var[str | None] = Var(
+    "NCCL_PG_ELASTIC_STORE", lambda raw: parse_etcd_url(raw), None,
+    "Set by `nccl-pg run --elastic` on several nodes (--rdzv-endpoint): the job's store, "
+    "etcd://host:port[,host:port...]/job, which every rank and launcher meets on.")
+ALL = (*ALL, ELASTIC_MEMBER, ELASTIC_UUID, ELASTIC_STORE)
 
 
 def watchdog_timing(environ: Mapping[str, str] | None = None) -> tuple[float, float]:

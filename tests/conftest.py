@@ -86,6 +86,15 @@ def etcd_cluster() -> Iterator[EtcdCluster]:
 
 
 @pytest.fixture
+def own_etcd_cluster() -> Iterator[EtcdCluster]:
+    """A cluster of the test's own, for tests that kill or freeze members (skips as ``etcd_cluster`` does)."""
+    if etcd_binary() is None:
+        pytest.skip(ETCD_INSTALL_HINT)
+    with EtcdCluster(3, start_timeout=20) as cluster:
+        yield cluster
+
+
+@pytest.fixture
 def spawn() -> Iterator[Spawn]:
     """Start ``python -c code *args`` with text pipes for stdin/stdout; children still alive at teardown are killed."""
     procs: list[subprocess.Popen] = []

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from harness.etcd_cluster import INSTALL_HINT, EtcdCluster, etcd_binary, fresh_job
+from harness.etcd_cluster import EtcdCluster, fresh_job
 from harness.threads import start_thread
 
 from nccl_pg import rendezvous
@@ -26,15 +26,6 @@ from nccl_pg.store import EtcdStore, PrefixStore, etcd_client
 from nccl_pg.store.etcd_store import check_job
 
 pytestmark = [pytest.mark.usefixtures("clean_store_env"), pytest.mark.timeout(60)]
-
-
-@pytest.fixture
-def own_cluster() -> Iterator[EtcdCluster]:
-    """A cluster of this test's own, for tests that kill members."""
-    if etcd_binary() is None:
-        pytest.skip(INSTALL_HINT)
-    with EtcdCluster(3, start_timeout=20) as cluster:
-        yield cluster
 
 
 def until(condition: Callable[[], bool], seconds: float = 10.0) -> None:
@@ -50,20 +41,20 @@ def on_member(store: EtcdStore, index: int) -> EtcdStore:
     with client.lock:
         client.current = index
         idle, client.idle = client.idle, []  # the pool holds connections to the current member only
-    for conn in idle:
-        conn.close()
+    for sock, _ in idle:
+        sock.close()
     return store
 
 
 # --- losing a member ------------------------------------------------------------------
 
 
-def test_every_call_works_after_its_member_is_killed(own_cluster: EtcdCluster) -> None:
-    victim = own_cluster.leader()  # the leader: the cluster must elect another, too
-    store = on_member(EtcdStore(own_cluster.url, fresh_job(), timeout=20), victim)
+def test_every_call_works_after_its_member_is_killed(own_etcd_cluster: EtcdCluster) -> None:
+    victim = own_etcd_cluster.leader()  # the leader: the cluster must elect another, too
+    store = on_member(EtcdStore(own_etcd_cluster.url, fresh_job(), timeout=20), victim)
     store.set("before", b"1")
     store.queue_push("q", b"item")
-    own_cluster.kill(victim)  # the member this client uses; its pooled connection is now dead
+    own_etcd_cluster.kill(victim)  # the member this client uses; its pooled connection is now dead
     start = time.monotonic()
     store.set("a", b"A")
     assert store.get("before") == b"1" and store.get("a") == b"A"
@@ -83,20 +74,20 @@ def test_every_call_works_after_its_member_is_killed(own_cluster: EtcdCluster) -
     store.close()
 
 
-def test_blocked_waits_complete_when_their_member_dies(own_cluster: EtcdCluster) -> None:
+def test_blocked_waits_complete_when_their_member_dies(own_etcd_cluster: EtcdCluster) -> None:
     """wait, get and queue_pop parked on a watch at the leader; the leader is
     killed; the keys are then set through another member: every call completes."""
-    job, victim = fresh_job(), own_cluster.leader()
-    waiter = on_member(EtcdStore(own_cluster.url, job, timeout=30), victim)
-    writer = on_member(EtcdStore(own_cluster.url, job, timeout=30), (victim + 1) % 3)
+    job, victim = fresh_job(), own_etcd_cluster.leader()
+    waiter = on_member(EtcdStore(own_etcd_cluster.url, job, timeout=30), victim)
+    writer = on_member(EtcdStore(own_etcd_cluster.url, job, timeout=30), (victim + 1) % 3)
     calls = {"wait": lambda: waiter.clone().wait(["k"]), "get": lambda: waiter.clone().get("g"),
              "queue_pop": lambda: waiter.clone().queue_pop("q")}
     running = {name: start_thread(call) for name, call in calls.items()}
     until(lambda: len(waiter._client.streams) == 4)  # wait watches values and queues; get and pop one each
-    own_cluster.kill(victim)
+    own_etcd_cluster.kill(victim)
     # the waits moved to another member: their watches are open there
     until(lambda: len(waiter._client.streams) == 4 and all(
-        s.sock.getpeername()[1] != own_cluster.client_ports[victim] for s in list(waiter._client.streams)), 20)
+        s.sock.getpeername()[1] != own_etcd_cluster.client_ports[victim] for s in list(waiter._client.streams)), 20)
     writer.set("k", b"K")
     writer.set("g", b"G")
     writer.queue_push("q", b"Q")
@@ -107,7 +98,7 @@ def test_blocked_waits_complete_when_their_member_dies(own_cluster: EtcdCluster)
 
 
 @pytest.mark.timeout(120)
-def test_a_job_survives_the_loss_of_a_member(own_cluster: EtcdCluster, spawn: Callable[..., subprocess.Popen]) -> None:
+def test_a_job_survives_the_loss_of_a_member(own_etcd_cluster: EtcdCluster, spawn: Callable[..., subprocess.Popen]) -> None:
     """Four processes run rounds of rendezvous (set, add, barrier, multi_get,
     queue push/pop) on etcd; the leader is killed with SIGKILL in the middle.
     Every process finishes every round, and no add was lost or counted twice."""
@@ -126,11 +117,11 @@ def test_a_job_survives_the_loss_of_a_member(own_cluster: EtcdCluster, spawn: Ca
         "s.barrier('end', n)\n"
         "print('ok', s.get('total').decode(), flush=True)\n"
     )
-    procs = [spawn(code, own_cluster.url, job, rank, n, rounds) for rank in range(n)]
-    observer = EtcdStore(own_cluster.url, job, timeout=60)
+    procs = [spawn(code, own_etcd_cluster.url, job, rank, n, rounds) for rank in range(n)]
+    observer = EtcdStore(own_etcd_cluster.url, job, timeout=60)
     observer.wait([f"r{rounds // 3}/0"])
     assert not observer.check([f"r{rounds - 1}/0"])  # in the middle of the job
-    own_cluster.kill(own_cluster.leader())
+    own_etcd_cluster.kill(own_etcd_cluster.leader())
     outputs = [p.communicate(timeout=90)[0] for p in procs]
     assert [p.returncode for p in procs] == [0] * n, outputs
     total = rounds * sum(range(1, n + 1))
@@ -139,16 +130,21 @@ def test_a_job_survives_the_loss_of_a_member(own_cluster: EtcdCluster, spawn: Ca
     observer.close()
 
 
-def test_a_silent_member_is_left_for_the_next(own_cluster: EtcdCluster, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(etcd_client, "SILENT_AFTER", 1.0)  # 20 s in production: above etcd's own 7 s
-    follower = next(i for i in range(3) if i != own_cluster.leader())
-    store = on_member(EtcdStore(own_cluster.url, fresh_job(), timeout=20), follower)
+@pytest.mark.parametrize("timeout", [4.0, 25.0])
+def test_a_silent_member_is_left_for_the_next(own_etcd_cluster: EtcdCluster, timeout: float) -> None:
+    """A frozen (SIGSTOPped) member is left within the request's deadline,
+    whatever the store's timeout (the production constants: before issue 33
+    a timeout under 20 s never left it)."""
+    follower = next(i for i in range(3) if i != own_etcd_cluster.leader())
+    store = on_member(EtcdStore(own_etcd_cluster.url, fresh_job(), timeout=timeout), follower)
     store.set("a", b"1")  # a pooled connection to the follower, which stays open
-    own_cluster.freeze(follower)
+    own_etcd_cluster.freeze(follower)
     start = time.monotonic()
     store.set("b", b"2")
     assert store.get("a") == b"1" and store.add("n", 1) == 1
-    assert time.monotonic() - start < 5 and store._client.current != follower
+    took = time.monotonic() - start
+    # left after half the time left, at most SILENT_AFTER; then three calls on a live member
+    assert took < min(timeout, etcd_client.SILENT_AFTER + 3) and store._client.current != follower, took
 
 
 def test_parked_watches_have_tcp_keepalive(etcd_cluster: EtcdCluster) -> None:
@@ -167,11 +163,11 @@ def test_parked_watches_have_tcp_keepalive(etcd_cluster: EtcdCluster) -> None:
     assert out == [None]
 
 
-def test_every_member_gone_is_a_network_error(own_cluster: EtcdCluster) -> None:
-    store = EtcdStore(own_cluster.url, fresh_job(), timeout=20)
+def test_every_member_gone_is_a_network_error(own_etcd_cluster: EtcdCluster) -> None:
+    store = EtcdStore(own_etcd_cluster.url, fresh_job(), timeout=20)
     store.set("k", b"v")
     for member in range(3):
-        own_cluster.kill(member)
+        own_etcd_cluster.kill(member)
     start = time.monotonic()
     with pytest.raises(DistNetworkError, match="every member refused"):
         store.set("k", b"w")
@@ -380,8 +376,8 @@ def test_host_backend_publishes_the_address_of_its_connection_to_etcd(etcd_clust
     store = EtcdStore(etcd_cluster.url, fresh_job(), timeout=10)
     before = store.requests
     assert store.local_address() == "127.0.0.1" and store.requests == before  # no request needed
-    [conn] = store._client.idle
-    assert conn.sock is not None and conn.sock.getsockname()[0] == "127.0.0.1"
+    [(sock, _)] = store._client.idle
+    assert sock.getsockname()[0] == "127.0.0.1"
     monkeypatch.delenv("NCCL_PG_HOST_ADDR", raising=False)
     monkeypatch.setattr(EtcdStore, "local_address", lambda self: "192.0.2.7")  # as on a host with a real NIC
     assert host_address(PrefixStore("pg", store)) == "192.0.2.7"
@@ -394,19 +390,19 @@ def test_host_backend_publishes_the_address_of_its_connection_to_etcd(etcd_clust
 def test_forked_child_never_touches_the_parents_connections(etcd_cluster: EtcdCluster) -> None:
     store = EtcdStore(etcd_cluster.url, fresh_job(), timeout=10)
     store.set("parent", b"1")
-    [pooled] = store._client.idle
+    [(pooled, _)] = store._client.idle
     pid = os.fork()
     if pid == 0:  # the child: a connection of its own, its exit closes only its copies
         code = 1
         try:
             store.set("child", b"2")
-            code = 0 if store.get("parent") == b"1" and pooled not in store._client.idle else 3
+            code = 0 if store.get("parent") == b"1" and pooled not in [s for s, _ in store._client.idle] else 3
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert store.get("child") == b"2"
-    assert store._client.idle == [pooled]  # the parent's connection survived the child
+    assert [s for s, _ in store._client.idle] == [pooled]  # the parent's connection survived the child
     store.close()
 
 

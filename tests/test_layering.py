@@ -22,7 +22,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nccl_pg"
 # The layers above comm/ and store/, by folder (a name ending in "." is a package and everything in it).
 GROUP = {"nccl_pg.group", "nccl_pg.group."}
 DIAGNOSTICS = {"nccl_pg.diagnostics", "nccl_pg.diagnostics."}
-API = {"nccl_pg", "nccl_pg.distributed", "nccl_pg.distributed.", "nccl_pg.objects", "nccl_pg.join", "nccl_pg.membership", "nccl_pg.elastic", "nccl_pg.torch", "nccl_pg.torch.",
+API = {"nccl_pg", "nccl_pg.distributed", "nccl_pg.distributed.", "nccl_pg.objects", "nccl_pg.join", "nccl_pg.membership", "nccl_pg.elastic", "nccl_pg.elastic.", "nccl_pg.torch", "nccl_pg.torch.",
        "nccl_pg.testing", "nccl_pg.testing.", "nccl_pg.cli", "nccl_pg.cli."}
 
 

@@ -17,6 +17,7 @@ the simulation reads them, never GPU behaviour."""
 
 from __future__ import annotations
 
+import os
 import signal
 from typing import Any
 
@@ -241,17 +242,19 @@ atexit.register(_report)
 """
 
 
-@pytest.mark.parametrize("victim", [2, 0])
-def test_the_worked_example_on_nccl(tmp_path, victim):
-    """examples/elastic.py's NCCL variant (CuPy arrays: simnccl.xp, on simulated GPUs LOCAL_RANK % 2), run as
-    the issue writes it under `nccl-pg run --nproc 4 --elastic`, every process importing the simulation through a
-    sitecustomize: exit 0, shrunk to 3, grown back to 4 with the replacement, every rank's checksum that of the
-    undisturbed run; no violation, no communicator left; the replacement joined through ncclCommGrow, and the
-    survivors grew with it through ncclCommGetUniqueId (the coordinator) and ncclCommGrow (their shrink was a
-    fresh communicator: the broken one, aborted by error handling 2 or revoked by the recovery first, lost a
-    network peer, which NCCL does not shrink)."""
+@pytest.mark.parametrize("victims", ["0,1", *(["2"] if os.environ.get("ELASTIC_MATRIX") else [])],
+                         ids=["ranks 0 and 1 at once", *(["rank 2"] if os.environ.get("ELASTIC_MATRIX") else [])])
+def test_the_worked_example_on_nccl(tmp_path, victims):
+    """examples/elastic.py's NCCL variant (CuPy arrays: simnccl.xp, on simulated GPUs LOCAL_RANK % 2) under
+    `nccl-pg run --nproc 4 --elastic`, every process importing the simulation through a sitecustomize, one rank
+    or two at once (rank 0, the coordinator, among them) SIGKILLed: exit 0, the survivors went on without them,
+    every replacement came in, every rank's checksum that of the undisturbed run; no violation of NCCL's rules as
+    the simulation reads them, no communicator left. The calls: after a peer's SIGKILL the survivors' communicator
+    lost a network peer, which NCCL does not shrink (a fresh ncclCommInitRankConfig); a replacement's record then
+    revokes the group (the record watch), and NCCL grows no revoked communicator (comms.rst: "safe for destroy,
+    split, and shrink"), so the grow is a fresh communicator too. ncclCommShrink excluding several ranks and
+    ncclCommGrow by several, on a group that can: test_several_left_and_joined_in_one_call."""
     import json
-    import os
     import re
     import subprocess
     import sys
@@ -264,26 +267,51 @@ def test_the_worked_example_on_nccl(tmp_path, victim):
     (site / "sitecustomize.py").write_text(SITE.format(tests=str(repo / "tests"), report=str(report)))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_PG_", "TORCH_NCCL_"))}
     env.update(PYTHONPATH=str(site), NCCL_PG_DEBUG_INFO_TEMP_FILE=str(tmp_path / "trace_"))
+    dead = [int(v) for v in victims.split(",")]
     p = subprocess.run([str(Path(sys.executable).parent / "nccl-pg"), "run", "--nproc", "4", "--elastic",
-                        "examples/elastic.py", "--backend", "nccl", "--kill-rank", str(victim), "--kill-step", "20"],
-                       cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+                        "examples/elastic.py", "--backend", "nccl", "--kill-ranks", victims, "--kill-step", "10",
+                        "--step-time", "0.25", "--steps", "60"],
+                       cwd=repo, env=env, capture_output=True, text=True, timeout=140)
     assert p.returncode == 0, p.stdout + p.stderr
-    reference = subprocess.run([sys.executable, "examples/elastic.py", "--reference"], cwd=repo, capture_output=True,
-                               text=True, timeout=60, check=True).stdout.split()[-1]
+    reference = subprocess.run([sys.executable, "examples/elastic.py", "--reference", "--steps", "60"], cwd=repo,
+                               capture_output=True, text=True, timeout=60, check=True).stdout.split()[-1]
     finals = dict(re.findall(r"\[(rank\d)\]: final ([0-9a-f]+)", p.stdout))
-    survivors = {f"rank{r}" for r in range(4) if r != victim}
-    assert finals == dict.fromkeys(survivors | {"rank4"}, reference), p.stdout
-    assert dict(re.findall(r"\[(rank\d)\]: membership: uuid 1: world size (\d)", p.stdout)) == \
-        dict.fromkeys(survivors, "3"), p.stdout
-    assert re.search(r"\[rank4\]: membership: uuid 2: world size 4, rank 3 \(joined", p.stdout), p.stdout
+    replacements = {f"rank{4 + i}" for i in range(len(dead))}
+    assert finals == dict.fromkeys({f"rank{r}" for r in range(4) if r not in dead} | replacements, reference), \
+        p.stdout
+    assert re.search(rf"membership: uuid \d+: world size {4 - len(dead)}", p.stdout), p.stdout  # went on without them
     reports = {f.stem: json.loads(f.read_text()) for f in report.glob("member*.json")}
-    assert set(reports) == {f"member{r}" for r in range(5) if r != victim}, reports
+    assert set(reports) == {f"member{r}" for r in range(4 + len(dead)) if r not in dead}, reports
     for who, r in reports.items():
         assert r["violations"] == [] and r["live"] == 0, (who, r)
-    assert order([[c] for c in reports["member4"]["calls"]]) == ["ncclCommGrow"]
-    coordinator = f"member{min(r for r in range(4) if r != victim)}"
-    for who, r in reports.items():
-        if who != "member4":  # a revoke may come first, if the recovery gets there before error handling aborts
-            calls = [c for c in order([[c] for c in r["calls"]]) if c != "ncclCommRevoke"]
-            assert calls == ["ncclCommInitRankConfig", "ncclCommInitRankConfig"] + \
-                (["ncclCommGetUniqueId"] if who == coordinator else []) + ["ncclCommGrow"], (who, r)
+        assert set(order([[c] for c in r["calls"]])) <= {"ncclCommRevoke", "ncclCommInitRankConfig", "ncclCommShrink",
+                                                        "ncclCommGetUniqueId", "ncclCommGrow"}, (who, r["calls"])
+
+
+@pytest.mark.parametrize("dead", [True, *([False] if os.environ.get("ELASTIC_MATRIX") else [])],
+                         ids=["sigkilled", *(["left-alive"] if os.environ.get("ELASTIC_MATRIX") else [])])
+def test_several_left_and_joined_in_one_call(tmp_path, dead):
+    """Issue 33: ranks 1 and 2 of 4 leave together (alive, or both SIGKILLed inside an all_reduce) and two new
+    processes join, in one reconfigure: revoke, then ncclCommShrink(NCCL_SHRINK_ABORT) excluding both (alive) or a
+    fresh communicator of the survivors (SIGKILLed), then ncclCommGetUniqueId on the coordinator and ncclCommGrow
+    from 2 ranks to 4: NCCL's order, by several at once (the alive case in `make test-elastic`; the suite's
+    test_some_left and test_some_joined shrink and grow by two on their own)."""
+    out = change(tmp_path, 6, {"NCCL_PG_ASYNC_ERROR_HANDLING": "0"},
+                 expect_rc={1: -signal.SIGKILL, 2: -signal.SIGKILL} if dead else None,
+                 old=[0, 1, 2, 3], dead=[1, 2] if dead else [], new=[0, 3, 4, 5])
+    for old, new in ((0, 0), (3, 1), (4, 2), (5, 3)):
+        assert out[old]["after"] == [10.0, new, 4], out[old]
+    for old, new in ((0, 0), (3, 1)):
+        calls = out[old]["calls"]
+        middle = "ncclCommInitRankConfig" if dead else "ncclCommShrink"
+        assert order(calls) == ["ncclCommRevoke", middle] + (["ncclCommGetUniqueId"] if new == 0 else []) + \
+            ["ncclCommGrow"], calls
+        if not dead:
+            shrink = next(c for c in calls if c[0] == "ncclCommShrink")
+            assert shrink[2]["flags"] == 1 and sorted(shrink[2]["exclude"]) == [1, 2], shrink
+        grow = next(c for c in calls if c[0] == "ncclCommGrow")
+        assert grow[2]["nranks"] == 4, grow
+        torn_down_by_abort(calls, calls[0][1])
+        grow_calls(calls, new == 0)
+    for r in (4, 5):
+        assert order(out[r]["calls"]) == ["ncclCommGrow"], out[r]["calls"]

@@ -156,3 +156,20 @@ def test_a_joiner_given_other_handles_says_so(tmp_path):
         out = w.results(timeout=60)
     assert "other init_handles" in out[2]["failure"], out[2]
     assert all(out[r]["failure"] and "timeout" in out[r]["failure"] for r in (0, 1)), out
+
+
+def test_a_timeout_race_gives_no_split(tmp_path):
+    """Issue 33: after ranks 0 and 1 time out on an all_reduce that rank 2
+    never issued, the three reconfigure to the same handles: rank 2 (its
+    group healthy on its own) agrees with the others on a fresh group, so
+    all three are in one group with the right sums (before, rank 2 kept its
+    old group and the others failed with "ranks [2] never joined"). A
+    member that never calls reconfigure is named as such."""
+    with World(3, E.timeout_race, tmp_path, env={"NCCL_PG_DUMP_ON_TIMEOUT": "0"}) as w:
+        out = w.results(timeout=60)
+    assert out[0]["timed_out"] and out[1]["timed_out"] and out[2]["healthy_before"], out
+    for r, res in out.items():
+        assert not res["kept_old"] and res["sum"] == [6.0, r, 3] and res["comm"] == out[0]["comm"], out
+    for r in (0, 1):
+        assert "ranks [2] of configuration 1 never called reconfigure" in out[r]["late_error"], out[r]
+        assert out[r]["late_took"] < 10, out[r]

@@ -7,6 +7,7 @@ that heals from a live one."""
 
 from __future__ import annotations
 
+import os
 import signal
 
 import pytest
@@ -38,3 +39,39 @@ def test_manager_over_nccl_pg_survives_a_replica_kill_and_takes_it_back(tmp_path
     assert out[0]["errors"], "replica 0's allreduce at the kill must have failed"
     assert set(out[0]["participants"]) == {2} and set(out[2]["participants"]) == {2}, out
     assert out[2]["step"] == S.STEPS and out[2]["healed"], out[2]
+
+
+def run_frozen_replica(tmp_path, backend: str) -> dict:
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=500, heartbeat_timeout_ms=1000)
+    try:
+        args = {"lighthouse": lighthouse.address(), "backend": backend, "freeze_at": 2, "steps": 5}
+        with World(2, S.frozen_replica, tmp_path, args=args) as w:
+            w.wait_key("frozen", timeout=60)
+            w.wait_key("peer_failed", timeout=60)
+            os.kill(w.procs[1].pid, signal.SIGCONT)
+            return w.results(timeout=100)
+    finally:
+        lighthouse.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl_pg"] if os.environ.get("ELASTIC_MATRIX") else ["nccl_pg"])
+def test_a_frozen_replica_never_commits_a_step_its_peer_failed(tmp_path, backend):
+    """Issue 33: replica 1 is SIGSTOPped just before its allreduce of step
+    2 and resumed once replica 0's allreduce of that step timed out (3 s)
+    and replica 0 aborted its group. Over torchft's Gloo, the resumed
+    allreduce fails (the peer closed the connection). Over nccl_pg it can
+    complete from the data replica 0 had sent, so nothing local says that
+    the peer failed: the adapter's errored() agrees with the peers (one
+    1-element all_reduce), which fails on the aborted communicator. Either
+    way neither replica commits step 2 in that quorum, both redo it, and
+    they end on the same state. (Gloo's run: `make test-elastic`.)"""
+    out = run_frozen_replica(tmp_path, backend)
+    want = [float(sum(range(1, 6)))] * 3
+    assert out[0]["w"] == want and out[1]["w"] == want, out
+    first = {r: next(e for e in out[r]["log"] if e["step"] == 2) for r in (0, 1)}
+    assert first[0]["error"] and first[0]["took"] >= 2.9, first  # replica 0 timed out
+    assert not first[0]["commit"] and not first[1]["commit"], first  # ... and replica 1 did not commit it either
+    for r in (0, 1):
+        assert [e["step"] for e in out[r]["log"] if e["commit"]] == [0, 1, 2, 3, 4], out[r]["log"]

@@ -33,6 +33,19 @@ ncclCommGrow, finalize, destroy, abort; in order) and store requests per step:
 simulated counts, not GPU timings.
 
     python3 tools/bench_elastic.py --nccl-sim [--sizes 4 8] [--json out.json]
+
+Healing after SIGKILLs, against torchft (issue 33): ``--kills`` runs, for each
+N (default 8, 16, 64) and 1, N/4 and N/2 ranks SIGKILLed at once, the same toy
+training under `nccl-pg run --elastic` and under torchft 0.2.0's Manager over
+Gloo (one replica group per rank; torchft up to ``--torchft-max`` replicas,
+for memory: each is a torch process), in the same run; what is measured:
+tools/bench_elastic_kills.py.
+
+    python3 tools/bench_elastic.py --kills [--sizes 8 16 64] [--json out.json]
+
+``--commit-cost``: what the torchft adapter's agreement in ``errored()`` (one
+1-element all_reduce per step, issue 33) costs a step, on two ranks, beside
+torchft's own Gloo group, for a small and a 1 MiB allreduce.
 """
 
 from __future__ import annotations
@@ -349,6 +362,47 @@ def scenario(mode: str, n: int, logdir: Path) -> dict[str, Any]:
     }
 
 
+def kills_main(sizes: list[int], args: argparse.Namespace) -> int:
+    import bench_elastic_kills as K  # noqa: PLC0415 - tools/ is this script's folder
+
+    opts = argparse.Namespace(kill_step=20, step_time=0.05, op_timeout=30.0, limit=args.limit, join_timeout_ms=1000,
+                              heartbeat_ms=1000)
+    load = os.getloadavg()
+    print(f"# {platform.node()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, {date.today()}; "
+          f"load average at the start {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; kill at step {opts.kill_step}, "
+          f"step time {opts.step_time:g} s")
+    print(f"{'N':>3} {'killed':>6} {'way':<8} {'survivors s':>11} {'full size s':>11} {'replacement s':>13} "
+          f"{'(max s)':>8}")
+    rows = []
+    for n in sizes:
+        for k in sorted({1, n // 4, n // 2}):
+            row: dict[str, Any] = {"n": n, "killed": k}
+            for way, run in (("nccl_pg", K.run_nccl_pg), ("torchft", K.run_torchft)):
+                if way == "torchft" and n > args.torchft_max:
+                    continue
+                try:
+                    got = run(n, k, opts, args.logs / f"kills_{way}_{n}_{k}")
+                except RuntimeError as exc:
+                    got = {"error": str(exc)}
+                row[way] = got
+                if "error" in got:
+                    print(f"{n:>3} {k:>6} {way:<8} {got['error']}", flush=True)
+                    continue
+                print(f"{n:>3} {k:>6} {way:<8} {got['survivors_s']:>11.2f} {got['full_size_s']:>11.2f} "
+                      f"{got['replacement_s']:>13.2f} {got['replacement_max_s']:>8.2f}", flush=True)
+            a, b = row.get("nccl_pg", {}), row.get("torchft", {})
+            if "survivors_s" in a and "survivors_s" in b:
+                row["ratio"] = {m: a[m] / b[m] for m in ("survivors_s", "full_size_s", "replacement_s")}
+                print(f"{n:>3} {k:>6} {'ratio':<8} {row['ratio']['survivors_s']:>11.2f} "
+                      f"{row['ratio']['full_size_s']:>11.2f} {row['ratio']['replacement_s']:>13.2f}", flush=True)
+            rows.append(row)
+    load = os.getloadavg()
+    print(f"# load average at the end {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         mode = sys.argv[2]
@@ -361,8 +415,26 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     parser.add_argument("--logs", type=Path, default=Path("/tmp/bench_elastic"), help="the ranks' output")
     parser.add_argument("--nccl-sim", action="store_true", help="the NCCL backend's simulated call sequence instead")
+    parser.add_argument("--kills", action="store_true", help="healing after SIGKILLs, against torchft (issue 33)")
+    parser.add_argument("--torchft-max", type=int, default=16, help="--kills: largest N run under torchft too")
+    parser.add_argument("--limit", type=float, default=600.0, help="--kills: seconds one run may take")
+    parser.add_argument("--commit-cost", action="store_true", help="the torchft adapter's errored() agreement")
     args = parser.parse_args()
     args.logs.mkdir(parents=True, exist_ok=True)
+    if args.commit_cost:
+        import bench_elastic_kills as K  # noqa: PLC0415 - tools/ is this script's folder
+
+        print(f"# {platform.node()}, {os.cpu_count()} CPUs, {date.today()}, load {os.getloadavg()[0]:.1f}; "
+              "medians over 300 steps, microseconds (the slower of the 2 ranks)")
+        print(f"{'elements':>9} {'way':<8} {'allreduce us':>12} {'errored() us':>12} {'share of the step':>17}")
+        for elements in (8, 1 << 18):
+            for way, row in K.commit_cost(elements).items():
+                share = row["errored_us"] / (row["allreduce_us"] + row["errored_us"])
+                print(f"{elements:>9} {way:<8} {row['allreduce_us']:>12.0f} {row['errored_us']:>12.0f} {share:>17.0%}",
+                      flush=True)
+        return 0
+    if args.kills:
+        return kills_main(args.sizes if args.sizes != [4, 16, 64] else [8, 16, 64], args)
     if args.nccl_sim:
         return nccl_main(args.sizes if args.sizes != [4, 16, 64] else [4, 8], args.logs, args.json)
     rows = []

@@ -31,12 +31,14 @@ from dataclasses import dataclass
 from typing import IO, BinaryIO
 
 from .. import env
+from ..diagnostics import dump
 from ..errors import DistError
 from ..store import TCPStoreServer
 from ..timeouts import option_seconds
 from . import elastic, jobs
 from ._rank_guard import CLEANUP_BUDGET, KILL_SIGNAL
 from .autopsy import AUTOPSY_TIME, Autopsy
+from .elastic_stuck import StuckWatch
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 EXIT_STATUS_HELP = ("exit status: 0 when every rank exits 0; otherwise that of the first rank to fail (128+N for "
@@ -63,8 +65,7 @@ class LaunchConfig:
     prefix: bool = True
     autopsy_time: float = AUTOPSY_TIME  # 0: stop without asking the ranks why
     report_dir: str | None = None  # the autopsy's report (default: beside the dumps)
-    elastic: bool = False  # replace a rank that dies (cli/elastic.py)
-    max_replacements: int = 0
+    elastic: elastic.ElasticOptions | None = None  # --elastic: replace a rank that dies or hangs (cli/elastic.py)
 
 
 # --- command line ------------------------------------------------------------
@@ -105,7 +106,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     return LaunchConfig(nproc=args.nproc, command=command, master_addr=args.master_addr,
                         master_port=args.master_port, grace_period=args.grace_period,
                         max_time=args.max_time, prefix=args.prefix, autopsy_time=args.autopsy_time,
-                        report_dir=args.report_dir, elastic=args.elastic, max_replacements=args.max_replacements)
+                        report_dir=args.report_dir, elastic=elastic.options_from_args(args, parser))
 
 
 def _seconds_or_zero(raw: str) -> float:
@@ -265,7 +266,9 @@ class _Job:
         self.store: tuple[str, int, str] | None = None  # the rendezvous store's address, port and secret
         self.autopsy: Autopsy | None = None
         self.stop_after_autopsy: tuple[int, str] | None = None  # the signal and reason of the stop it holds back
-        self.membership: elastic.Records | None = None  # --elastic: the records, the replacements
+        self.membership: elastic.Membership | None = None  # --elastic: the records, the replacements
+        self.stuck: StuckWatch | None = None  # --elastic: the hung ranks the others named
+        self.stuck_to_stop: list[tuple[int, str]] = []  # (member, why), from the stuck watch's thread
         self.common_env: dict[str, str] = {}  # what every rank's environment holds (a replacement's too)
 
     def run(self) -> int:
@@ -292,6 +295,8 @@ class _Job:
                 jobs.remove(record)
             for stream in self.streams.values():  # left open only when leaving on an exception
                 stream.pipe.close()
+            if self.stuck is not None:
+                self.stuck.close()
             if self.membership is not None:
                 self.membership.close()
             if server is not None:
@@ -323,11 +328,37 @@ class _Job:
             "PYTHONUNBUFFERED": "1",
         }
         if cfg.elastic:
-            self.membership = elastic.Records(cfg.nproc, cfg.max_replacements, cfg.master_addr, port, secret)
-            self.common_env = common
+            self._spawn_elastic(cfg.elastic, common, port, secret)
+            return
         for rank in range(cfg.nproc):
-            extra = elastic.Records.rank_env(rank) if cfg.elastic else {}
-            self._spawn(rank, {**common, "RANK": str(rank), "LOCAL_RANK": str(rank), **extra})
+            self._spawn(rank, {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+
+    def _spawn_elastic(self, opts: elastic.ElasticOptions, common: dict[str, str], port: int, secret: str) -> None:
+        """--elastic: the ranks the records say (cli/elastic.py), and the watch for hung ones."""
+        self.membership = elastic.Membership.open(opts, self.config.nproc, self.config.master_addr, port, secret)
+        self.common_env = {**common, **self.membership.common_env()}
+        for start in self.membership.initial():
+            self._spawn(start.member, {**self.common_env, **start.env})
+        if opts.replace_stuck:
+            self.stuck = StuckWatch(self.membership.store, self._own_ranks, self._stuck_found,
+                                    self.config.report_dir or os.path.dirname(dump.prefix()) or ".")
+
+    def _own_ranks(self) -> dict[int, int]:
+        """(From the stuck watch's thread) the live ranks: {member: guard pid}."""
+        return {r.rank: r.pid for r in list(self.ranks) if r.returncode is None}
+
+    def _stuck_found(self, member: int, why: str) -> None:
+        """(From the stuck watch's thread) stop ``member``: the loop does it."""
+        self.stuck_to_stop.append((member, why))
+        self._wake()
+
+    def _stop_stuck(self) -> None:
+        while self.stuck_to_stop and self.exit_code is None:
+            member, why = self.stuck_to_stop.pop(0)
+            for rank in self._live():
+                if rank.rank == member:
+                    _log(f"rank {member} (pid {rank.pid}) is stuck: {why}; stopping it, to replace it like a dead one")
+                    rank.kill()
 
     def _spawn(self, rank: int, rank_env: dict[str, str]) -> None:
         pipe = subprocess.PIPE if self.config.prefix else None
@@ -362,6 +393,7 @@ class _Job:
                 elif not self.streams[key.fd].read():
                     self._close_stream(key.fd)
             self._handle_signals()
+            self._stop_stuck()
             self._reap()
             self._check_deadlines()
 
@@ -380,32 +412,35 @@ class _Job:
             self._stop(signum, 128 + signum, f"received {_signame(signum)}")
 
     def _reap(self) -> None:
+        failed = []
         for rank in self._live():
-            if not rank.exited():
-                continue
-            returncode = rank.reap()
-            if returncode != 0 and self.exit_code is None and self._replace(rank, returncode):
-                continue
-            if returncode != 0 and self.exit_code is None:
-                self._stop(signal.SIGTERM, exit_status(returncode),
-                           f"rank {rank.rank} (pid {rank.pid}) {describe(returncode)}")
+            if rank.exited() and rank.reap() != 0 and self.exit_code is None:
+                failed.append(rank)
+        if failed and not self._replace(failed):  # (--elastic: all those of one pass together, as a node's)
+            first = failed[0]
+            assert first.returncode is not None
+            self._stop(signal.SIGTERM, exit_status(first.returncode),
+                       f"rank {first.rank} (pid {first.pid}) {describe(first.returncode)}")
         if not self._live() and self.streams and self.drain_until is None:
             self.drain_until = time.monotonic() + self.config.grace_period
 
-    def _replace(self, rank: _Rank, returncode: int) -> bool:
-        """--elastic: start a replacement for a dead rank; False when there is
-        none to start (the job stops then)."""
+    def _replace(self, dead: list[_Rank]) -> bool:
+        """--elastic: start a replacement for each dead rank; False when there
+        are not enough left (the job stops then)."""
         if self.membership is None:
             return False
-        new = self.membership.died(rank.rank)
-        if new is None:
-            _log(f"rank {rank.rank} (pid {rank.pid}) {describe(returncode)}; no replacement left "
-                 f"(--max-replacements {self.config.max_replacements})")
+        how = {r.rank: describe(r.returncode or 0) for r in dead}
+        starts = self.membership.died(how)
+        said = "; ".join(f"rank {r.rank} (pid {r.pid}) {how[r.rank]}" for r in dead)
+        if starts is None:
+            _log(f"{said}; no replacement left (--max-replacements {self.membership.opts.max_replacements})")
             return False
-        _log(f"rank {rank.rank} (pid {rank.pid}) {describe(returncode)}; starting rank {new.member} in its place "
-             f"(configuration {new.uuid}; {self.membership.replacements_left} replacement(s) left)")
-        rank_env = {k: v for k, v in self.common_env.items() if k != "RANK"}
-        self._spawn(new.member, {**rank_env, **new.env()})
+        rank_env = {k: v for k, v in self.common_env.items() if k not in ("RANK", "GROUP_RANK")}
+        for r, start in zip(sorted(dead, key=lambda r: r.rank), starts, strict=True):
+            _log(f"rank {r.rank} (pid {r.pid}) {how[r.rank]}; starting rank {start.member} in its place (it comes "
+                 f"in after configuration {start.env[env.ELASTIC_UUID.name]}; "
+                 f"{self.membership.replacements_left} replacement(s) left)")
+            self._spawn(start.member, {**rank_env, **start.env})
         return True
 
     def _check_deadlines(self) -> None:

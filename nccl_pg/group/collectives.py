@@ -125,13 +125,14 @@ class Collectives(Issuing):
                            check=[("tensor", _one(tensor))] if self._nan is not None else None,
                            fingerprint=self._detail and Fingerprint(OpType.ALLREDUCE, self._backend.dtype(t), t.size, rop))
 
-    def allreduce_host(self, values: np.ndarray, op: Op = ReduceOp.SUM) -> np.ndarray:
+    def allreduce_host(self, values: np.ndarray, op: Op = ReduceOp.SUM, timeout: float | None = None) -> np.ndarray:
         """all_reduce of a small numpy array on whatever device this group's backend drives (copied there and
-        back): the agreements of the control plane (nccl_pg.elastic's step), on NCCL as on the host."""
+        back): the agreements of the control plane (nccl_pg.elastic's step), on NCCL as on the host; waited
+        for on the CPU, at most ``timeout`` seconds (default: the group's timeout)."""
         buf = self._backend.from_host(np.ascontiguousarray(values), self._device)
         work = self.allreduce(buf, op)
         if work is not None:
-            work.wait()
+            work.wait(timeout)
         return np.asarray(self._backend.to_host(buf)).reshape(np.shape(values))
 
     def allreduce_coalesced(self, tensors: Sequence[Array], op: Op = ReduceOp.SUM) -> Work:

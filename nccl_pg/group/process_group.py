@@ -97,6 +97,8 @@ class ProcessGroup(Collectives):
         ``shrink_group``; local and bounded. Where the communicator cannot
         revoke (NCCL < 2.28.7) it is aborted, and a shrink builds a fresh one."""
         with self._lock:
+            if self._state is GroupState.DESTROYED:  # (a late revoke from another thread: nothing left to stop)
+                return
             self._error_handled = True  # a revoke's failures are not errors to handle
             if self._state is GroupState.OPEN:
                 self._state, self._close_reason = GroupState.REVOKED, "revoke_process_group()"
@@ -147,9 +149,13 @@ class ProcessGroup(Collectives):
             self.shutdown(0)
             return ProcessGroup.join(plan, meet, deadline, self._backend, self._device, names)
         left = plan.left(self._size)
-        if not left and not plan.joiners and self.healthy():
-            self.uuid = plan.uuid
-            return self
+        if not left:  # the same group or a fresh one: every member takes the same way, whatever it sees alone
+            if _agree(plan, meet, deadline, self._rank, "same", self.healthy()):
+                if not plan.joiners:
+                    self.uuid = plan.uuid
+                    return self
+            else:
+                self.revoke()
         try:
             return self._change(plan, left, meet, deadline, names)
         except BaseException:  # a failed change leaves no group behind: this one, or one made on the way
@@ -165,7 +171,7 @@ class ProcessGroup(Collectives):
             if left:
                 comm, native = self._comm, None
                 if comm is not None and comm.shrink_refuses_errors:  # every survivor takes the same way
-                    native = _agree(plan, meet, deadline, self._rank, comm.can_shrink())
+                    native = _agree(plan, meet, deadline, self._rank, "shrink", comm.can_shrink())
                 current = self.shrink(left, True, names.options, group_name=f"{self.group_name}:shrunk",
                                       group_desc=names.desc, uid=names.uid, global_ranks=names.global_ranks,
                                       init_timeout=_left(deadline, "the shrink"), native=native)
@@ -174,7 +180,8 @@ class ProcessGroup(Collectives):
             self.abort()  # after an abortive shrink: aborted, never finalized
             self.shutdown(0)
         try:
-            current.wait_comm(deadline, "the shrink")
+            if current is not self:
+                current.wait_comm(deadline, "the shrink")
             if plan.joiners:  # a broken group (nobody left) grows through a fresh communicator: grow() sees to it
                 grown = current.grow(plan, meet, deadline, names)
                 current.shutdown(_left(deadline, "destroying the grown group's parent"))
@@ -315,18 +322,23 @@ def _grow_key(plan: handles.Plan) -> str:
     return f"nccl_pg/reconfigure/{plan.quorum}-{plan.uuid}/grow"
 
 
-def _agree(plan: handles.Plan, meet: Store, deadline: float, rank: int, can: bool) -> bool:
-    """Whether every survivor's communicator can shrink (each says so in ``meet``: a set, a parked wait, a
-    multi_get); else they all build a fresh one."""
-    prefix = f"nccl_pg/reconfigure/{plan.quorum}-{plan.uuid}/shrink"
+def _agree(plan: handles.Plan, meet: Store, deadline: float, rank: int, what: str, can: bool) -> bool:
+    """Whether every member staying (``plan.survivors``) can take the native way: shrink its communicator
+    (``what`` = "shrink"), keep its group ("same": healthy); each says so in ``meet`` (a set, a parked wait,
+    a multi_get), and all take the same way: else they all build a fresh communicator."""
+    prefix = f"nccl_pg/reconfigure/{plan.quorum}-{plan.uuid}/{what}"
     meet.set(f"{prefix}/{rank}", b"1" if can else b"0")
     keys = [f"{prefix}/{r}" for r in plan.survivors]
     try:
-        meet.wait(keys, _left(deadline, "the survivors' agreement on the shrink"))
+        meet.wait(keys, _left(deadline, f"the members' agreement ({what})"))
     except DistStoreError as exc:  # the store's error names the keys still missing
-        raise DistBackendError(f"timeout: reconfigure to uuid {plan.uuid}: rank {rank} waited for the other "
-                               f"survivors of configuration {plan.quorum} to reach the shrink, in vain "
-                               f"({exc})") from None
+        try:  # (the failure's path only: a request per member)
+            missing = [r for r in plan.survivors if not meet.check([f"{prefix}/{r}"])]
+        except DistStoreError:
+            missing = []
+        raise DistBackendError(f"timeout: reconfigure to uuid {plan.uuid}: rank {rank} waited for the other members "
+                               f"of configuration {plan.quorum} to reach it, in vain: ranks {missing} of "
+                               f"configuration {plan.quorum} never called reconfigure ({exc})") from None
     return all(bytes(v) == b"1" for v in meet.multi_get(keys))
 
 

@@ -10,7 +10,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-from ..errors import DistStoreError
+from ..errors import DistError, DistStoreError
 from ..timeouts import Timeout, to_seconds
 
 Value = bytes | bytearray | memoryview | str
@@ -263,6 +263,34 @@ class Parking:
     def close(self) -> None:
         """End the wait in progress (and any later one); idempotent, from any thread."""
         self.closed = True
+
+
+class OwnParking(Parking):
+    """A parking on a store object of its own (its own connections, which
+    nobody else uses): ``close`` closes that store, which ends the wait at
+    once without disturbing the calls of other threads (TCPStore and
+    EtcdStore's ``parking``)."""
+
+    def __init__(self, own: Store) -> None:
+        super().__init__(own)
+        self._own = own
+
+    def wait(self, keys: Sequence[str], timeout: float) -> None:
+        if self.closed:
+            raise Unparked(f"the wait for {list(keys)!r} on {self._own!r} was ended")
+        try:
+            self._own.wait(keys, timeout)
+        except DistError as exc:
+            if self.closed:
+                raise Unparked(f"the wait for {list(keys)!r} on {self._own!r} was ended") from exc
+            raise
+
+    def close(self) -> None:
+        # Closing may take a client's lock, which a connection attempt to a frozen server holds until its
+        # deadline: never on the caller's thread.
+        if not self.closed:
+            self.closed = True
+            threading.Thread(target=self._own.close, name="nccl_pg-unpark", daemon=True).start()
 
 
 class KeyValueState:

@@ -3,7 +3,14 @@ with the standard library; docs/STORES.md says why no client library.
 
 What it adds to plain HTTP is what a store needs:
 
-- **Deadlines**: every request and every watch ends by the caller's deadline.
+- **Deadlines**: every request and every watch ends by the caller's deadline,
+  whatever a member does (etcd_wire.py: each read waits for what is left of
+  it; answers and watch lines bounded in size; malformed answers are a
+  DistStoreError naming the member).
+- **Silent members**: a member that has not answered a request in full
+  after half of the time left (at most ``SILENT_AFTER``, 10 s) is left for the
+  next one, so that a frozen member costs part of a deadline, never all of
+  it, whatever the store's timeout.
 - **Failover**: the endpoints are the cluster's members. Requests go to one
   member, the same until it fails, then to the next: a request that could
   not be sent (refused, unreachable), that its member lost in flight, or
@@ -19,7 +26,6 @@ What it adds to plain HTTP is what a store needs:
 from __future__ import annotations
 
 import base64
-import http.client
 import json
 import os
 import random
@@ -34,20 +40,24 @@ from urllib.parse import urlsplit
 
 from ..errors import DistNetworkError, DistStoreError
 from .base import Backoff, SharedClient, fork_count
+from .etcd_wire import MAX_LINE, Late, Malformed, check, read_answer, read_head, request_bytes, send
 
 # One connection attempt to one member waits at most this long, so that a member whose machine is gone
 # (no refusal, silence) leaves time within the deadline to try the others.
 _CONNECT_ATTEMPT = 3.0
-# A member that has not begun to answer a request after this long is silent (hung, or its machine frozen):
-# the request goes to the next member. etcd itself answers every request within its request timeout
-# (5 s + 2 election timeouts: 7 s by default), with an error if need be.
-SILENT_AFTER = 20.0
+# A member that has not answered a request in full after half of the time left, and at most this long, is
+# silent (hung, or its machine frozen): the request goes to the next member. etcd itself answers every request
+# within its request timeout (5 s + 2 election timeouts: 7 s by default), with an error if need be.
+SILENT_AFTER = 10.0
+MIN_SILENT = 0.5  # below twice this much time left, a request waits for its member to the end
+# Idle keep-alive connections kept per client (more are closed when given back), and how long one may sit idle.
+MAX_IDLE = 4
+IDLE_CLOSE = 30.0
 # A parked watch carries no traffic; TCP keepalive (the kernel's probes, no request to etcd) notices a
 # member whose machine vanished (powered off, cut off) within about 20 + 2 * 5 s, and the wait moves on.
 _KEEPALIVE = (("TCP_KEEPIDLE", 20), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 2))
 _UNAVAILABLE = 14  # the gRPC status code (the gateway's "code") of a member that cannot serve now
 _TOO_LARGE = ("request is too large", "larger than max")
-_HEADERS = {"Content-Type": "application/json"}
 _READ_SIZE = 64 * 1024
 
 Json = dict[str, Any]
@@ -111,11 +121,13 @@ class _TryNext(Exception):
 
 
 class WatchStream:
-    """One watch: its socket and what has been read of its messages."""
+    """One watch: its socket, its member and what has been read of its messages."""
 
-    def __init__(self, sock: socket.socket, buf: bytes) -> None:
+    def __init__(self, sock: socket.socket, buf: bytes, member: str = "") -> None:
         self.sock = sock
         self.buf = bytearray(buf)
+        self.member = member
+        self.malformed = False  # it ended on something etcd does not send: leave its member
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -129,6 +141,9 @@ class WatchStream:
         if not chunk:
             raise StreamLost("the member closed the watch")
         self.buf += chunk
+        if len(self.buf) > MAX_LINE and self.buf.find(b"\n") < 0:
+            self.malformed = True
+            raise StreamLost(f"etcd member {self.member} sent a watch message over {MAX_LINE} bytes")
 
     def events(self) -> list[Event]:
         """The events of the complete messages read so far."""
@@ -140,33 +155,41 @@ class WatchStream:
             line = bytes(self.buf[:end])
             del self.buf[:end + 1]
             if line.strip():
-                out.extend(_events(_message(line)))
+                try:
+                    out.extend(_events(_message(line)))
+                except Malformed as exc:
+                    self.malformed = True
+                    raise StreamLost(f"etcd member {self.member} sent a malformed watch message ({exc}): "
+                                     f"{line[:80]!r}") from None
 
 
 def _message(line: bytes) -> Json:
     try:
         message = json.loads(line)
     except ValueError:
-        raise StreamLost(f"malformed watch message {line[:80]!r}") from None
+        raise Malformed("not JSON") from None
+    if not isinstance(message, dict):
+        raise Malformed("not an object")
     if "error" in message:
-        raise StreamLost(f"watch failed: {message['error']}")
-    result: Json = message.get("result", {})
+        raise StreamLost(f"watch failed: {message['error']!r:.200}")
+    result: Json = check(message.get("result", {}), "result")
     if result.get("canceled"):
         raise StreamLost(f"watch cancelled by etcd: {result.get('cancel_reason') or result}")
     return result
 
 
 def _events(result: Json) -> list[Event]:
-    return [Event(e.get("type", "PUT") == "PUT", unb64(e["kv"]["key"]), unb64(e["kv"].get("value", "")))
-            for e in result.get("events", ())]
+    out = []
+    for e in result.get("events", ()):
+        if not isinstance(e, dict) or not isinstance(e.get("kv"), dict) or "key" not in e["kv"]:
+            raise Malformed(f"an event without a key-value: {e!r:.80}")
+        out.append(Event(e.get("type", "PUT") == "PUT", unb64(e["kv"]["key"]), unb64(e["kv"].get("value", ""))))
+    return out
 
 
-def _dropped(conn: http.client.HTTPConnection) -> bool:
+def _dropped(sock: socket.socket) -> bool:
     """An idle keep-alive connection that the member closed (or that has
     unexpected bytes waiting): never send on it."""
-    sock = conn.sock
-    if sock is None:
-        return True
     timeout = sock.gettimeout()
     sock.setblocking(False)
     try:
@@ -189,7 +212,7 @@ class EtcdClient(SharedClient):
         # Clients start at different members, so that a job's ranks spread over the cluster.
         self.current = random.randrange(len(self.endpoints))
         self.lock = threading.Lock()
-        self.idle: list[http.client.HTTPConnection] = []  # keep-alive connections to the current member
+        self.idle: list[tuple[socket.socket, float]] = []  # keep-alive connections to the current member, since
         self.streams: set[WatchStream] = set()
         self.forks = fork_count()
         self.ident = os.urandom(6).hex()  # names this client's writers in the store's markers
@@ -211,9 +234,8 @@ class EtcdClient(SharedClient):
         self.forks = fork_count()
         self.lock = threading.Lock()
         self.ident = os.urandom(6).hex()  # the parent's threads are not ours
-        for conn in self.idle:
-            if conn.sock is not None:
-                conn.sock.close()  # never shutdown(): that would cut the parent off
+        for sock, _ in self.idle:
+            sock.close()  # never shutdown(): that would cut the parent off
         for stream in self.streams:
             stream.sock.close()
         self.idle, self.streams = [], set()
@@ -230,8 +252,8 @@ class EtcdClient(SharedClient):
                 return
             self.current = (index + 1) % len(self.endpoints)
             stale, self.idle = self.idle, []
-        for conn in stale:
-            conn.close()
+        for sock, _ in stale:
+            sock.close()
 
     def _connect(self, index: int, deadline: float) -> socket.socket:
         host, port = self.endpoints[index]
@@ -245,25 +267,42 @@ class EtcdClient(SharedClient):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
 
-    def _take(self, index: int, deadline: float) -> http.client.HTTPConnection:
+    def _take(self, index: int, deadline: float) -> socket.socket:
+        now = time.monotonic()
         with self.lock:
+            stale = [s for s, since in self.idle if now - since > IDLE_CLOSE]
+            self.idle = [(s, since) for s, since in self.idle if now - since <= IDLE_CLOSE]
             pooled = self.idle if index == self.current else []
-            while pooled:
-                conn = pooled.pop()
-                if not _dropped(conn):
-                    return conn
-                conn.close()
-        host, port = self.endpoints[index]
-        conn = http.client.HTTPConnection(host, port)
-        conn.sock = self._connect(index, deadline)
-        return conn
+            sock = None
+            while pooled and sock is None:
+                candidate, _ = pooled.pop()
+                if _dropped(candidate):
+                    stale.append(candidate)
+                else:
+                    sock = candidate
+        for s in stale:
+            s.close()
+        return sock if sock is not None else self._connect(index, deadline)
 
-    def _give_back(self, index: int, conn: http.client.HTTPConnection) -> None:
+    def _give_back(self, index: int, sock: socket.socket) -> None:
         with self.lock:
-            if index == self.current and not self.closed:
-                self.idle.append(conn)
+            if index == self.current and not self.closed and len(self.idle) < MAX_IDLE:
+                self.idle.append((sock, time.monotonic()))
                 return
-        conn.close()
+        sock.close()
+
+    def idle_connections(self) -> int:
+        with self.lock:
+            return len(self.idle)
+
+    def _silent_after(self, deadline: float) -> float | None:
+        """How long the current member may take to answer in full before the
+        request goes to another (None: until the deadline: no other member,
+        or too little time left to try one)."""
+        left = deadline - time.monotonic()
+        if len(self.endpoints) == 1 or left < 2 * MIN_SILENT:
+            return None
+        return min(SILENT_AFTER, left / 2)
 
     # --- requests ---------------------------------------------------------------
 
@@ -308,41 +347,41 @@ class EtcdClient(SharedClient):
 
     def _attempt(self, index: int, path: str, body: bytes | None, deadline: float, what: str) -> Json:
         name = self.names[index]
-        conn = self._take(index, deadline)
-        silent = False
+        sock = self._take(index, deadline)
+        silent = self._silent_after(deadline)
+        until = deadline if silent is None else time.monotonic() + silent
+        host, port = self.endpoints[index]
         try:
-            assert conn.sock is not None
-            left = max(deadline - time.monotonic(), 0.001)
-            silent = left > SILENT_AFTER
-            conn.sock.settimeout(min(left, SILENT_AFTER))
             with self.lock:
                 self.requests += 1
-            if body is None:
-                conn.request("GET", path)
-            else:
-                conn.request("POST", path, body, _HEADERS)
-            resp = conn.getresponse()
-            silent = False  # it answers: the rest of the answer may take until the deadline
-            conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            data = resp.read()
-        except TimeoutError:
-            conn.close()
-            if silent:
-                raise _TryNext(f"silent for {SILENT_AFTER:g} s") from None
+            send(sock, request_bytes("GET" if body is None else "POST", path, f"{host}:{port}", body), until)
+            resp = read_answer(sock, until)
+        except Late:
+            sock.close()
+            if silent is not None:
+                raise _TryNext(f"no whole answer within {silent:.1f} s (silent, or answering too slowly)") from None
             raise _Timeout(name) from None
-        except (OSError, http.client.HTTPException) as exc:
-            conn.close()
+        except Malformed as exc:
+            sock.close()
+            raise DistStoreError(f"etcd member {name} answered {what} with {exc}") from None
+        except OSError as exc:
+            sock.close()
             raise _TryNext(f"lost: {exc!r}") from None
-        if resp.will_close:
-            conn.close()
+        if resp.close:
+            sock.close()
         else:
-            self._give_back(index, conn)
+            self._give_back(index, sock)
         self.ever_answered = True
         try:
-            answer: Json = json.loads(data)
-        except ValueError:
+            answer = json.loads(resp.body)
+            if not isinstance(answer, dict):
+                raise Malformed(f"a JSON {type(answer).__name__}, not an object")
+            check(answer)
+            if resp.status == 200 and path.startswith("/v3/kv/") and not _int_like_revision(answer):
+                raise Malformed("no header.revision")
+        except (ValueError, Malformed) as exc:
             raise DistStoreError(f"{name} did not answer {what} like an etcd member (HTTP {resp.status}: "
-                                 f"{data[:100]!r})") from None
+                                 f"{exc}: {resp.body[:100]!r})") from None
         if resp.status == 200:
             return answer
         message = str(answer.get("message") or answer.get("error") or answer)
@@ -357,10 +396,9 @@ class EtcdClient(SharedClient):
         """This host's address on a connection to the cluster (no request sent)."""
 
         def local(index: int) -> str:
-            conn = self._take(index, deadline)
-            assert conn.sock is not None
-            address = str(conn.sock.getsockname()[0])
-            self._give_back(index, conn)
+            sock = self._take(index, deadline)
+            address = str(sock.getsockname()[0])
+            self._give_back(index, sock)
             return address
 
         return self._with_failover(local, deadline, "local_address")
@@ -381,33 +419,27 @@ class EtcdClient(SharedClient):
         for option, value in _KEEPALIVE:
             if hasattr(socket, option):  # Linux; elsewhere the system's keepalive times apply
                 sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
-        left = max(deadline - time.monotonic(), 0.001)
+        silent = self._silent_after(deadline)
+        until = deadline if silent is None else time.monotonic() + silent
+        buf = bytearray()
         try:
-            sock.settimeout(min(left, SILENT_AFTER))
             with self.lock:
                 self.requests += 1
-            sock.sendall(b"POST /v3/watch HTTP/1.0\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n%s" % (host.encode(), port, len(body), body))
-            buf = b""
-            while b"\r\n\r\n" not in buf:
-                chunk = sock.recv(_READ_SIZE)
-                if not chunk:
-                    raise ConnectionResetError("closed before answering")
-                buf += chunk
-        except TimeoutError:
+            send(sock, request_bytes("POST", "/v3/watch", f"{host}:{port}", body, version="1.0"), until)
+            status, _, _ = read_head(sock, until, buf)
+        except Late:
             sock.close()
-            if left > SILENT_AFTER:
-                raise _TryNext(f"silent for {SILENT_AFTER:g} s") from None
+            if silent is not None:
+                raise _TryNext(f"did not take the watch within {silent:.1f} s") from None
             raise _Timeout(self.names[index]) from None
-        except OSError as exc:
+        except (OSError, Malformed) as exc:
             sock.close()
             raise _TryNext(f"lost: {exc!r}") from None
-        head, _, rest = buf.partition(b"\r\n\r\n")
-        if head.split(b" ", 2)[1:2] != [b"200"]:
+        if status != 200:
             sock.close()
-            raise _TryNext(f"watch refused: {head.splitlines()[0]!r} {rest[:200]!r}")
+            raise _TryNext(f"watch refused: HTTP {status} {bytes(buf[:200])!r}")
         self.ever_answered = True
-        stream = WatchStream(sock, rest)
+        stream = WatchStream(sock, bytes(buf), self.names[index])
         with self.lock:
             if self.closed:
                 sock.close()
@@ -439,6 +471,8 @@ class EtcdClient(SharedClient):
         with self.lock:
             self.streams.discard(stream)
         stream.sock.close()
+        if stream.malformed and stream.member in self.names:  # its member sends what etcd does not: leave it
+            self._move_on(self.names.index(stream.member))
 
     def close(self) -> None:
         """Close every connection; wakes the threads waiting on a watch."""
@@ -446,10 +480,15 @@ class EtcdClient(SharedClient):
             self.closed = True
             idle, self.idle = self.idle, []
             streams = list(self.streams)
-        for conn in idle:
-            conn.close()
+        for sock, _ in idle:
+            sock.close()
         for stream in streams:
             try:
                 stream.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+
+def _int_like_revision(answer: Json) -> bool:
+    header = answer.get("header")
+    return isinstance(header, dict) and "revision" in header

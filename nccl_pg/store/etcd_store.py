@@ -30,10 +30,12 @@ where etcd has no atomic operation of its own).
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from ..errors import DistStoreError, QueueEmptyError
 from ..timeouts import Timeout, to_seconds
@@ -41,6 +43,8 @@ from .base import (
     COUNTED_PREFIX,
     HIDDEN_PREFIX,
     Backoff,
+    OwnParking,
+    Parking,
     Store,
     Value,
     added,
@@ -53,12 +57,14 @@ from .base import (
     to_bytes,
 )
 from .etcd_client import EtcdClient, Json, StreamLost, b64, unb64
+from .etcd_wire import READS_PER_TXN
 
 # etcd's default --max-txn-ops: larger batches are split (reads at one revision, so still one snapshot).
 _MAX_TXN_OPS = 128
 # The requests inside a blocking call may take this long past its deadline (as TCPStore's answer grace).
 _GRACE = 5.0
 _MIN_VERSION = (3, 4)  # the gateway's /v3/ paths
+T = TypeVar("T")
 
 
 def _range_end(prefix: bytes) -> bytes:
@@ -109,6 +115,23 @@ def _count(response: Json) -> int:
 def _first(response: Json) -> Json | None:
     kvs = response.get("kvs")
     return kvs[0] if kvs else None
+
+
+def _shaped(method: Callable[..., T]) -> Callable[..., T]:
+    """A public operation whose reading of etcd's answers found a field
+    missing or of another type (the client checks the types it knows; this
+    catches the rest): DistStoreError naming the store, never a KeyError."""
+
+    @functools.wraps(method)
+    def run(self: EtcdStore, *args: Any, **kwargs: Any) -> T:
+        try:
+            return method(self, *args, **kwargs)
+        except (KeyError, IndexError, AttributeError) as exc:
+            raise DistStoreError(f"{self!r}.{method.__name__}: an etcd member of {self._client.address} answered "
+                                 f"in a shape etcd does not ({type(exc).__name__}: {exc}); member in use: "
+                                 f"{self._client.names[self._client.current]}") from None
+
+    return run
 
 
 def check_job(job: object) -> str:
@@ -180,6 +203,16 @@ class EtcdStore(Store):
         self._client.share()
         return other
 
+    def parking(self) -> Parking:
+        """A wait on connections of its own (one watch however long it
+        parks), which ``close()`` ends at once without disturbing the calls
+        of other threads."""
+        other = object.__new__(EtcdStore)
+        other.__dict__.update(self.__dict__)
+        other._closed = False
+        other._client = EtcdClient(self._client.names)
+        return OwnParking(other)
+
     def close(self) -> None:
         """Release this object's share of the connections (the last user closes them)."""
         if self._closed:
@@ -200,12 +233,13 @@ class EtcdStore(Store):
         return self._request("kv/txn", {"compare": list(compare), "success": success, "failure": list(failure)},
                              what, deadline)
 
-    def _reads(self, ranges: list[Json], what: str, deadline: float) -> tuple[int, list[Json]]:
-        """Range requests in transactions of at most _MAX_TXN_OPS, all at one
-        revision; returns it and the answers."""
+    def _reads(self, ranges: list[Json], what: str, deadline: float, per: int = READS_PER_TXN) -> tuple[int, list[Json]]:
+        """Range requests in transactions of at most ``per`` (of values:
+        READS_PER_TXN, so that an answer stays under etcd_wire.MAX_ANSWER),
+        all at one revision; returns it and the answers."""
         revision, out = 0, []
-        for i in range(0, len(ranges), _MAX_TXN_OPS):
-            chunk = ranges[i:i + _MAX_TXN_OPS]
+        for i in range(0, len(ranges), per):
+            chunk = ranges[i:i + per]
             if revision:
                 chunk = [{"request_range": {**r["request_range"], "revision": revision}} for r in chunk]
             answer = self._txn(what, chunk, deadline=deadline)
@@ -249,7 +283,7 @@ class EtcdStore(Store):
             queue = self._queue(k)
             ranges += [_range(self._vkey(k), count_only=True), _range(queue, _range_end(queue), count_only=True,
                                                                       limit=1)]
-        revision, answers = self._reads(ranges, what, deadline)
+        revision, answers = self._reads(ranges, what, deadline, _MAX_TXN_OPS)  # counts only: small answers
         return revision, {k for i, k in enumerate(keys) if _count(answers[2 * i]) or _count(answers[2 * i + 1])}
 
     def _await(self, watches: list[tuple[bytes, bytes]], name_of: Callable[[bytes], str | None], missing: list[str],
@@ -305,25 +339,67 @@ class EtcdStore(Store):
 
     # --- operations ------------------------------------------------------------------
 
+    @_shaped
     def set(self, key: str, value: Value) -> None:
         key = check_key(key)
         self._request("kv/put", _put(self._vkey(key), to_bytes(value, key))["request_put"], f"set({key!r})")
 
+    @_shaped
     def get(self, key: str) -> bytes:
         return self._get([check_key(key)], "get")[0]
 
+    @_shaped
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         keys = check_keys(keys)
         return self._get(keys, "multi_get") if keys else []
 
+    @_shaped
     def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
+        """All or nothing: more keys than one transaction takes (etcd's
+        --max-txn-ops) go in several, and when one fails, those applied
+        before are undone (the previous values put back, new keys deleted,
+        each only where nobody wrote since) before the error is raised."""
         keys, data = check_multi_set(keys, values)
         latest = dict(zip(keys, data, strict=True))  # etcd refuses a key twice in one transaction: the last wins
-        puts = [_put(self._vkey(k), v) for k, v in latest.items()]
+        items = [(self._vkey(k), v) for k, v in latest.items()]
         deadline = time.monotonic() + self._timeout
-        for i in range(0, len(puts), _MAX_TXN_OPS):
-            self._txn(f"multi_set({keys!r})", puts[i:i + _MAX_TXN_OPS], deadline=deadline)
+        what = f"multi_set({keys[:8]!r}{'...' if len(keys) > 8 else ''})"
+        if len(items) <= _MAX_TXN_OPS:
+            self._txn(what, [_put(k, v) for k, v in items], deadline=deadline)
+            return
+        applied: list[tuple[list[bytes], int, list[Json]]] = []  # (keys, revision, their put responses)
+        try:
+            for i in range(0, len(items), _MAX_TXN_OPS):
+                chunk = items[i:i + _MAX_TXN_OPS]
+                answer = self._txn(what, [{"request_put": {**_put(k, v)["request_put"], "prev_kv": True}}
+                                          for k, v in chunk], deadline=deadline)
+                applied.append(([k for k, _ in chunk], int(answer["header"]["revision"]), _responses(answer)))
+        except BaseException as exc:
+            left = self._undo(applied, what, deadline + _GRACE)
+            if left:
+                raise DistStoreError(f"{what} on {self!r} failed ({exc}) and {len(left)} of the keys it had set "
+                                     f"could not be put back (written again since, or the cluster failed): "
+                                     f"{left[:8]!r}") from exc
+            raise
 
+    def _undo(self, applied: list[tuple[list[bytes], int, list[Json]]], what: str, deadline: float) -> list[str]:
+        """Put back what ``multi_set``'s applied transactions replaced; the keys it could not."""
+        left: list[str] = []
+        for keys, revision, responses in applied:
+            ops = []
+            for k, r in zip(keys, responses, strict=True):
+                prev = r.get("prev_kv")
+                ops.append(_put(k, unb64(prev.get("value", ""))) if isinstance(prev, dict) else _delete(k))
+            try:
+                done = self._txn(f"undoing {what}", ops, [_equal(k, "MOD", revision) for k in keys],
+                                 deadline=deadline).get("succeeded")
+            except (DistStoreError, ValueError):
+                done = False
+            if not done:
+                left += [k[len(self._values):].decode(errors="replace") for k in keys]
+        return left
+
+    @_shaped
     def wait(self, keys: Sequence[str], timeout: Timeout | None = None) -> None:
         keys = check_keys(keys)
         seconds = self._deadline(timeout)
@@ -346,6 +422,7 @@ class EtcdStore(Store):
                 backoff.sleep()
             seen |= found
 
+    @_shaped
     def check(self, keys: Sequence[str]) -> bool:
         keys = check_keys(keys)
         if not keys:
@@ -378,15 +455,18 @@ class EtcdStore(Store):
             else:
                 compare, new = _equal(k, "MOD", int(kv["mod_revision"])), then(unb64(kv.get("value", "")))
 
+    @_shaped
     def add(self, key: str, amount: int) -> int:
         key, amount = check_key(key), check_amount(amount)
         return int(self._update(key, "add", str(amount).encode(), lambda old: str(added(key, old, amount)).encode()))
 
+    @_shaped
     def append(self, key: str, value: Value) -> None:
         key = check_key(key)
         tail = to_bytes(value, key)
         self._update(key, "append", tail, lambda old: old + tail)
 
+    @_shaped
     def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:
         key = check_key(key)
         expected, desired = to_bytes(expected, key), to_bytes(desired, key)
@@ -410,6 +490,7 @@ class EtcdStore(Store):
         kv = _first(inner)
         return expected if kv is None else unb64(kv.get("value", ""))
 
+    @_shaped
     def delete_key(self, key: str) -> bool:
         key = check_key(key)
         k, queue = self._vkey(key), self._queue(key)
@@ -428,6 +509,7 @@ class EtcdStore(Store):
             if answer.get("succeeded") or _applied(_responses(answer)[0], op_id):
                 return True
 
+    @_shaped
     def num_keys(self) -> int:
         hidden = self._values + HIDDEN_PREFIX.encode()
         answer = self._txn("num_keys()", [_range(self._values, _range_end(self._values), count_only=True),
@@ -435,6 +517,7 @@ class EtcdStore(Store):
         everything, ours = (_count(r) for r in _responses(answer))
         return everything - ours
 
+    @_shaped
     def list_keys(self) -> list[str]:
         answer = self._request("kv/range", _range(self._values, _range_end(self._values), keys_only=True)
                                ["request_range"], "list_keys()")
@@ -443,6 +526,7 @@ class EtcdStore(Store):
 
     # --- queues ----------------------------------------------------------------------
 
+    @_shaped
     def queue_push(self, key: str, value: Value) -> None:
         key = check_key(key)
         value = to_bytes(value, key)
@@ -455,6 +539,7 @@ class EtcdStore(Store):
             if answer.get("succeeded") or _applied(_responses(answer)[0], op_id):
                 return
 
+    @_shaped
     def queue_pop(self, key: str, block: bool = True) -> bytes:
         key = check_key(key)
         queue = self._queue(key)
@@ -480,12 +565,14 @@ class EtcdStore(Store):
                                int(answer["header"]["revision"]), deadline, f"{self!r}.queue_pop", [key], start):
                 backoff.sleep()
 
+    @_shaped
     def queue_len(self, key: str) -> int:
         key = check_key(key)
         queue = self._queue(key)
         return _count(self._request("kv/range", _range(queue, _range_end(queue), count_only=True)["request_range"],
                                     f"queue_len({key!r})"))
 
+    @_shaped
     def barrier(self, key: str, world_size: int, timeout: Timeout | None = None) -> None:
         """As Store.barrier, in O(1) requests per caller: each arrival is a key
         of its own, counted in the same transaction (no contended counter)."""

@@ -157,11 +157,20 @@ def rendezvous(
     if url.scheme == "file":
         store: Store = FileStore(path, world_size, timeout=seconds)
     elif url.scheme == "etcd":
-        from .etcd_store import EtcdStore  # only jobs on etcd load its client
-
-        store = EtcdStore(url.netloc, job, timeout=seconds)
+        store = etcd_store_of(init_method or "", seconds)
     else:
         agent_store = url.scheme == "env" and env.USE_AGENT_STORE.get(environ)
         store = TCPStore(host, port, world_size=world_size, is_master=rank == 0 and not agent_store,
                          timeout=seconds, secret=env.STORE_SECRET.get(environ))
     return Rendezvous(store, rank, world_size, local_rank, source)
+
+
+def etcd_store_of(url: str, timeout: float) -> Store:
+    """The EtcdStore that ``etcd://host:port[,host:port...]/job`` names."""
+    parts = urlparse(url)
+    job = unquote(parts.path).removeprefix("/")
+    if parts.scheme != "etcd" or not parts.netloc or not job:
+        raise ValueError(f"{url!r}: expected etcd://host:port[,host:port...]/job")
+    from .etcd_store import EtcdStore  # noqa: PLC0415 - only jobs on etcd load its client
+
+    return EtcdStore(parts.netloc, job, timeout=timeout)

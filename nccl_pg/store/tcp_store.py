@@ -26,9 +26,9 @@ from . import protocol as P
 from .base import (
     COUNTED_PREFIX,
     HIDDEN_PREFIX,
+    OwnParking,
     Parking,
     Store,
-    Unparked,
     Value,
     check_amount,
     check_key,
@@ -61,31 +61,6 @@ _MAX_KEY = P.FRAME_OVERHEAD - 64  # a key must leave room for the frame's other 
 # multi_tenant masters of this process: (host, port) -> [server, users]
 _tenants: dict[tuple[str, int], list] = {}
 _tenants_lock = threading.Lock()
-
-
-class _OwnConnection(Parking):
-    """TCPStore.parking(): closing the store ends the wait."""
-
-    def __init__(self, store: TCPStore) -> None:
-        super().__init__(store)
-        self._own = store
-
-    def wait(self, keys: Sequence[str], timeout: float) -> None:
-        if self.closed:
-            raise Unparked(f"the wait for {list(keys)!r} on {self._own!r} was ended")
-        try:
-            self._own.wait(keys, timeout)
-        except DistError as exc:
-            if self.closed:
-                raise Unparked(f"the wait for {list(keys)!r} on {self._own!r} was ended") from exc
-            raise
-
-    def close(self) -> None:
-        # Closing takes the client's lock, which a connection attempt to a frozen server holds until its
-        # deadline: never on the caller's thread.
-        if not self.closed:
-            self.closed = True
-            threading.Thread(target=self._own.close, name="nccl_pg-unpark", daemon=True).start()
 
 
 class TCPStore(Store):
@@ -190,7 +165,7 @@ class TCPStore(Store):
         other._server, other._tenant, other._closed = None, None, False
         c = self._client
         other._client = Client(c.host, c.port, c.secret, self.connect_timeout)
-        return _OwnConnection(other)
+        return OwnParking(other)
 
     def _register_worker(self, world_size: int, wait: bool) -> None:
         if self.add(_WORKERS_KEY, 1) == world_size:

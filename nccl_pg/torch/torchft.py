@@ -27,8 +27,11 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 from torchft.process_group import ProcessGroupWrapper
 
+from ..errors import DistError
+from ..reduce_op import ReduceOp
 from .process_group import ProcessGroupTorch
 
 
@@ -47,8 +50,18 @@ class ProcessGroupNcclPg(ProcessGroupWrapper):
         return "torchft-nccl_pg"
 
     def errored(self) -> Exception | None:
+        """An error of this quorum's group, or of a peer's (torchft reads it
+        in ``should_commit``, on every replica at the same point of a step).
+        A peer's failure is made visible by one agreement collective (issue
+        33): a replica resumed after its peers timed out and aborted can
+        complete the step's allreduce from data they had sent before, and
+        nothing local says that they failed it; its agreement then fails on
+        their aborted communicator, and it does not commit a step they did
+        not. Costs one 1-element all_reduce per step (docs/BENCHMARKS.md)."""
         pg = self._pg
         error = pg.comm_error() if isinstance(pg, ProcessGroupTorch) else None
+        if error is None and isinstance(pg, ProcessGroupTorch):
+            error = _agree_no_error(pg, self._timeout.total_seconds())
         return error if isinstance(error, Exception) or error is None else RuntimeError(str(error))
 
     def abort(self, errored: bool = True) -> None:
@@ -65,3 +78,15 @@ class ProcessGroupNcclPg(ProcessGroupWrapper):
         if isinstance(pg, ProcessGroupTorch):
             pg.abort()
             pg.shutdown()
+
+
+def _agree_no_error(pg: ProcessGroupTorch, timeout: float) -> Exception | None:
+    """One all_reduce on each of our groups behind ``pg``: None when every
+    rank's completed, else the error (a peer that failed the step aborted
+    its communicator, so ours fails)."""
+    for group in pg.nccl_pg_groups().values():
+        try:
+            group.allreduce_host(np.zeros(1, dtype=np.int64), ReduceOp.MAX, timeout=timeout)
+        except DistError as exc:
+            return exc
+    return None

@@ -203,3 +203,38 @@ def other_handles(ctx: Ctx) -> dict:
     except dist.DistBackendError as exc:
         error = str(exc)
     return {"failure": error}
+
+
+def timeout_race(ctx: Ctx) -> dict:
+    """Ranks 0 and 1 issue an all_reduce that rank 2 (slow, healthy on its
+    own) does not; after their timeout all three reconfigure to the same
+    handles. They must agree on "same group or fresh": all fresh, one
+    group, right sums. Then ranks 0 and 1 reconfigure again while rank 2
+    never does: the error names rank 2 as the one that never called it."""
+    import nccl_pg as dist  # noqa: PLC0415
+
+    dist.init_process_group("host", store=ctx.store, rank=ctx.rank, world_size=3, timeout=2)
+    _sum(dist)
+    g0 = dist._get_default_group()
+    res: dict = {}
+    if ctx.rank < 2:
+        try:
+            dist.all_reduce(np.ones(4))
+        except dist.DistBackendError as exc:
+            res["timed_out"] = "timeout" in str(exc)
+        ctx.store.set(f"race/timed_out/{ctx.rank}", "1")
+    else:  # rank 2 goes on only once both others timed out
+        ctx.store.wait(["race/timed_out/0", "race/timed_out/1"], timeout=30)
+    res["healthy_before"] = g0.healthy()
+    g1 = dist.reconfigure(1, handles(ctx, "race", dist.get_init_handle(), [0, 1, 2]), timeout=10)
+    res.update(kept_old=g1 is g0, sum=_sum(dist), comm=g1._comm.name)
+    if ctx.rank < 2:
+        t0 = time.monotonic()
+        try:
+            dist.reconfigure(2, [*handles(ctx, "late", dist.get_init_handle(), [0, 1]),
+                                 ctx.store.get("late/rank2").decode()], timeout=3)
+        except dist.DistBackendError as exc:
+            res["late_error"], res["late_took"] = str(exc), time.monotonic() - t0
+    else:
+        ctx.store.set("late/rank2", dist.get_init_handle())  # its handle, but it never calls reconfigure
+    return res

@@ -193,10 +193,11 @@ def comm_split(comm: Any, color: Any, key: Any, config: Any) -> Any:
 def comm_shrink(comm: Any, exclude_ranks_list: Any, exclude_ranks_count: Any, config: Any, shrink_flags: Any) -> Any:
     w, a = enter("ncclCommShrink", "comm_shrink", (comm, exclude_ranks_list, exclude_ranks_count, config, shrink_flags))
     excl = a[1]
-    _note(w, "ncclCommShrink", comm, flags=a[4])
     if isinstance(excl, int):
         excl = list(np.frombuffer(ctypes.string_at(excl, 4 * a[2]), np.int32)) if a[2] else []
-    return nccl_lifecycle.child(w, "ncclCommShrink", comm, a[3], 0, 0, sorted(int(x) for x in excl[:a[2]]), a[4])
+    exclude = sorted(int(x) for x in excl[:a[2]])
+    _note(w, "ncclCommShrink", comm, flags=a[4], exclude=exclude)
+    return nccl_lifecycle.child(w, "ncclCommShrink", comm, a[3], 0, 0, exclude, a[4])
 
 
 def comm_get_unique_id(comm: Any) -> Any:
