@@ -48,7 +48,9 @@ from ..errors import DistBackendError
 from ..group import handles
 from ..store import Store
 
+#: The store prefix of every membership record of an elastic job.
 NAMESPACE = "nccl_pg/elastic"
+#: The key that holds the newest configuration's number (the one a recovery goes to).
 LATEST_KEY = f"{NAMESPACE}/latest"
 MEMBERS_KEY = f"{NAMESPACE}/members"
 STUCK_COUNT_KEY = f"{NAMESPACE}/stuck/count"
