@@ -46,7 +46,13 @@ class Grows(Children):
 
     @property
     def supports_grow(self) -> bool:  # type: ignore[override]
-        return self._version >= _lib.V_GROW
+        """NCCL >= 2.29.2, and a control communicator that never shares its resources with a split: a grow of a
+        parent whose last split shared them reuses the parent's proxy (init.cc initTransportsRank: ``if (parent &&
+        parent->shareResources) comm->proxyState = parent->sharedRes->proxyState``, v2.30.7-1 and v2.31.2-1),
+        whose peer table has the parent's size (proxy.cc ncclProxyConnect: "peerIndex %d out of bounds"). That is
+        always the case in the blocking variant (its operations communicator is a sharing split) and after a
+        split of a group with ``split_share``: the group layer then grows through a fresh communicator."""
+        return self._version >= _lib.V_GROW and self._mode != "blocking" and not self.config.split_share
 
     def _idle_for(self, what: str, deadline: float) -> None:
         """READY, nothing in flight (comms.rst: no outstanding NCCL operations on the communicator), no job."""
