@@ -24,13 +24,14 @@ from . import handles, watchdog
 from .collectives import Collectives
 from .core import GroupState
 from .options import Options
+from .suspension import Suspension
 
 # shrink flags (torch's values): stop the parent's in-flight operations first, or not
 SHRINK_DEFAULT = 0x00
 SHRINK_ABORT = 0x01
 
 
-class ProcessGroup(Collectives):
+class ProcessGroup(Suspension, Collectives):
     """A group of ``size`` ranks; this process is ``rank``. Its parts, in
     nccl_pg/group/: core.py (state, communicator lifecycle, failures),
     issuing.py (one operation, coalescing), collectives.py (the
