@@ -63,6 +63,7 @@ from .objects import (
     scatter_object_list,
     send_object_list,
 )
+from .coll_config import CollConfig
 from .reduce_op import ReduceOp, make_premul_sum
 from .store import FileStore, HashStore, PrefixStore, Store, TCPStore, TCPStoreServer
 from .store.rendezvous import Rendezvous, rendezvous
@@ -71,6 +72,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Array",
+    "CollConfig",
     "DistBackendError",
     "DistError",
     "DistNetworkError",

@@ -7,12 +7,13 @@ It proves our logic against NCCL's code as read there, never GPU behaviour.
   group, the refusals: a communicator whose memory manager is shared (a
   ``splitShare`` family: init.cc commAlloc gives a sharing child
   ``parent->memManager`` and bumps its refCount) is ncclInvalidUsage ("Memory
-  suspend not supported with split_share communicators"), through the group's
-  error (a nonblocking communicator keeps it as its async error). Otherwise the
-  work is a job of the group (``ncclGroupCommJoin``; NCCL_ENQUEUE_REARCH_ENABLE
+  suspend not supported with split_share communicators"), the group's error,
+  which ncclGroupEndInternal returns before anything joined the group (the
+  communicator is untouched: group.cc, ``fail:`` path). Otherwise the work is
+  a job of the group (``ncclGroupCommJoin``; NCCL_ENQUEUE_REARCH_ENABLE
   is 0 by default): nonblocking, ncclInProgress until it ends.
 - Suspend's job (ncclCommMemSuspend): "Already suspended" is
-  ncclInvalidUsage; ``cudaDeviceSynchronize()`` (every stream of the device:
+  ncclInvalidUsage (the job's result: a nonblocking communicator keeps it); ``cudaDeviceSynchronize()`` (every stream of the device:
   an NCCL kernel waiting for peers keeps it waiting, without an abort flag to
   end it), then ``bootstrapBarrier`` over all the communicator's ranks (the
   abort flag ends it: bootstrap socket calls take ``comm->abortFlag``), then
@@ -137,12 +138,9 @@ def _run(w: World, name: str, comm: Any, job: Any, refused: bool) -> None:
         elif refused:
             add_job(w, c, lambda inline: _finish(c, job(w, c)))
         group_err(w, ret)
-        end = group_end(w)
-        if ret == SUCCESS:
-            ret = end
+        raise_(group_end(w))  # NCCLCHECK(ncclGroupEndInternal()): the group's error returns at once
         if c.blocking == 0:
-            ret = async_error(c)
-        raise_(ret)
+            raise_(async_error(c))
 
 
 def _finish(c: SimComm, ret: int) -> int:

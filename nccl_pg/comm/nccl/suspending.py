@@ -9,11 +9,12 @@ ncclCommResume and ncclCommMemStats of the control communicator (NCCL >=
   job is polled against the deadline, and one that does not end by it (a
   rank that never suspends) is stopped by aborting the communicator;
 - NCCL refuses a communicator whose memory manager is shared
-  (``refCount > 1``: a ``splitShare`` family, init.cc commAlloc) with
-  ncclInvalidUsage, and leaves a nonblocking one in that error: the
-  ``blocking`` variant's operations communicator always shares the control
-  one's, and so does a user split of a group with ``split_share`` set. Those
-  are refused here, before NCCL is called;
+  (``refCount > 1``: a ``splitShare`` family, init.cc commAlloc) with a bare
+  ncclInvalidUsage: the ``blocking`` variant's operations communicator always
+  shares the control one's, and so does a user split of a group with
+  ``split_share`` set. Those are refused here, saying why, before NCCL is
+  called; so is a second suspend (NCCL's job would fail and leave the
+  communicator in that error);
 - while suspended "the communicator cannot be used for any NCCL operations"
   (comms.rst): operations are refused (``_ops_comm``) until ``resume``.
 """
