@@ -138,6 +138,7 @@ class SimComm:
         self.shared = parent.shared
         self.shared.members.add(self.handle)
         self.tp_nranks = parent.tp_nranks
+        self.proxy_peers = parent.proxy_peers  # ``comm->proxyState = parent->sharedRes->proxyState``
 
     @property
     def proxy_error(self) -> int:
