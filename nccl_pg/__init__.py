@@ -8,6 +8,7 @@ GPU or a driver.
 from __future__ import annotations
 
 from .arrays import Array
+from .coll_config import CollConfig
 from .distributed import (
     GroupMember,
     P2POp,
@@ -63,7 +64,6 @@ from .objects import (
     scatter_object_list,
     send_object_list,
 )
-from .coll_config import CollConfig
 from .reduce_op import ReduceOp, make_premul_sum
 from .store import FileStore, HashStore, PrefixStore, Store, TCPStore, TCPStoreServer
 from .store.rendezvous import Rendezvous, rendezvous

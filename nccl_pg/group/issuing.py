@@ -186,7 +186,9 @@ class Issuing(GroupCore):
         sequence numbers match those of a run without the check."""
         mine = fp.encode()
         rows = self._backend.empty(mine.size * self._size, mine.dtype, self._device)
-        comm.all_gather(self._backend.from_host(mine, self._device), rows, stream)
+        sent = self._backend.from_host(mine, self._device)
+        self._backend.wait_for_caller(stream, self._device)  # both were made on the caller's stream
+        comm.all_gather(sent, rows, stream)
         if not stream.record().synchronize(self._timeout):
             self.abort()  # the stream holds an exchange that will never complete
             raise DistBackendError(f"timeout: {self!r}: Timed out after {self._timeout:g} s in the collective "
