@@ -13,12 +13,15 @@ This module is the binding's surface (``module()``, the functions named as
 nccl4py names them, ``install()``, ``world()``); the behaviour is in
 nccl_state.py (communicators, shared resources, thread safety, configuration),
 nccl_groups.py (groups, enqueue, launches), nccl_kernels.py (the device side)
-nccl_lifecycle.py (init, split, shrink, finalize, destroy, abort, revoke) and
-nccl_grow.py (ncclCommGetUniqueId, ncclCommGrow).
-Every rule cites what it follows: NCCL's sources at tag v2.30.7-1 (``src/init.cc``,
-``group.cc``, ``enqueue.cc``, ``nccl.h.in``, ``argcheck.cc``, ``bootstrap.cc``)
-or the user guide at that tag (``docs/userguide/source/usage/*.rst``); the
-table in docs/NCCL_BACKEND.md lists them.
+nccl_lifecycle.py (init, split, shrink, finalize, destroy, abort, revoke),
+nccl_grow.py (ncclCommGetUniqueId, ncclCommGrow), nccl_collconfig.py (the
+nccl*Config entry points) and nccl_suspend.py (suspend, resume, memory
+statistics). It is NCCL 2.32.3 (``SIM_VERSION``). Every rule cites what it
+follows: NCCL's sources at the tag it was read at (v2.30.7-1 for ``src/init.cc``,
+``group.cc``, ``enqueue.cc``, ``nccl.h.in``, ``argcheck.cc``, ``bootstrap.cc``,
+their init.cc functions unchanged at v2.31.2-1; v2.31.2-1 and v2.32.3-1 for
+what 2.31 and 2.32 added) or the user guide (``docs/userguide/source/usage/*.rst``);
+the table in docs/NCCL_BACKEND.md lists them with that tag.
 """
 
 from __future__ import annotations
