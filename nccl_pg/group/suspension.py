@@ -18,6 +18,8 @@ The host backend holds no GPU memory: it refuses, saying so.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..comm.base import Communicator
 from ..errors import DistBackendError
 from ..timeouts import Timeout, to_seconds
@@ -53,15 +55,7 @@ class Suspension(GroupCore):
         with self._lock:
             self._check_open()
             self._state = GroupState.SUSPENDED
-        try:
-            comm.suspend(limit)
-        except BaseException as exc:
-            with self._lock:
-                if self._state is GroupState.SUSPENDED:
-                    self._state = GroupState.OPEN
-            self._handle_error(DistBackendError(f"process group {self.uid} ({self.group_desc!r}) on rank "
-                                                f"{self._rank}: suspend failed: {exc}"))
-            raise
+        self._memory_step("suspend", lambda: comm.suspend(limit))
 
     def resume(self, timeout: Timeout | None = None) -> None:
         """Take the memory back (collective; every rank within ``timeout``,
@@ -73,18 +67,23 @@ class Suspension(GroupCore):
                                        f"of a group that is not suspended ({self._state.value})")
             comm = self._comm
         assert comm is not None
+        self._memory_step("resume", lambda: comm.resume(limit))
+        with self._lock:
+            if self._state is GroupState.SUSPENDED:
+                self._state = GroupState.OPEN
+
+    def _memory_step(self, what: str, step: Callable[[], None]) -> None:
+        """The communicator's suspend or resume; a failure (its communicator aborted: a barrier with a rank
+        that never came) leaves the group for its error handling."""
         try:
-            comm.resume(limit)
+            step()
         except BaseException as exc:
             with self._lock:
                 if self._state is GroupState.SUSPENDED:
                     self._state = GroupState.OPEN
             self._handle_error(DistBackendError(f"process group {self.uid} ({self.group_desc!r}) on rank "
-                                                f"{self._rank}: resume failed: {exc}"))
+                                                f"{self._rank}: {what} failed: {exc}"))
             raise
-        with self._lock:
-            if self._state is GroupState.SUSPENDED:
-                self._state = GroupState.OPEN
 
     @property
     def suspended(self) -> bool:

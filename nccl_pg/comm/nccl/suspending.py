@@ -27,7 +27,6 @@ from ...errors import DistBackendError
 from ..base import CommState
 from . import _lib
 from ._lib import bindings
-from .device import device_guard, restore_device
 from .growing import Grows
 
 SUSPEND_MEM = 0x01  # NCCL_SUSPEND_MEM
@@ -72,25 +71,11 @@ class Suspends(Grows):
             self._idle_for(what, deadline)
         finally:
             self._suspended = not suspend
-        prev = device_guard(self.device)
-        try:
-            self._acquire(what)
-            try:
-                self._check_live(what)
-                self._ctl_idle.clear()
-                b = bindings()
-                try:
-                    if suspend:
-                        self._call(what, b.comm_suspend, self._ctl, SUSPEND_MEM)
-                    else:
-                        self._call(what, b.comm_resume, self._ctl)
-                except BaseException:
-                    self._ctl_idle.set()
-                    raise
-            finally:
-                self._lock.release()
-        finally:
-            restore_device(prev)
+        b = bindings()
+        if suspend:
+            self._start_job(what, b.comm_suspend, self._ctl, SUSPEND_MEM)
+        else:
+            self._start_job(what, b.comm_resume, self._ctl)
         try:
             self._poll(deadline, what.removeprefix("ncclComm").lower())
         except BaseException as exc:
