@@ -24,10 +24,10 @@ from typing import Any
 
 import pytest
 from harness.forked import Rank, nccl_unavailable_reason, run_world
+from harness.launch_marks import started_while_waiting
 
 import nccl_pg as dist
 from nccl_pg import CollConfig, DistBackendError
-from nccl_pg.diagnostics import flight_recorder
 from nccl_pg.group.core import GroupState
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
@@ -48,20 +48,7 @@ def _s_replay_and_marks(r: Rank) -> dict[str, Any]:
     x = cp.ones(1024, dtype=cp.float32)
     dist.all_reduce(x)
     out: dict[str, Any] = {"marks": pg._launch_marks, "nccl": dist.distributed._get_default_group()._comm._version}
-    # started marks: rank 0's collective waits for rank 1's, timing off
-    if r.rank == 0:
-        work = dist.all_reduce(x, async_op=True)
-        r.store().set("issued", b"1")
-        entry = flight_recorder.get().entries()[-1]
-        deadline = time.monotonic() + 1.0
-        while entry.state == "scheduled" and time.monotonic() < deadline:
-            time.sleep(0.01)
-        out["started"] = (entry.state, work.is_completed())
-        work.wait(timedelta(seconds=30))
-    else:
-        r.store().wait(["issued"], timedelta(seconds=30))
-        time.sleep(1.5)
-        dist.all_reduce(x)
+    out.update(started_while_waiting(r, x, 1.5))  # rank 0's collective waits for rank 1's, timing off
     # per-call config
     pg.allreduce(x, config=CollConfig(min_ctas=1, max_ctas=4, algorithm="ring", profiler_tag=7)).wait(
         timedelta(seconds=30))
@@ -101,7 +88,7 @@ def test_replays_marks_and_config_on_a_gpu(tmp_path: Any) -> None:
                     env={"NCCL_PG_WATCHDOG_INTERVAL": "0.05", "NCCL_PG_DUMP_ON_TIMEOUT": "0"})
     print("issue 36 on a GPU:", out)
     if out[0]["nccl"] >= 23203:
-        assert out[0]["marks"] and out[0]["started"] == ("started", False), out[0]
+        assert out[0]["marks"] and out[0]["while_waiting"] == ("started", False), out[0]
     assert "selects no algorithm" in out[0]["refused"]
     assert TIMEOUT <= out[0]["named_after"] <= TIMEOUT + 1.0, out[0]
     assert "ALLREDUCE (collective 1 of 1 this group captured into CUDA graph capture" in out[0]["reason"], out[0]

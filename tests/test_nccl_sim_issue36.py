@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 import simnccl
 from harness.forked import Rank, run_world
+from harness.launch_marks import started_while_waiting
 from simnccl import ncclsim
 
 import nccl_pg as dist
 from nccl_pg import CollConfig, DistBackendError
-from nccl_pg.diagnostics import flight_recorder
 from nccl_pg.group.core import GroupState
 
 pytestmark = [pytest.mark.simnccl, pytest.mark.timeout(90)]
@@ -194,21 +194,7 @@ def _s_started_marks(r: Rank, version: int) -> dict[str, Any]:
     pg = r.init(device_id=r.device, timeout=timedelta(seconds=20))
     x = r.full((4,), 1.0)
     dist.all_reduce(x)
-    out: dict[str, Any] = {"marks": pg._launch_marks}
-    if r.rank == 0:
-        work = dist.all_reduce(x, async_op=True)
-        r.store().set("issued", b"1")
-        entry = flight_recorder.get().entries()[-1]
-        deadline = time.monotonic() + 0.6
-        while entry.state == "scheduled" and time.monotonic() < deadline:
-            time.sleep(0.01)
-        out["while_waiting"] = (entry.state, work.is_completed())
-        work.wait(timedelta(seconds=20))  # given a timeout, the CPU waits
-        out["after"] = entry.state
-    else:
-        r.store().wait(["issued"], timedelta(seconds=30))
-        time.sleep(1.0)  # rank 0's kernel is launched and waits for this rank's
-        dist.all_reduce(x)
+    out: dict[str, Any] = {"marks": pg._launch_marks, **started_while_waiting(r, x, 1.0)}
     out["config_calls"] = ncclsim.world().calls.get("ncclAllReduceConfig", 0)
     dist.destroy_process_group()
     return out

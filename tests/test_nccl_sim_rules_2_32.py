@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import simnccl
 from simnccl import cuda_state, ncclsim
+from test_nccl_sim_grow_rules import _abort, _poll, _status
 
 pytestmark = [pytest.mark.simnccl, pytest.mark.timeout(60), pytest.mark.usefixtures("simnccl_installed")]
 
@@ -52,24 +53,11 @@ def _config(blocking: int = 0, **fields: int) -> Any:
     return c
 
 
-def _poll(comm: Any, limit: float = 10.0) -> int:
-    deadline = time.monotonic() + limit
-    while (code := real.comm_get_async_error(comm)) == IN_PROGRESS and time.monotonic() < deadline:
-        time.sleep(0.001)
-    return code
-
-
 def _comms(n: int, **fields: int) -> list[Any]:
     uid = real.get_unique_id()
     comms = [real.comm_init_rank_config(n, uid, r, _config(**fields)) for r in range(n)]
     assert [_poll(c) for c in comms] == [SUCCESS] * n
     return comms
-
-
-def _abort(*comms: Any) -> None:
-    for c in comms:
-        if c is not None and c.handle:
-            real.comm_abort(c)
 
 
 def _stream() -> tuple[int, Any]:
@@ -88,10 +76,6 @@ def _coll(**fields: Any) -> Any:
     for k, v in fields.items():
         setattr(c, k, v)
     return c
-
-
-def _status(exc_info: Any) -> int:
-    return int(exc_info.value.status)
 
 
 def _result(call: Any, comm: Any) -> int:
