@@ -197,8 +197,17 @@ def _connect(w: World, c: SimComm, tasks: list[Task]) -> int:
     return SUCCESS
 
 
-def _reclaim(c: SimComm) -> None:
-    """enqueue.cc reclaimPlan: a captured plan gives its reference back (``localPersistentRefs -= 1``)."""
+def _reclaim(w: World, c: SimComm) -> None:
+    """enqueue.cc reclaimPlan: a captured plan gives its reference back (``localPersistentRefs -= 1``). The graph's
+    destructor (enqueue.cc persistentDestructor) reads ``plan->comm`` and queues onto ``comm->callbackQueue``: a
+    communicator freed before its graphs were destroyed is written after its free. Only a revoked one can be
+    (init.cc v2.30.7-1 ncclCommRevoke sets ``finalizeCalled``, so commReclaim skips commDestroySync, the wait for
+    ``localPersistentRefs``; the same in the newest stored init.cc)."""
+    if c.freed:
+        w.violations.record(f"a CUDA graph that captured operations of communicator 0x{c.handle:x} was destroyed "
+                            f"after the communicator was freed ({c.freed}): enqueue.cc persistentDestructor writes "
+                            "into the freed communicator (init.cc: a revoked communicator is freed without waiting "
+                            "for its graphs)")
     with c.cv:
         c.local_refs -= 1
         c.cv.notify_all()
@@ -232,7 +241,7 @@ def _launch(w: World, c: SimComm, tasks: list[Task]) -> int:
         if st.capture is not None:  # a graph node: launched (and counted) at each cudaGraphLaunch
             with c.cv:
                 c.local_refs += 1
-            st.capture.user_objects.append(UserObject(lambda: _reclaim(c)))
+            st.capture.user_objects.append(UserObject(lambda: _reclaim(w, c)))
             if any(t.config is not None and t.config.event for t in ts):
                 w.violations.record("a launchCompletionEvent on a captured collective is not simulated")
             st.enqueue(name, GraphKernel(w, c, ts), reads, writes)

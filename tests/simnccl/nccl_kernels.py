@@ -45,6 +45,9 @@ class GraphKernel:
         self.w, self.c, self.tasks = w, c, tasks
 
     def instance(self) -> Callable[[], None]:
+        if self.c.freed:  # its plan's device memory and the communicator's went with commFree (_reclaim)
+            self.w.violations.record(f"a replay launched a kernel of communicator 0x{self.c.handle:x}, freed "
+                                     f"({self.c.freed}) while the graph that captured it was alive")
         return kernel(self.w, self.c, self.tasks, ticket(self.c))
 
     def __call__(self) -> None:
