@@ -97,6 +97,79 @@ def test_a_hanging_replay_is_named_within_its_timeout(tmp_path: Any) -> None:
     assert out[1]["captures_after_del"] == 0  # the graph's destruction freed its watch (a CUDA user object)
 
 
+def _handles(r: Rank, stage: str, who: list[int]) -> list[str]:
+    r.store().set(f"{stage}/handle/{r.rank}", dist.get_init_handle())
+    keys = [f"{stage}/handle/{p}" for p in who]
+    r.store().wait(keys, timedelta(seconds=30))
+    return [r.store().get(k).decode() for k in keys]
+
+
+def _s_graphs_and_reconfigure(r: Rank, refuse: bool) -> dict[str, Any]:
+    from simnccl import xp
+
+    pg = r.init(device_id=r.device, timeout=timedelta(seconds=20))
+    x = r.full((4,), 1.0)
+    dist.all_reduce(x)  # 3
+    s = xp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        dist.all_reduce(x)
+        graph = s.end_capture()
+    out: dict[str, Any] = {"same": dist.reconfigure(1, _handles(r, "same", [0, 1, 2]), timeout=20) is pg}
+    graph.launch(s)
+    s.synchronize()
+    out["replayed"] = float(r.host(x)[0])  # 9: nothing changed, the graph keeps working
+    if r.rank == 2:  # leaves
+        del graph
+        gc.collect()
+        dist.destroy_process_group()
+        return out
+    if not refuse:  # what the refusal prevents: NCCL frees the revoked communicator under the graph
+        pg._refuse_with_live_graphs = lambda what: None  # type: ignore[method-assign]
+    shrink = lambda: dist.reconfigure(2, _handles(r, "shrink", [0, 1]), timeout=20)  # noqa: E731
+    for call in (pg.revoke, shrink) if refuse else (shrink,):
+        try:
+            call()
+            out.setdefault("refused", []).append(None)
+        except RuntimeError as exc:  # not a DistBackendError: nothing happened, the group is as it was
+            out.setdefault("refused", []).append(f"{type(exc).__name__}: {exc}")
+    out["state"] = pg._state.value
+    del graph
+    gc.collect()
+    g = shrink() if refuse else dist._get_default_group()
+    y = r.full((4,), 1.0)
+    dist.all_reduce(y)
+    out["after"] = (g is not pg, float(r.host(y)[0]), g.size())
+    out["violations"] = simnccl.violations()
+    simnccl.clear()
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("refuse", [True, False], ids=["refused", "without-the-refusal"])
+def test_graphs_captured_before_a_reconfigure(tmp_path: Any, refuse: bool) -> None:
+    """A reconfigure that changes nothing returns the same group: its graphs keep working. One that revokes the
+    communicator (or destroys it after a grow) is refused while graphs that captured the group's collectives are
+    alive, naming them; once they are destroyed it goes ahead, and graphs are captured anew. Without the refusal,
+    NCCL frees the revoked communicator under the graph (init.cc ncclCommRevoke sets finalizeCalled; commReclaim
+    then skips the wait for localPersistentRefs) and the graph's destruction writes into it (enqueue.cc
+    persistentDestructor): the simulation records it."""
+    out = world(_s_graphs_and_reconfigure, 3, tmp_path, refuse=refuse)
+    for o in out:
+        assert o["same"] and o["replayed"] == 9.0, o
+    for o in out[:2]:
+        assert o["after"] == (True, 2.0, 2), o
+        if refuse:
+            assert o["state"] == "open" and len(o["refused"]) == 2, o
+            assert all(m is not None and m.startswith("RuntimeError: process group 0") and
+                       "refused: CUDA graph capture(s)" in m and "del graph" in m
+                       for m in o["refused"]), o
+            assert o["violations"] == [], o
+        else:
+            assert o["refused"] == [None] and o["state"] == "destroyed", o
+            assert any("destroyed after the communicator was freed" in v for v in o["violations"]), o
+
+
 # --- per-call config -----------------------------------------------------------------------------------------------
 
 def _s_per_call_config(r: Rank) -> dict[str, Any]:

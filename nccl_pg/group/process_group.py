@@ -94,7 +94,9 @@ class ProcessGroup(Suspension, Collectives):
         """Stop this group's in-flight operations (they fail, saying
         "revoked") and refuse later ones, but keep the communicator for
         ``shrink_group``; local and bounded. Where the communicator cannot
-        revoke (NCCL < 2.28.7) it is aborted, and a shrink builds a fresh one."""
+        revoke (NCCL < 2.28.7) it is aborted, and a shrink builds a fresh one.
+        Refused while CUDA graphs that captured its collectives are alive."""
+        self._refuse_with_live_graphs("revoke")
         with self._lock:
             self._error_handled = True  # a revoke's failures are not errors to handle
             if self._state is GroupState.OPEN:
@@ -149,6 +151,7 @@ class ProcessGroup(Suspension, Collectives):
         if not left and not plan.joiners and self.healthy():
             self.uuid = plan.uuid
             return self
+        self._refuse_with_live_graphs("reconfigure")  # it revokes the communicator, or destroys it after a grow
         try:
             return self._change(plan, left, meet, deadline, names)
         except BaseException:  # a failed change leaves no group behind: this one, or one made on the way

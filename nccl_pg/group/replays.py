@@ -24,7 +24,9 @@ On each watchdog poll, per graph this group captured into:
 
 A graph's entries go once CUDA says the graph and every instantiation of it
 were destroyed (``Stream.capture_gone``: a user object's destructor), and all
-of them with the group.
+of them with the group. While some are alive, a revoke of the group's
+communicator is refused (GroupCore._refuse_with_live_graphs): NCCL frees a
+revoked communicator without waiting for the graphs that captured it.
 """
 
 from __future__ import annotations
@@ -123,3 +125,16 @@ class ReplayWatch:
 
     def captures(self) -> int:
         return len(self._graphs)
+
+    def alive(self) -> list[int]:
+        """The captures whose graph, or an instantiation of it, may still be alive (destroyed ones are dropped)."""
+        out = []
+        with self._lock:
+            graphs = list(self._graphs.values())
+        for g in graphs:
+            if g.gone is not None and g.gone():
+                with self._lock:
+                    self._graphs.pop(g.capture, None)
+            else:
+                out.append(g.capture)
+        return sorted(out)
