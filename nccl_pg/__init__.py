@@ -8,6 +8,7 @@ GPU or a driver.
 from __future__ import annotations
 
 from .arrays import Array
+from .coll_config import CollConfig
 from .distributed import (
     GroupMember,
     P2POp,
@@ -71,6 +72,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Array",
+    "CollConfig",
     "DistBackendError",
     "DistError",
     "DistNetworkError",

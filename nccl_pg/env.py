@@ -154,6 +154,11 @@ ENABLE_TIMING: Var[bool] = Var(
     "Record a start event for every operation so Works report their duration (on by itself once a "
     "completion hook is registered).",
     aliases=("TORCH_NCCL_ENABLE_TIMING",))
+LAUNCH_MARKS: Var[bool] = Var(
+    "NCCL_PG_LAUNCH_MARKS", parse_bool, True,
+    "On NCCL >= 2.32.3, give every collective a launch-completion event (ncclCollConfig_t.launchCompletionEvent) "
+    "that NCCL records when its kernel launches: the exact \"started\" mark of the watchdog and the flight "
+    "recorder. Set it alike on every rank (NCCL requires the event on every rank or on none).")
 # Below this the watchdog's poller busy-loops a core for nothing: no completion needs noticing sooner.
 MIN_WATCHDOG_INTERVAL = 0.001
 WATCHDOG_INTERVAL: Var[float] = Var(
@@ -270,7 +275,7 @@ OBJECT_MAX_BYTES: Var[int] = Var(
 
 ALL: tuple[Var, ...] = (STORE_SECRET, STORE_TIMEOUT, STORE_MAX_VALUE_SIZE, STORE_IDLE_TIMEOUT, USE_AGENT_STORE,
                         HOST_ADDR, HOST_BROADCAST, RANKS_PER_ROOT, NCCL_OPS, POOL_RELEASE_THRESHOLD,
-                        USE_COMM_NONBLOCKING, ENABLE_TIMING, WATCHDOG_INTERVAL, DEBUG,
+                        USE_COMM_NONBLOCKING, ENABLE_TIMING, LAUNCH_MARKS, WATCHDOG_INTERVAL, DEBUG,
                         ASYNC_ERROR_HANDLING, BLOCKING_WAIT, HEARTBEAT_TIMEOUT, ENABLE_MONITORING,
                         DUMP_ON_TIMEOUT, DUMP_FILE, STACKS_SIGNAL, NAN_CHECK, KERNEL_CACHE, TRACE_BUFFER_SIZE, TRACE_STACKS,
                         OBJECT_SERIALIZER, OBJECT_MAX_BYTES)

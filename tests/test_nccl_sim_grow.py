@@ -28,8 +28,9 @@ pytestmark = [pytest.mark.simnccl, pytest.mark.timeout(90), pytest.mark.usefixtu
 CFG = CommConfig(timeout=10)
 
 
-@pytest.fixture(params=["nonblocking", "blocking"])
+@pytest.fixture(params=["nonblocking"])
 def variant(request, monkeypatch):
+    """The variants that grow natively: the blocking one refuses (test_the_blocking_variant_refuses_to_grow)."""
     monkeypatch.setenv("NCCL_PG_NCCL_OPS", request.param)
     return request.param
 
@@ -179,6 +180,24 @@ def test_a_rank_that_never_comes_fails_the_grow_by_its_deadline(variant, missing
     assert 1.5 <= took < 8, took
     assert [c.state for c in growing] == [CommState.ABORTED] * len(growing)
     _destroy(*old)
+
+
+@pytest.mark.parametrize("how", ["blocking-variant", "split-share"])
+def test_the_blocking_variant_refuses_to_grow(monkeypatch, how):
+    """A grow of a communicator whose split shared its resources reuses its proxy, sized for its own ranks (init.cc
+    initTransportsRank; the simulation's rule: test_nccl_sim_rules_2_32, and the grown communicator's first
+    collective fails there): the blocking variant's control communicator always shared with its operations one,
+    a split_share group's may. The backend refuses, saying why; the group layer grows through a fresh
+    communicator (test_nccl_sim_issue36)."""
+    monkeypatch.setenv("NCCL_PG_NCCL_OPS", "blocking" if how == "blocking-variant" else "nonblocking")
+    cfg = CommConfig(timeout=10, split_share=how == "split-share")
+    (c,) = _comms(1, cfg)
+    assert not c.supports_grow
+    with pytest.raises(DistBackendError, match="would reuse its proxy"):
+        c.get_unique_id()
+    with pytest.raises(DistBackendError, match="would reuse its proxy"):
+        c.grow(2)
+    _destroy(c)
 
 
 def test_grow_needs_nccl_2_29_2(variant):

@@ -213,6 +213,10 @@ def _seen(value: Any) -> Any:
     if isinstance(value, real.Config) or (isinstance(value, int) and value in _CONFIGS):
         cfg = value if isinstance(value, real.Config) else real.Config.from_ptr(value)
         return ("Config", cfg.blocking, cfg.split_share, cfg.shrink_share, cfg.min_ctas, cfg.comm_name)
+    if isinstance(value, int) and value in _COLL_CONFIGS:  # a ncclCollConfig_t*, read during the call
+        c = real.CollConfig.from_ptr(value)
+        return ("CollConfig", c.min_ctas, c.max_ctas, c.alg_selection, c.user_profiler_tag,
+                c.launch_completion_event_handle)
     if isinstance(value, int) and value in _UIDS:
         return ("UniqueId", ctypes.string_at(value, 128))
     if isinstance(value, (bytes, bytearray, memoryview)):
@@ -223,6 +227,20 @@ def _seen(value: Any) -> Any:
 
 
 _CONFIGS: set[int] = set()  # the addresses of the configs made here
+_COLL_CONFIGS: set[int] = set()
+
+
+def _coll_config() -> Any:
+    c = real.CollConfig()
+    c.min_ctas, c.max_ctas, c.alg_selection, c.user_profiler_tag = 2, 5, "ring+^ll", 2**40 + 3
+    c.launch_completion_event_handle = 0x6600_0010
+    _COLL_CONFIGS.add(c.ptr)
+    _KEEP.append(c)
+    return c
+
+
+_KEEP: list[Any] = []
+CC = ("CollConfig", 2, 5, "ring+^ll", 2**40 + 3, 0x6600_0010)
 
 
 def _config(**fields: Any) -> Any:
@@ -300,6 +318,26 @@ CASES: list[tuple[str, Callable[[], Any], tuple[Any, ...], Any, Callable[[Any], 
     ("red_op_create_pre_mul_sum", lambda: real.red_op_create_pre_mul_sum(S, 8, 1, real.Comm(H)),
      (S, 8, 1, ("Comm", H)), 4097, lambda r: r == 4097),
     ("red_op_destroy", lambda: real.red_op_destroy(4097, real.Comm(H)), (4097, ("Comm", H)), None, lambda r: r is None),
+    ("all_reduce_config", lambda: real.all_reduce_config(S, R, N, 9, 4, real.Comm(H), ST, _coll_config()),
+     (S, R, N, 9, 4, ("Comm", H), ST, CC), None, lambda r: r is None),
+    ("reduce_config", lambda: real.reduce_config(S, R, N, 7, 2, 3, real.Comm(H), ST, _coll_config()),
+     (S, R, N, 7, 2, 3, ("Comm", H), ST, CC), None, lambda r: r is None),
+    ("broadcast_config", lambda: real.broadcast_config(S, R, N, 1, 2, real.Comm(H), ST, _coll_config()),
+     (S, R, N, 1, 2, ("Comm", H), ST, CC), None, lambda r: r is None),
+    ("reduce_scatter_config", lambda: real.reduce_scatter_config(S, R, N, 8, 0, real.Comm(H), ST, _coll_config()),
+     (S, R, N, 8, 0, ("Comm", H), ST, CC), None, lambda r: r is None),
+    ("all_gather_config", lambda: real.all_gather_config(S, R, N, 11, real.Comm(H), ST, _coll_config()),
+     (S, R, N, 11, ("Comm", H), ST, CC), None, lambda r: r is None),
+    ("allto_all_config", lambda: real.allto_all_config(S, R, N, 4, real.Comm(H), ST, _coll_config()),
+     (S, R, N, 4, ("Comm", H), ST, CC), None, lambda r: r is None),
+    ("gather_config", lambda: real.gather_config(S, R, N, 5, 1, real.Comm(H), ST, _coll_config()),
+     (S, R, N, 5, 1, ("Comm", H), ST, CC), None, lambda r: r is None),
+    ("scatter_config", lambda: real.scatter_config(S, R, N, 6, 1, real.Comm(H), ST, _coll_config()),
+     (S, R, N, 6, 1, ("Comm", H), ST, CC), None, lambda r: r is None),
+    ("comm_suspend", lambda: real.comm_suspend(real.Comm(H), 1), (("Comm", H), 1), None, lambda r: r is None),
+    ("comm_resume", lambda: real.comm_resume(real.Comm(H)), (("Comm", H),), None, lambda r: r is None),
+    ("comm_mem_stats", lambda: real.comm_mem_stats(real.Comm(H), 3), (("Comm", H), 3), 2**40 + 7,
+     lambda r: r == 2**40 + 7),
 ]
 
 

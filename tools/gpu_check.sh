@@ -52,6 +52,7 @@ plan_text() {
 2|ops_api|45|checklist 2: every collective through the API, in and out of place, async_op=True, checked (nccl-pg bench --check)|python3 -m pytest -p no:cacheprovider -v -rfE --junitxml $OUT/ops_api.xml tests/test_bench_cli.py::test_gpu_bench_one_rank
 2|bandwidth_full|35|checklist 7: nccl_pg / raw nccl4py, 1 MB .. 1 GB; the cupy.cuda.nccl peer's overhead|python3 tools/bench_nccl_compare.py --peers nccl_pg raw cupy --iters 2000 --rounds 3 --repeat 1 --bw-min 1M --bw-max 1G --bw-factor 4 --timeout 30 --json $OUT/bandwidth_full.json --markdown $OUT/bandwidth_full.md
 2|shrink|45|checklist 4: shrink after a peer died, revoke ending a stuck collective (NCCL >= 2.27/2.28.7)|python3 -m pytest -p no:cacheprovider -v -rfE --junitxml $OUT/shrink.xml -m gpu tests/test_shrink.py
+2|nccl232|50|issue 36: a replay one rank does not run is named within the timeout + 1 s; launch-completion marks (NCCL >= 2.32.3); a per-call config; suspend/resume and the blocking variant's refusal|python3 -m pytest -p no:cacheprovider -v -rfEP --junitxml $OUT/nccl232.xml -m gpu tests/test_gpu_nccl232.py
 2|reconfigure|60|issue 26: reconfigure, two ranks on the one GPU: one leaves and one joins (ncclCommShrink, then ncclCommGrow of a one-rank communicator); one SIGKILLed and replaced (does NCCL shrink a communicator that lost a peer, or does reconfigure start afresh?)|python3 -m pytest -p no:cacheprovider -v -rfEP --junitxml $OUT/reconfigure.xml -m gpu tests/test_gpu_reconfigure.py
 PLAN
 }

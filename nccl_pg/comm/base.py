@@ -105,6 +105,22 @@ class Stream(ABC):
         enqueued goes into the graph and runs only at its replays."""
         return False
 
+    def capture_id(self) -> int:
+        """While capturing: the capture's id, unique in the process (CUDA's
+        cudaStreamGetCaptureInfo); 0 otherwise."""
+        return 0
+
+    def record_replayed(self, event: Event) -> None:
+        """While capturing: put a record of ``event`` into the graph, so that
+        every replay records it there again (queryable by the host)."""
+        raise NotImplementedError(f"{type(self).__name__} has no CUDA graphs")
+
+    def capture_gone(self) -> Callable[[], bool] | None:
+        """While capturing: a probe that says (never blocking) whether the
+        graph being captured, and every instantiation of it, were destroyed;
+        None where that cannot be known."""
+        return None
+
 
 class Communicator(ABC):
     """One rank's endpoint of a group of ``nranks`` ranks."""
@@ -196,6 +212,28 @@ class Communicator(ABC):
         inside ncclCommGrow, and would wait there for good without it."""
         raise NotImplementedError(f"{type(self).__name__} cannot grow")
 
+    # --- suspend/resume: free a communicator's GPU memory between phases (NCCL >= 2.29.7) ---------------------
+
+    def suspend_refusal(self) -> str | None:
+        """Why ``suspend`` would be refused here (None: it would not)."""
+        return "this backend holds no GPU memory to free"
+
+    def suspend(self, timeout: float) -> None:
+        """Collective over every rank: release the communicator's
+        suspendable memory (ncclCommSuspend). Nothing may be in flight; no
+        operation until ``resume``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot suspend")
+
+    def resume(self, timeout: float) -> None:
+        """Collective over every rank: the memory back (ncclCommResume)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot resume")
+
+    def mem_stats(self) -> dict[str, int]:
+        """GPU memory the communicator holds (ncclCommMemStats):
+        ``suspendable_bytes``, ``persistent_bytes``, ``total_bytes``,
+        ``suspended`` (0/1)."""
+        raise NotImplementedError(f"{type(self).__name__} has no memory statistics")
+
     @abstractmethod
     def finalize(self, timeout: float | None = None) -> None:
         """Wait for every enqueued operation (bounded); raises on timeout."""
@@ -247,6 +285,22 @@ class Communicator(ABC):
     def recv(self, buf: Any, peer: int, stream: Stream) -> None: ...
 
     supports_recv_any: bool = False  # NCCL has no wildcard receive
+
+    # --- per-call settings of the next collective (NCCL >= 2.31.2: ncclCollConfig_t) --------------------------
+    # The process-group core sets them just before it enqueues one collective and clears them just after, on the
+    # issuing thread; a backend that cannot use them ignores them (the group validated the config already).
+
+    supports_launch_marks: bool = False  # the ``launched`` event can be recorded at the kernel's launch
+
+    def set_call_options(self, config: Any, launched: Event | None) -> None:
+        """``config`` (a CollConfig, or None) and ``launched`` (an Event the
+        backend records when the collective's kernel is launched, or None)
+        for the next collective enqueued on this thread."""
+
+    def clear_call_options(self) -> bool:
+        """Forget them; True when the ``launched`` event was handed to the
+        collective (False: it was not used, e.g. a send/recv-built one)."""
+        return False
 
     def recv_any(self, buf: Any, stream: Stream) -> Callable[[], int | None]:
         """Receive from whichever peer sends first; the returned function

@@ -12,6 +12,7 @@ from typing import Any, TypeAlias
 import numpy as np
 
 from ..arrays import Array
+from ..coll_config import CollConfig
 from ..comm.base import Communicator, Stream, check_dtype
 from ..errors import DistBackendError
 from ..reduce_op import PremulSum, ReduceOp, resolve
@@ -55,6 +56,21 @@ def _one_list(x: Sequence[Any]) -> Sequence[Any]:
 
 class Collectives(Issuing):
     """The operations (see ProcessGroup)."""
+
+    def _coll_config(self, config: CollConfig | None, collective: str) -> CollConfig | None:
+        """``config=`` of a collective, checked before anything is numbered or enqueued (a bad algorithm
+        selection found by NCCL inside the enqueue would leave a nonblocking communicator in error)."""
+        if config is None:
+            return None
+        if not isinstance(config, CollConfig):
+            raise TypeError(f"{collective}: config must be a nccl_pg.CollConfig, got {type(config).__name__}")
+        config.check_for(collective, self.options.config.max_ctas)
+        return config
+
+    def _digest(self, config: CollConfig | None) -> int:
+        """What the fingerprint check compares of the per-call settings: the config, and whether launch marks
+        are on (NCCL: "Every rank must provide a non-NULL event or every rank must provide NULL")."""
+        return ((0 if config is None else config.digest()) << 1) | int(self._launch_marks)
 
     def _flat(self, array: Any, what: str, output: bool = False) -> Any:
         """``array`` as the backend's flat array, or the argument error, raised
@@ -117,13 +133,15 @@ class Collectives(Issuing):
             at += i.size
         return tmp
 
-    def allreduce(self, tensor: ArrayArg, op: Op = ReduceOp.SUM) -> Work | None:
+    def allreduce(self, tensor: ArrayArg, op: Op = ReduceOp.SUM, config: CollConfig | None = None) -> Work | None:
+        cfg = self._coll_config(config, "all_reduce")
         t = self._flat(_one(tensor), "all_reduce tensor", output=True)
         rop, scale = resolve(op)
         self._reducible(t, rop, scale, "all_reduce")
         return self._issue(OpType.ALLREDUCE, [tensor], lambda c, s: c.all_reduce(t, t, rop, s, scale),
                            check=[("tensor", _one(tensor))] if self._nan is not None else None,
-                           fingerprint=self._detail and Fingerprint(OpType.ALLREDUCE, self._backend.dtype(t), t.size, rop))
+                           fingerprint=self._detail and Fingerprint(OpType.ALLREDUCE, self._backend.dtype(t), t.size, rop,
+                                                                    config=self._digest(cfg)), config=cfg)
 
     def allreduce_host(self, values: np.ndarray, op: Op = ReduceOp.SUM, timeout: float | None = None) -> np.ndarray:
         """all_reduce of a small numpy array on whatever device this group's backend drives (copied there and
@@ -153,33 +171,40 @@ class Collectives(Issuing):
             raise
         return self._end_coalescing(OpType.ALLREDUCE_COALESCED)
 
-    def broadcast(self, tensor: ArrayArg, root: int = 0) -> Work | None:
+    def broadcast(self, tensor: ArrayArg, root: int = 0, config: CollConfig | None = None) -> Work | None:
+        cfg = self._coll_config(config, "broadcast")
         root = self._group_rank(root, "broadcast root")
         t = self._moved(self._flat(_one(tensor), "broadcast tensor", output=self._rank != root))
         # Only the root's array is sent; the others' are overwritten (torch checks the root's too).
         return self._issue(OpType.BROADCAST, [tensor], lambda c, s: c.broadcast(t, t, root, s),
                            check=[("tensor", _one(tensor))] if self._nan is not None and self._rank == root else None,
-                           fingerprint=self._detail and Fingerprint(OpType.BROADCAST, self._backend.dtype(t), t.size, root=root))
+                           fingerprint=self._detail and Fingerprint(OpType.BROADCAST, self._backend.dtype(t), t.size, root=root,
+                                                                    config=self._digest(cfg)), config=cfg)
 
-    def reduce(self, tensor: ArrayArg, root: int = 0, op: Op = ReduceOp.SUM) -> Work | None:
+    def reduce(self, tensor: ArrayArg, root: int = 0, op: Op = ReduceOp.SUM, config: CollConfig | None = None) -> Work | None:
+        cfg = self._coll_config(config, "reduce")
         root = self._group_rank(root, "reduce root")
         t = self._flat(_one(tensor), "reduce tensor", output=self._rank == root)
         rop, scale = resolve(op)
         self._reducible(t, rop, scale, "reduce")
         return self._issue(OpType.REDUCE, [tensor], lambda c, s: c.reduce(t, t, rop, root, s, scale),
                            check=[("tensor", _one(tensor))] if self._nan is not None else None,
-                           fingerprint=self._detail and Fingerprint(OpType.REDUCE, self._backend.dtype(t), t.size, rop, root))
+                           fingerprint=self._detail and Fingerprint(OpType.REDUCE, self._backend.dtype(t), t.size, rop, root,
+                                                                    config=self._digest(cfg)), config=cfg)
 
-    def allgather(self, output_list: Sequence[Array], tensor: ArrayArg) -> Work | None:
+    def allgather(self, output_list: Sequence[Array], tensor: ArrayArg, config: CollConfig | None = None) -> Work | None:
+        cfg = self._coll_config(config, "all_gather")
         inp = self._flat(_one(tensor), "all_gather input")
         outs = self._list(_one_list(output_list), "all_gather output list", inp, output=True)
         inp = self._moved(inp)
         tmp, copy_out = self._gathered(outs, inp)
         return self._issue(OpType.ALLGATHER, list(output_list), lambda c, s: c.all_gather(inp, tmp, s),
                            after=copy_out, inputs=[_one(tensor)], check=[("tensor", _one(tensor))] if self._nan is not None else None,
-                           fingerprint=self._detail and Fingerprint(OpType.ALLGATHER, self._backend.dtype(inp), inp.size))
+                           fingerprint=self._detail and Fingerprint(OpType.ALLGATHER, self._backend.dtype(inp), inp.size,
+                                                                    config=self._digest(cfg)), config=cfg)
 
-    def _allgather_base(self, output: ArrayArg, tensor: ArrayArg) -> Work | None:
+    def _allgather_base(self, output: ArrayArg, tensor: ArrayArg, config: CollConfig | None = None) -> Work | None:
+        cfg = self._coll_config(config, "all_gather")
         inp, out = self._flat(tensor, "all_gather_into_tensor input"), self._flat(output, "all_gather_into_tensor output", output=True)
         self._same_dtype([inp, out], "all_gather_into_tensor")
         if out.size != inp.size * self._size:
@@ -188,9 +213,12 @@ class Collectives(Issuing):
         inp, out = self._moved(inp), self._moved(out)
         return self._issue(OpType._ALLGATHER_BASE, [output], lambda c, s: c.all_gather(inp, out, s),
                            inputs=[tensor], check=[("input_tensor", tensor)] if self._nan is not None else None,
-                           fingerprint=self._detail and Fingerprint(OpType._ALLGATHER_BASE, self._backend.dtype(inp), inp.size))
+                           fingerprint=self._detail and Fingerprint(OpType._ALLGATHER_BASE, self._backend.dtype(inp), inp.size,
+                                                                    config=self._digest(cfg)), config=cfg)
 
-    def reduce_scatter(self, output: ArrayArg, input_list: Sequence[Array], op: Op = ReduceOp.SUM) -> Work | None:
+    def reduce_scatter(self, output: ArrayArg, input_list: Sequence[Array], op: Op = ReduceOp.SUM,
+                       config: CollConfig | None = None) -> Work | None:
+        cfg = self._coll_config(config, "reduce_scatter")
         out = self._flat(_one(output), "reduce_scatter output", output=True)
         ins = self._list(_one_list(input_list), "reduce_scatter input list", out)
         rop, scale = resolve(op)
@@ -201,9 +229,12 @@ class Collectives(Issuing):
         return self._issue(OpType.REDUCE_SCATTER, [output],
                            lambda c, s: c.reduce_scatter(tmp, out, rop, s, scale), inputs=ins_given,
                            check=[(f"input_list[{i}]", a) for i, a in enumerate(ins_given)] if self._nan is not None else None,
-                           fingerprint=self._detail and Fingerprint(OpType.REDUCE_SCATTER, self._backend.dtype(out), out.size, rop))
+                           fingerprint=self._detail and Fingerprint(OpType.REDUCE_SCATTER, self._backend.dtype(out), out.size, rop,
+                                                                    config=self._digest(cfg)), config=cfg)
 
-    def _reduce_scatter_base(self, output: ArrayArg, tensor: ArrayArg, op: Op = ReduceOp.SUM) -> Work | None:
+    def _reduce_scatter_base(self, output: ArrayArg, tensor: ArrayArg, op: Op = ReduceOp.SUM,
+                             config: CollConfig | None = None) -> Work | None:
+        cfg = self._coll_config(config, "reduce_scatter")
         out = self._flat(output, "reduce_scatter_tensor output", output=True)
         inp = self._flat(tensor, "reduce_scatter_tensor input")
         self._same_dtype([inp, out], "reduce_scatter_tensor")
@@ -216,10 +247,11 @@ class Collectives(Issuing):
                            lambda c, s: c.reduce_scatter(inp, out, rop, s, scale), inputs=[tensor],
                            check=[("input", tensor)] if self._nan is not None else None,
                            fingerprint=self._detail and Fingerprint(OpType._REDUCE_SCATTER_BASE, self._backend.dtype(out), out.size,
-                                                                    rop))
+                                                                    rop, config=self._digest(cfg)), config=cfg)
 
     def alltoall_base(self, output: ArrayArg, tensor: ArrayArg, output_split_sizes: Sequence[int] | None = None,
-                      input_split_sizes: Sequence[int] | None = None) -> Work | None:
+                      input_split_sizes: Sequence[int] | None = None, config: CollConfig | None = None) -> Work | None:
+        cfg = self._coll_config(config, "all_to_all")
         out = self._flat(output, "all_to_all_single output", output=True)
         inp = self._flat(tensor, "all_to_all_single input")
         self._same_dtype([inp, out], "all_to_all_single")
@@ -231,7 +263,8 @@ class Collectives(Issuing):
         # Split sizes may differ by rank: only the operation and dtype must agree.
         return self._issue(OpType.ALLTOALL_BASE, [output], lambda c, s: c.all_to_all(inp, out, s, sc, rc),
                            inputs=[tensor], check=[("input", tensor)] if self._nan is not None else None,
-                           fingerprint=self._detail and Fingerprint(OpType.ALLTOALL_BASE, self._backend.dtype(inp)))
+                           fingerprint=self._detail and Fingerprint(OpType.ALLTOALL_BASE, self._backend.dtype(inp),
+                                                                    config=self._digest(cfg)), config=cfg)
 
     def _counts(self, array: Any, flat: Any, splits: Sequence[int] | None, what: str) -> list[int]:
         """Element counts per peer from split sizes along the first dimension."""
@@ -247,7 +280,9 @@ class Collectives(Issuing):
                              f"summing to the {rows} rows of the array")
         return [x * per_row for x in sizes]
 
-    def alltoall(self, output_list: Sequence[Array], input_list: Sequence[Array]) -> Work | None:
+    def alltoall(self, output_list: Sequence[Array], input_list: Sequence[Array],
+                 config: CollConfig | None = None) -> Work | None:
+        cfg = self._coll_config(config, "all_to_all")
         if len(output_list) != self._size or len(input_list) != self._size:
             raise ValueError(f"all_to_all: expected {self._size} input and output arrays, got "
                              f"{len(input_list)} and {len(output_list)}")
@@ -270,9 +305,12 @@ class Collectives(Issuing):
                            lambda c, s: c.all_to_all(tmp_in, tmp_out, s, sc, rc), after=copy_out,
                            inputs=list(input_list),
                            check=[(f"input_list[{i}]", a) for i, a in enumerate(input_list)] if self._nan is not None else None,
-                           fingerprint=self._detail and Fingerprint(OpType.ALLTOALL, self._backend.dtype(tmp_in)))
+                           fingerprint=self._detail and Fingerprint(OpType.ALLTOALL, self._backend.dtype(tmp_in),
+                                                                    config=self._digest(cfg)), config=cfg)
 
-    def gather(self, tensor: ArrayArg, gather_list: Sequence[Array] | None, root: int = 0) -> Work | None:
+    def gather(self, tensor: ArrayArg, gather_list: Sequence[Array] | None, root: int = 0,
+               config: CollConfig | None = None) -> Work | None:
+        cfg = self._coll_config(config, "gather")
         inp = self._flat(tensor, "gather input")
         root = self._group_rank(root, "gather dst")
         if gather_list and self._rank != root:  # dtypes first on every rank (as torch), then roles
@@ -285,15 +323,19 @@ class Collectives(Issuing):
             tmp, copy_out = self._gathered(outs, inp)
             return self._issue(OpType.GATHER, list(gather_list), lambda c, s: c.gather(inp, tmp, root, s),
                                after=copy_out, inputs=[tensor], check=[("tensor", tensor)] if self._nan is not None else None,
-                               fingerprint=self._detail and Fingerprint(OpType.GATHER, self._backend.dtype(inp), inp.size, root=root))
+                               fingerprint=self._detail and Fingerprint(OpType.GATHER, self._backend.dtype(inp), inp.size, root=root,
+                                                                        config=self._digest(cfg)), config=cfg)
         if gather_list:
             raise ValueError("gather: gather_list must be given on the destination rank only")
         inp = self._moved(inp)
         return self._issue(OpType.GATHER, [], lambda c, s: c.gather(inp, None, root, s), inputs=[tensor],
                            check=[("tensor", tensor)] if self._nan is not None else None,
-                           fingerprint=self._detail and Fingerprint(OpType.GATHER, self._backend.dtype(inp), inp.size, root=root))
+                           fingerprint=self._detail and Fingerprint(OpType.GATHER, self._backend.dtype(inp), inp.size, root=root,
+                                                                    config=self._digest(cfg)), config=cfg)
 
-    def scatter(self, tensor: ArrayArg, scatter_list: Sequence[Array] | None, root: int = 0) -> Work | None:
+    def scatter(self, tensor: ArrayArg, scatter_list: Sequence[Array] | None, root: int = 0,
+                config: CollConfig | None = None) -> Work | None:
+        cfg = self._coll_config(config, "scatter")
         out = self._flat(tensor, "scatter output", output=True)
         root = self._group_rank(root, "scatter src")
         if scatter_list and self._rank != root:  # dtypes first on every rank (as torch), then roles
@@ -308,12 +350,14 @@ class Collectives(Issuing):
             return self._issue(OpType.SCATTER, [tensor], lambda c, s: c.scatter(tmp, out, root, s),
                                inputs=list(scatter_list),
                                check=[(f"scatter_list[{i}]", a) for i, a in enumerate(scatter_list)] if self._nan is not None else None,
-                               fingerprint=self._detail and Fingerprint(OpType.SCATTER, self._backend.dtype(out), out.size, root=root))
+                               fingerprint=self._detail and Fingerprint(OpType.SCATTER, self._backend.dtype(out), out.size, root=root,
+                                                                        config=self._digest(cfg)), config=cfg)
         if scatter_list:
             raise ValueError("scatter: scatter_list must be given on the source rank only")
         out = self._moved(out)
         return self._issue(OpType.SCATTER, [tensor], lambda c, s: c.scatter(None, out, root, s),
-                           fingerprint=self._detail and Fingerprint(OpType.SCATTER, self._backend.dtype(out), out.size, root=root))
+                           fingerprint=self._detail and Fingerprint(OpType.SCATTER, self._backend.dtype(out), out.size, root=root,
+                                                                    config=self._digest(cfg)), config=cfg)
 
     def send(self, tensor: ArrayArg, dst: int, tag: int = 0) -> Work | None:
         t = self._moved(self._flat(_one(tensor), "send tensor"))

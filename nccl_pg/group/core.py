@@ -33,6 +33,7 @@ from ..timeouts import Timeout, to_seconds
 from . import forks, nan_check, watchdog
 from .nan_check import NanCheck, Pending
 from .options import Options
+from .replays import ReplayWatch
 from .work import Work, WorkInfo
 
 log = logging.getLogger("nccl_pg.group.process_group")
@@ -48,9 +49,10 @@ _ABORTED_DRAIN = 1.0
 
 
 class GroupState(enum.Enum):
-    """Where a group is in its life: usable, or why not (never back to OPEN)."""
+    """Where a group is in its life: usable, or why not (back to OPEN only from SUSPENDED)."""
 
     OPEN = "open"
+    SUSPENDED = "suspended"  # suspend(): its communicator's memory released until resume() (suspension.py)
     ABORTED = "aborted"  # abort(), an error-handling mode, or a failed blocking wait
     REVOKED = "revoked"  # revoke() or shrink(SHRINK_ABORT): in-flight operations stopped, shrink still possible
     DESTROYED = "destroyed"  # shutdown(): the communicator is freed
@@ -119,6 +121,10 @@ class GroupCore:
         self._op_id = 0
         self._recorder = flight_recorder.get()
         self._coalesced_entries: list[Entry | None] = []
+        self._coalesce_launched: Event | None = None  # the open coalescing group's launch mark (issuing.py)
+        self._coalesce_replayed: Event | None = None  # the start of a captured coalescing group (replays.py)
+        self._launch_marks = False  # exact "started" marks from the backend (NCCL >= 2.32.3), set with the comm
+        self._replays = ReplayWatch()
         self._coalesced_peers: list[int | None] = []  # per op in a coalescing group: its p2p peer, None: a collective
         self._coalesced_nan: list[Pending] = []
         self._prechecked = False  # raise mode: the open coalescing group's inputs were all checked up front
@@ -235,6 +241,9 @@ class GroupCore:
                           net_name=c.net_name, split_share=c.split_share)
 
     def _check_open(self) -> None:
+        if self._state is GroupState.SUSPENDED:
+            raise DistBackendError(f"process group {self.uid} ({self.group_desc!r}) on rank {self._rank} is suspended "
+                                   "(suspend()): call resume() before using it")
         if self._state is not GroupState.OPEN:
             why = f" after: {self._close_reason}" if self._close_reason else ""
             raise DistBackendError(f"process group {self.uid} ({self.group_desc!r}) on rank {self._rank} was "
@@ -279,7 +288,31 @@ class GroupCore:
                 raise
         return comm
 
+    def _refuse_with_live_graphs(self, what: str) -> None:
+        """Refuse ``what`` (a revoke, or a reconfigure that replaces the communicator) while CUDA graphs that
+        captured this group's collectives are alive. Their plans hold the communicator (enqueue.cc
+        ncclLaunchPrepare, localPersistentRefs), which NCCL's finalize and abort wait for, but a revoke sets
+        finalizeCalled (init.cc ncclCommRevoke), so the abort after it frees the communicator at once (commReclaim
+        skips commDestroySync): the graphs' replays and destruction (enqueue.cc persistentDestructor) would use
+        freed memory. An aborted, revoked or destroyed communicator is past that choice. A RuntimeError, not a
+        DistBackendError: nothing happened, the group stays as it was (a failed reconfigure leaves none)."""
+        comm = self._comm
+        if comm is None or comm.state in (CommState.ABORTED, CommState.REVOKED, CommState.DESTROYED):
+            return
+        alive = self._replays.alive()
+        if alive:
+            raise RuntimeError(
+                f"process group {self.uid} ({self.group_desc!r}) on rank {self._rank}: {what} refused: CUDA graph "
+                f"capture(s) {', '.join(map(str, alive))} captured this group's collectives and are not destroyed. "
+                f"Their kernels belong to this group's communicator, which {what} would revoke or replace, and NCCL "
+                "frees a revoked communicator without waiting for such graphs (init.cc ncclCommRevoke): destroy "
+                f"them and every instantiation (e.g. del graph), then {what} again and capture them anew on the new "
+                "group; or abort the group first (NCCL's abort waits until they are destroyed)")
+
     def _set_comm(self, comm: Communicator) -> None:
+        # The same on every rank ("Every rank must provide a non-NULL event or every rank must provide NULL",
+        # nccl.h): the same NCCL and the same NCCL_PG_LAUNCH_MARKS everywhere (the fingerprint check compares it)
+        self._launch_marks = comm.supports_launch_marks and env.LAUNCH_MARKS.get()
         self._comm = comm
         self._stream = stream = comm.new_stream(self.options.is_high_priority_stream)
         if self._device is not None and not self._nonblocking:
@@ -368,9 +401,16 @@ class GroupCore:
         watchdog.get().diagnosis.submit(timeout)
 
     def check_comm(self) -> None:
-        """Watchdog: act on a communicator broken while nothing was pending."""
+        """Watchdog: act on a communicator broken while nothing was pending,
+        and on a replayed collective past its timeout (replays.py)."""
         comm = self._comm
-        if comm is None or self._state is not GroupState.OPEN or self._error_handled:
+        if comm is None or self._state is not GroupState.OPEN:
+            return
+        if self._replays:  # polled after an error too: a destroyed graph's entries go
+            for stuck in self._replays.poll():
+                self._handle_error(DistBackendError(f"timeout: process group {self.uid} ({self.group_desc!r}), rank "
+                                                    f"{self._rank} of {self._size}: {stuck.describe()}"))
+        if self._error_handled:
             return
         error = comm.async_error()
         if error is not None and not isinstance(error, CallTimeout):  # the issuing caller explains a CallTimeout
@@ -431,7 +471,7 @@ class GroupCore:
         if creating is not None:
             creating.abort()
         with self._lock:
-            if self._state is GroupState.OPEN:
+            if self._state in (GroupState.OPEN, GroupState.SUSPENDED):
                 self._state = GroupState.ABORTED
             comm = self._comm
         if comm is not None:

@@ -3,7 +3,7 @@ collective (``NCCL_PG_DEBUG=detail`` / ``TORCH_DISTRIBUTED_DEBUG=DETAIL``,
 like torch's ProcessGroupWrapper).
 
 Before each collective the ranks all-gather a few integers describing it
-(operation, dtype, element count, reduction op, root); a rank that differs
+(operation, dtype, element count, reduction op, root, per-call config); a rank that differs
 makes every rank raise, before the collective runs, naming the ranks and
 the fields that differ. NCCL cannot tell a float32 sum from an int32 max of
 the same size: it would return garbage or hang. Backend-agnostic: the
@@ -19,7 +19,7 @@ import numpy as np
 from ..reduce_op import ReduceOp
 from .work import OpType
 
-FIELDS = ("operation", "dtype", "count", "reduction", "root")
+FIELDS = ("operation", "dtype", "count", "reduction", "root", "config")
 UNSET = -1  # a field this operation does not have (or whose value may differ by rank)
 _OPS = list(OpType)
 _REDUCTIONS = list(ReduceOp)
@@ -39,12 +39,13 @@ class Fingerprint:
     count: int | None = None
     reduction: ReduceOp | None = None
     root: int | None = None
+    config: int = 0  # the per-call settings' digest (collectives.py _digest: the CollConfig, launch marks on)
 
     def encode(self) -> np.ndarray:
         dtype = UNSET if self.dtype is None else _DTYPE_CODE.get(self.dtype.name, len(_DTYPES))
         return np.array([_OPS.index(self.op), dtype, UNSET if self.count is None else self.count,
                          UNSET if self.reduction is None else _REDUCTIONS.index(self.reduction),
-                         UNSET if self.root is None else self.root], dtype=np.int64)
+                         UNSET if self.root is None else self.root, self.config], dtype=np.int64)
 
 
 def _value(field: int, code: int) -> str:
@@ -56,11 +57,14 @@ def _value(field: int, code: int) -> str:
         return _DTYPES[code] if 0 <= code < len(_DTYPES) else "another dtype"
     if field == 3:
         return _REDUCTIONS[code].name if 0 <= code < len(_REDUCTIONS) else f"op #{code}"
+    if field == 5:
+        return f"#{code >> 1:08x}" + (" with launch marks" if code & 1 else "")
     return str(code)
 
 
 def describe(row: np.ndarray) -> str:
-    parts = [f"{FIELDS[i]}={_value(i, int(row[i]))}" for i in range(1, len(FIELDS)) if row[i] != UNSET]
+    parts = [f"{FIELDS[i]}={_value(i, int(row[i]))}" for i in range(1, len(FIELDS))
+             if row[i] != UNSET and not (i == 5 and row[i] >> 1 == 0)]  # config: only a CollConfig's
     return f"{_value(0, int(row[0]))}({', '.join(parts)})"
 
 

@@ -11,7 +11,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..comm.base import CallTimeout, Communicator, Stream
+from ..coll_config import CollConfig
+from ..comm.base import CallTimeout, Communicator, Event, Stream
 from ..diagnostics import diagnosis
 from ..diagnostics.flight_recorder import Entry
 from ..errors import Culprit, DistBackendError
@@ -46,7 +47,7 @@ class Issuing(GroupCore):
                after: Callable[[Stream], None] | None = None, inputs: list[Any] | None = None,
                name: str | None = None, peer: int | None = None, check: Checked | None = None,
                fingerprint: Fingerprint | bool | None = None, buf: Any = None,
-               source: list[Callable[[], int | None]] | None = None) -> Work | None:
+               source: list[Callable[[], int | None]] | None = None, config: CollConfig | None = None) -> Work | None:
         """Enqueue one operation; ``after`` enqueues copy-outs behind it.
         ``inputs`` (default: ``outputs``, in place) and ``name`` are for the
         flight recorder; ``peer`` (group rank, or ``ANY_SOURCE``) makes it a
@@ -57,7 +58,8 @@ class Issuing(GroupCore):
         ``fingerprint``: what every rank's collective must agree on, checked
         in debug mode (callers pass ``self._detail and Fingerprint(...)``).
         ``source``: a receive from any source's enqueue appends who sent
-        (read once it completed) for its Work."""
+        (read once it completed) for its Work. ``config``: the collective's
+        per-call CollConfig (validated by the caller)."""
         p2p = peer is not None
         lane = p2p and self._coalescing is None
         live = self._live  # _ready() inline: every operation comes here
@@ -71,9 +73,14 @@ class Issuing(GroupCore):
             if isinstance(fingerprint, Fingerprint) and self._coalescing is None and not stream.capturing:
                 self._check_fingerprint(comm, stream, fingerprint)
         self._backend.wait_for_caller(stream, self._device)
-        if stream.capturing:  # into a CUDA graph: it runs at each replay, unnumbered, unrecorded, unwatched,
-            # and unchecked for NaNs (a check's result could only be read at a replay)
-            enqueue(comm, stream)
+        if stream.capturing:  # into a CUDA graph: it runs at each replay, unnumbered and unrecorded, watched
+            # through events in the graph (replays.py), unchecked for NaNs (a check's result could only be read at a
+            # replay)
+            watched = self._coalescing is None  # a coalesced group is watched as one, from its start to its end
+            start = self._mark_replayed(comm, stream) if watched else None
+            self._enqueue(comm, stream, enqueue, config, None)
+            if start is not None:
+                self._replayed(comm, stream, op_type, start)
             if self._coalescing is not None:
                 self._coalesced_outputs.extend(outputs)
                 if after is not None:
@@ -90,7 +97,10 @@ class Issuing(GroupCore):
         if self._coalescing is not None:
             if nan is not None:
                 self._coalesced_nan.append(nan)
-            enqueue(comm, stream)
+            # NCCL takes at most one launch-completion event per communicator and group: the first operation's
+            mark = comm.new_event() if self._launch_marks and not p2p and self._coalesce_launched is None and \
+                not self._coalesced_entries else None
+            self._coalesce_launched = self._enqueue(comm, stream, enqueue, config, mark) or self._coalesce_launched
             self._coalesced_outputs.extend(outputs)
             self._coalesced_entries.append(self._record(op_type, inputs, outputs, p2p, name))
             self._coalesced_peers.append(peer)
@@ -103,15 +113,42 @@ class Issuing(GroupCore):
             self._seq += 1
         entry = self._record(op_type, inputs, outputs, p2p, name)
         start = stream.record(comm.new_event(timing=True)) if self._timing else None
+        launched = comm.new_event() if self._launch_marks and not p2p else None
         try:
-            enqueue(comm, stream)
+            launched = self._enqueue(comm, stream, enqueue, config, launched)
         except CallTimeout as exc:
             raise self._stuck(op_type, self._seq_p2p if p2p else self._seq, self._peers_of(peer), exc) from None
         if after is not None:
             after(stream)
         return self._watch(op_type, self._seq_p2p if p2p else self._seq, outputs, start, stream,
                            () if entry is None else (entry,), None if peer is None else self._peers_of(peer),
-                           None if nan is None else [nan], source[0] if source else None)
+                           None if nan is None else [nan], source[0] if source else None, launched)
+
+    @staticmethod
+    def _enqueue(comm: Communicator, stream: Stream, enqueue: Enqueue, config: CollConfig | None,
+                 launched: Event | None) -> Event | None:
+        """``enqueue`` with the per-call settings; ``launched`` if the backend took it (else None)."""
+        if config is None and launched is None:
+            enqueue(comm, stream)
+            return None
+        comm.set_call_options(config, launched)
+        try:
+            enqueue(comm, stream)
+        finally:
+            used = comm.clear_call_options()
+        return launched if used else None
+
+    def _mark_replayed(self, comm: Communicator, stream: Stream) -> Event:
+        """The start of a captured collective: an event every replay records (replays.py)."""
+        start = comm.new_event()
+        stream.record_replayed(start)
+        return start
+
+    def _replayed(self, comm: Communicator, stream: Stream, op_type: OpType, start: Event) -> None:
+        """The end of a captured collective; it is watched from now on, at every replay."""
+        end = comm.new_event()
+        stream.record_replayed(end)
+        self._replays.captured(stream.capture_id(), op_type.name, start, end, self._timeout, stream.capture_gone)
 
     def _stuck(self, op_type: OpType, seq: int, peers: tuple[int, ...] | None, error: CallTimeout) -> DistBackendError:
         """An operation whose call into the communicator did not complete within the timeout (stuck in NCCL,
@@ -149,7 +186,9 @@ class Issuing(GroupCore):
         sequence numbers match those of a run without the check."""
         mine = fp.encode()
         rows = self._backend.empty(mine.size * self._size, mine.dtype, self._device)
-        comm.all_gather(self._backend.from_host(mine, self._device), rows, stream)
+        sent = self._backend.from_host(mine, self._device)
+        self._backend.wait_for_caller(stream, self._device)  # both were made on the caller's stream
+        comm.all_gather(sent, rows, stream)
         if not stream.record().synchronize(self._timeout):
             self.abort()  # the stream holds an exchange that will never complete
             raise DistBackendError(f"timeout: {self!r}: Timed out after {self._timeout:g} s in the collective "
@@ -172,14 +211,15 @@ class Issuing(GroupCore):
 
     def _watch(self, op_type: OpType, seq: int, outputs: list[Any], start: Any, stream: Stream,
                entries: Sequence[Entry], peers: tuple[int, ...] | None = None,
-               nan: list[Pending] | None = None, source: Callable[[], int | None] | None = None) -> Work:
+               nan: list[Pending] | None = None, source: Callable[[], int | None] | None = None,
+               launched: Event | None = None) -> Work:
         """``peers``: None for a collective, else the p2p operation's peers;
         ``nan``: async NaN checks the Work reports. A Work complete already
         (a CPU backend whose stream had nothing queued before it) finishes
         here; only the others are handed to the watchdog."""
         # With timing, the end event times too (CUDA measures only between two timing events).
         end = stream.record() if start is None or self._comm is None else stream.record(self._comm.new_event(timing=True))
-        work = Work(self, op_type, seq, outputs, end, start, self._timeout, entries, peers, nan, source)
+        work = Work(self, op_type, seq, outputs, end, start, self._timeout, entries, peers, nan, source, launched)
         if not (self._may_complete_at_issue and end.query() and work.is_completed()):
             with self._lock:
                 self._pending.add(work)
@@ -195,8 +235,10 @@ class Issuing(GroupCore):
         self._coalescing, self._coalesced_outputs, self._coalesced_entries = [], [], []
         self._coalesced_peers = []  # the group is numbered at its end, once its kind is known
         self._coalesced_nan, self._prechecked = [], False
-        self._coalesce_start = stream.record(comm.new_event(timing=True)) if self._timing and not \
-            stream.capturing else None
+        self._coalesce_launched = None
+        capturing = stream.capturing
+        self._coalesce_start = stream.record(comm.new_event(timing=True)) if self._timing and not capturing else None
+        self._coalesce_replayed = self._mark_replayed(comm, stream) if capturing else None
         comm.group_start()
 
     def _end_coalescing(self, op_type: OpType = OpType.COALESCED) -> Work:
@@ -224,6 +266,8 @@ class Issuing(GroupCore):
             for copy in copies:
                 copy()
         if captured:
+            if self._coalesce_replayed is not None:
+                self._replayed(comm, stream, op_type, self._coalesce_replayed)
             return Work.captured(self, op_type, self._coalesced_outputs, stream.record(), None)
         parts = [e for e in self._coalesced_entries if e is not None]
         for e in parts:
@@ -231,9 +275,11 @@ class Issuing(GroupCore):
         whole = self._recorder.record_coalesced(self.diag, self._timeout, parts, self._seq, self._seq_p2p,
                                                 self._op_id, p2p)
         nan, self._coalesced_nan = self._coalesced_nan, []
+        launched, self._coalesce_launched = self._coalesce_launched, None
         return self._watch(op_type, self._seq_p2p if p2p else self._seq, self._coalesced_outputs,
                            self._coalesce_start, stream, parts if whole is None else [*parts, whole],
-                           tuple(sorted({k for k in kinds if k is not None})) if p2p else None, nan or None)
+                           tuple(sorted({k for k in kinds if k is not None})) if p2p else None, nan or None,
+                           launched=launched)
 
     def abandon_coalescing(self) -> None:
         """Close a coalescing group that failed while being built (argument

@@ -24,6 +24,7 @@ from . import handles, watchdog
 from .collectives import Collectives
 from .core import GroupState
 from .options import Options
+from .suspension import Suspension
 
 # shrink flags (torch's values): stop the parent's in-flight operations first, or not
 #: ``shrink_group(..., shrink_flags=SHRINK_DEFAULT)``: the parent's operations in flight go on (torch's value).
@@ -32,7 +33,7 @@ SHRINK_DEFAULT = 0x00
 SHRINK_ABORT = 0x01
 
 
-class ProcessGroup(Collectives):
+class ProcessGroup(Suspension, Collectives):
     """A group of ``size`` ranks; this process is ``rank``. Its parts, in
     nccl_pg/group/: core.py (state, communicator lifecycle, failures),
     issuing.py (one operation, coalescing), collectives.py (the
@@ -95,7 +96,9 @@ class ProcessGroup(Collectives):
         """Stop this group's in-flight operations (they fail, saying
         "revoked") and refuse later ones, but keep the communicator for
         ``shrink_group``; local and bounded. Where the communicator cannot
-        revoke (NCCL < 2.28.7) it is aborted, and a shrink builds a fresh one."""
+        revoke (NCCL < 2.28.7) it is aborted, and a shrink builds a fresh one.
+        Refused while CUDA graphs that captured its collectives are alive."""
+        self._refuse_with_live_graphs("revoke")
         with self._lock:
             if self._state is GroupState.DESTROYED:  # (a late revoke from another thread: nothing left to stop)
                 return
@@ -149,13 +152,14 @@ class ProcessGroup(Collectives):
             self.shutdown(0)
             return ProcessGroup.join(plan, meet, deadline, self._backend, self._device, names)
         left = plan.left(self._size)
-        if not left:  # the same group or a fresh one: every member takes the same way, whatever it sees alone
-            if _agree(plan, meet, deadline, self._rank, "same", self.healthy()):
-                if not plan.joiners:
-                    self.uuid = plan.uuid
-                    return self
-            else:
-                self.revoke()
+        # The same group or a fresh one: every member takes the same way, whatever it sees alone.
+        same = False if left else _agree(plan, meet, deadline, self._rank, "same", self.healthy())
+        if same and not plan.joiners:
+            self.uuid = plan.uuid
+            return self
+        self._refuse_with_live_graphs("reconfigure")  # it revokes the communicator, or destroys it after a grow
+        if not left and not same:
+            self.revoke()
         try:
             return self._change(plan, left, meet, deadline, names)
         except BaseException:  # a failed change leaves no group behind: this one, or one made on the way

@@ -178,13 +178,15 @@ class Work:
     __slots__ = ("_group", "op_type", "_seq", "_outputs", "_end", "_start", "_timeout", "_issued_mono",
                  "_issued_wall", "_lock", "_finished", "_waiters", "_error", "_finished_wall", "_future", "_entries", "_started",
                  "_p2p", "_peers", "_duration_ms", "_nan", "_nan_found", "_captured", "_source", "_diagnosing",
-                 "__weakref__")
+                 "_launched", "__weakref__")
 
     def __init__(self, group: WorkGroup, op_type: OpType, seq: int, outputs: list[Any], end: Event,
                  start: Event | None, timeout: float, entries: Sequence[Entry] | None = None,
                  peers: tuple[int, ...] | None = None, nan: Sequence[NanFinding] | None = None,
-                 source: Callable[[], int | None] | None = None) -> None:
-        """``source``: for a receive from any source, who sent (once done)."""
+                 source: Callable[[], int | None] | None = None, launched: Event | None = None) -> None:
+        """``source``: for a receive from any source, who sent (once done). ``launched``: an event the backend
+        records when the operation's kernel is launched (NCCL's launchCompletionEvent): the exact "started"
+        mark, which ``start`` (recorded on the stream before the operation, for its duration) gives otherwise."""
         self._group = group
         self.op_type = op_type
         self._seq = seq
@@ -201,7 +203,8 @@ class Work:
         self._finished_wall: float | None = None
         self._future: Future | None = None
         self._entries = entries or ()  # flight-recorder entries this Work settles
-        self._started = start is None
+        self._launched = launched
+        self._started = start is None and launched is None
         # A point-to-point operation (also a coalesced group of only sends/recvs) is numbered by the p2p
         # count; ``peers`` are the group ranks it exchanges with.
         self._p2p = peers is not None
@@ -236,8 +239,10 @@ class Work:
         (successfully or not)."""
         if self._finished:
             return True
-        if not self._started and self._start is not None and self._start.query():
-            self._mark_started()
+        if not self._started:
+            mark = self._start if self._launched is None else self._launched
+            if mark is not None and mark.query():
+                self._mark_started()
         error = self._group.comm_error()
         if self._end.query():
             self._finish(self._describe(error) if error else self._nan_error())
@@ -335,7 +340,7 @@ class Work:
                 for p in self._nan:
                     p.abandon()
                 self._nan = None
-            if error is None and not self._started and self._start is not None:
+            if error is None and not self._started:
                 self._mark_started()
             self._retire(error)
             self._finished = True

@@ -39,7 +39,7 @@ from typing import Any
 
 from . import abi, cudart, ncclsim, stublib, xp
 
-SIM_VERSION = 23203  # NCCL 2.32.3: what nccl4py 0.6.0 was generated for
+SIM_VERSION = 23203  # NCCL 2.32.3: what nccl4py 0.6.0 was generated for, and the pin (tools/pins) installs
 
 
 def install(devices: int = 2, version: int = SIM_VERSION) -> None:

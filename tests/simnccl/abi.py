@@ -373,3 +373,75 @@ def _group_start() -> int:
 @_handler("ncclGroupEnd")
 def _group_end() -> int:
     return _answer(lambda: _nccl.group_end())
+
+
+# --- the nccl*Config collectives (v2.31.2-1), suspend/resume/memory statistics (v2.29.7-1) ---------------------
+# The ncclCollConfig_t pointer goes to the simulation as it is: ncclParseCollConfig reads it during the call.
+
+@_handler("ncclAllReduceConfig", _P, _P, _Z, _I, _I, _P, _P, _P)
+def _all_reduce_config(send: int, recv: int, count: int, datatype: int, op: int, comm: int, stream: int,
+                       config: int) -> int:
+    return _answer(lambda: _nccl.all_reduce_config(send, recv, count, datatype, op, _comm(comm), stream, config))
+
+
+@_handler("ncclBroadcastConfig", _P, _P, _Z, _I, _I, _P, _P, _P)
+def _broadcast_config(send: int, recv: int, count: int, datatype: int, root: int, comm: int, stream: int,
+                      config: int) -> int:
+    return _answer(lambda: _nccl.broadcast_config(send, recv, count, datatype, root, _comm(comm), stream, config))
+
+
+@_handler("ncclReduceConfig", _P, _P, _Z, _I, _I, _I, _P, _P, _P)
+def _reduce_config(send: int, recv: int, count: int, datatype: int, op: int, root: int, comm: int, stream: int,
+                   config: int) -> int:
+    return _answer(lambda: _nccl.reduce_config(send, recv, count, datatype, op, root, _comm(comm), stream, config))
+
+
+@_handler("ncclAllGatherConfig", _P, _P, _Z, _I, _P, _P, _P)
+def _all_gather_config(send: int, recv: int, count: int, datatype: int, comm: int, stream: int, config: int) -> int:
+    return _answer(lambda: _nccl.all_gather_config(send, recv, count, datatype, _comm(comm), stream, config))
+
+
+@_handler("ncclReduceScatterConfig", _P, _P, _Z, _I, _I, _P, _P, _P)
+def _reduce_scatter_config(send: int, recv: int, count: int, datatype: int, op: int, comm: int, stream: int,
+                           config: int) -> int:
+    return _answer(lambda: _nccl.reduce_scatter_config(send, recv, count, datatype, op, _comm(comm), stream,
+                                                       config))
+
+
+@_handler("ncclAlltoAllConfig", _P, _P, _Z, _I, _P, _P, _P)
+def _all_to_all_config(send: int, recv: int, count: int, datatype: int, comm: int, stream: int, config: int) -> int:
+    return _answer(lambda: _nccl.allto_all_config(send, recv, count, datatype, _comm(comm), stream, config))
+
+
+@_handler("ncclGatherConfig", _P, _P, _Z, _I, _I, _P, _P, _P)
+def _gather_config(send: int, recv: int, count: int, datatype: int, root: int, comm: int, stream: int,
+                   config: int) -> int:
+    return _answer(lambda: _nccl.gather_config(send, recv, count, datatype, root, _comm(comm), stream, config))
+
+
+@_handler("ncclScatterConfig", _P, _P, _Z, _I, _I, _P, _P, _P)
+def _scatter_config(send: int, recv: int, count: int, datatype: int, root: int, comm: int, stream: int,
+                    config: int) -> int:
+    return _answer(lambda: _nccl.scatter_config(send, recv, count, datatype, root, _comm(comm), stream, config))
+
+
+@_handler("ncclCommSuspend", _P, _I)
+def _suspend(comm: int, flags: int) -> int:
+    return _answer(lambda: _nccl.comm_suspend(_comm(comm), flags))
+
+
+@_handler("ncclCommResume", _P)
+def _resume(comm: int) -> int:
+    return _answer(lambda: _nccl.comm_resume(_comm(comm)))
+
+
+@_handler("ncclCommMemStats", _P, _I, _P)
+def _mem_stats(comm: int, stat: int, out: int) -> int:
+    """mem_manager.cc ncclCommMemStats: ncclCommEnsureReady first, then a NULL ``value`` is ncclInvalidArgument."""
+    def call() -> None:
+        value = _nccl.comm_mem_stats(_comm(comm), stat)
+        if not out:
+            raise real.NCCLError(INVALID_ARGUMENT)
+        ctypes.c_uint64.from_address(out).value = int(value)
+
+    return _answer(call)

@@ -73,8 +73,8 @@ def as_comm(v: Any) -> Any:
 
 
 def as_config(v: Any) -> int:
-    """A ncclConfig_t*: a Config object, or anything int() takes (0: NULL)."""
-    ptr = int(v.ptr) if isinstance(v, real.Config) else int(v)
+    """A ncclConfig_t* or ncclCollConfig_t*: a Config or CollConfig object, or anything int() takes (0: NULL)."""
+    ptr = int(v.ptr) if isinstance(v, (real.Config, real.CollConfig)) else int(v)
     if not -_LONG <= ptr < _LONG:
         raise OverflowError("Python int too large to convert to C ssize_t")
     return ptr

@@ -145,9 +145,13 @@ class UserObject:
             self.destructor()
 
 
+_capture_ids = itertools.count(1)
+
+
 class Capture:
     def __init__(self, origin: Stream, mode: int, thread: int) -> None:
         self.origin, self.mode, self.thread = origin, mode, thread
+        self.id = next(_capture_ids)  # cudaStreamGetCaptureInfo's id_out: "unique over the lifetime of the process"
         self.nodes: list[tuple[str, Callable[[], None]]] = []
         self.joined: dict[int, Stream] = {origin.id: origin}
         self.count: dict[int, int] = {origin.id: 0}  # nodes captured per stream

@@ -70,6 +70,7 @@ from cuda.bindings import runtime as real_runtime  # type: ignore[import-untyped
 from . import (  # module_load: the driver's versions and module loads (NVRTC/driver pairing)
     cuda_memory,
     cuda_state,
+    graph_events,
     module_load,
 )
 from .cuda_memory import allocs, view
@@ -313,7 +314,9 @@ def cudaGraphLaunch(graphExec: Any, stream: Any) -> Any:  # noqa: N802, N803
         return (E.cudaErrorInvalidValue,)
     g.launched = True
     for name, fn in g.nodes:  # a node that is a launch of its own (an NCCL kernel) is launched anew
-        st.enqueue(f"graph node {name}", fn.instance() if hasattr(fn, "instance") else fn)
+        pos = st.enqueue(f"graph node {name}", fn.instance() if hasattr(fn, "instance") else fn)
+        if isinstance(fn, graph_events.RecordNode):
+            fn.arm(st, pos)
     return (OK,)
 
 
@@ -483,7 +486,7 @@ _FUNCTIONS: list[Callable[..., Any]] = [
     cudaStreamDestroy, cudaStreamSynchronize, cudaStreamQuery, cudaStreamIsCapturing, cudaStreamBeginCapture,
     cudaStreamEndCapture, cudaGraphInstantiate, cudaGraphLaunch, cudaGraphDestroy, cudaGraphExecDestroy,
     cudaEventCreate, cudaEventCreateWithFlags, cudaEventDestroy, cudaEventRecord, cudaStreamWaitEvent,
-    cudaEventQuery, cudaEventSynchronize, cudaEventElapsedTime, *cuda_memory.FUNCTIONS]
+    cudaEventQuery, cudaEventSynchronize, cudaEventElapsedTime, *cuda_memory.FUNCTIONS, *graph_events.FUNCTIONS]
 
 
 # --- the driver functions --------------------------------------------------------------------------------

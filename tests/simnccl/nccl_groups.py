@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from . import cuda_memory, cuda_state
+from . import cuda_memory, cuda_state, graph_events, nccl_collconfig
 from .cuda_state import UserObject
 from .nccl_kernels import GraphKernel, Task, kernel, ticket
 from .nccl_state import (
@@ -81,6 +81,8 @@ def group_end(w: World) -> int:
             w.violations.record(f"use after free: ncclGroupEnd on thread {threading.current_thread().name!r} walks "
                                 f"communicator 0x{c.handle:x}, freed by {c.freed} while in this thread's group")
             return INVALID_USAGE
+    if err == SUCCESS:
+        err = _launch_events_checked(tasks)
     if err != SUCCESS:
         for c, _ in list(tasks.values()) + [(j[0], None) for j in jobs]:
             if c.blocking == 0:
@@ -109,6 +111,15 @@ def group_end(w: World) -> int:
     ret = group_launch(w, tasks, jobs, None)
     s.set_device(saved, "ncclGroupEnd (a blocking group restores the caller's device: cudaSetDevice(savedDev))")
     return ret
+
+
+def _launch_events_checked(tasks: dict[int, tuple[SimComm, list[Task]]]) -> int:
+    """nccl.h 2.32.3, launchCompletionEvent: "At most one non-NULL event per communicator is supported in a
+    group" (enqueue.cc counts them per group: ncclRecordCollConfigLaunchCompletionEvent)."""
+    for _, ts in tasks.values():
+        if sum(1 for t in ts if t.config is not None and t.config.event) > 1:
+            return INVALID_USAGE
+    return SUCCESS
 
 
 def group_launch(w: World, tasks: dict[int, tuple[SimComm, list[Task]]], jobs: list[tuple[SimComm, Job]],
@@ -161,6 +172,13 @@ def _connect(w: World, c: SimComm, tasks: list[Task]) -> int:
     for t in tasks:
         if t.kind in ("send", "recv") and t.peer not in c.p2p_connected and ("p2p", t.peer) not in need:
             need.append(("p2p", t.peer))
+    if c.proxy_peers is not None and any(p >= c.proxy_peers for _, p in need):
+        # A grow of a parent that shares resources reuses the parent's proxy (init.cc initTransportsRank: "if
+        # (parent && parent->shareResources) comm->proxyState = parent->sharedRes->proxyState"), whose peer table
+        # has the parent family's size: proxy.cc ncclProxyConnect, "peerIndex %d out of bounds" (v2.30.7-1, the same
+        # at v2.31.2-1). Conservative here: every connection beyond that size fails; on a GPU one through a proxy
+        # rank beyond it does.
+        return INTERNAL
     for kind, p in need:
         if not w.net.send(c.peers[p], (c.key, "conn", kind, c.rank, p), 1):
             return REMOTE
@@ -179,8 +197,17 @@ def _connect(w: World, c: SimComm, tasks: list[Task]) -> int:
     return SUCCESS
 
 
-def _reclaim(c: SimComm) -> None:
-    """enqueue.cc reclaimPlan: a captured plan gives its reference back (``localPersistentRefs -= 1``)."""
+def _reclaim(w: World, c: SimComm) -> None:
+    """enqueue.cc reclaimPlan: a captured plan gives its reference back (``localPersistentRefs -= 1``). The graph's
+    destructor (enqueue.cc persistentDestructor) reads ``plan->comm`` and queues onto ``comm->callbackQueue``: a
+    communicator freed before its graphs were destroyed is written after its free. Only a revoked one can be
+    (init.cc v2.30.7-1 ncclCommRevoke sets ``finalizeCalled``, so commReclaim skips commDestroySync, the wait for
+    ``localPersistentRefs``; the same in the newest stored init.cc)."""
+    if c.freed:
+        w.violations.record(f"a CUDA graph that captured operations of communicator 0x{c.handle:x} was destroyed "
+                            f"after the communicator was freed ({c.freed}): enqueue.cc persistentDestructor writes "
+                            "into the freed communicator (init.cc: a revoked communicator is freed without waiting "
+                            "for its graphs)")
     with c.cv:
         c.local_refs -= 1
         c.cv.notify_all()
@@ -214,11 +241,28 @@ def _launch(w: World, c: SimComm, tasks: list[Task]) -> int:
         if st.capture is not None:  # a graph node: launched (and counted) at each cudaGraphLaunch
             with c.cv:
                 c.local_refs += 1
-            st.capture.user_objects.append(UserObject(lambda: _reclaim(c)))
+            st.capture.user_objects.append(UserObject(lambda: _reclaim(w, c)))
+            if any(t.config is not None and t.config.event for t in ts):
+                w.violations.record("a launchCompletionEvent on a captured collective is not simulated")
             st.enqueue(name, GraphKernel(w, c, ts), reads, writes)
         else:
-            st.enqueue(name, kernel(w, c, ts, ticket(c)), reads, writes)
+            pos = st.enqueue(name, kernel(w, c, ts, ticket(c)), reads, writes)
+            for t in ts:
+                if t.config is not None and t.config.event:
+                    _launch_completed(w, t.config.event, st, pos)
     return SUCCESS
+
+
+def _launch_completed(w: World, handle: int, st: cuda_state.Stream, pos: int) -> None:
+    """enqueue.cc ncclLaunchKernel: the caller's launchCompletionEvent is recorded when the kernel's launch
+    completes (CU_LAUNCH_ATTRIBUTE_LAUNCH_COMPLETION_EVENT), or before the launch below CUDA 12.3: either way it
+    completes once the work queued before the kernel has run, as the kernel starts."""
+    ev = cuda_state.sim().events.get(handle)
+    if ev is None or ev.destroyed:
+        w.violations.record(f"launchCompletionEvent 0x{handle:x} is not a live event (nccl.h: \"Keep the event alive "
+                            "through all queued waits\")")
+        return
+    graph_events.mark(ev, st, pos - 1)
 
 
 def _extent(t: Task, n: int) -> tuple[int, int]:
@@ -260,8 +304,15 @@ def enqueue(w: World, name: str, comm: object, task: Task) -> None:
             raise_(group_err(w, INVALID_USAGE))
         group_start(w)
         ret = ensure_ready(c)
+        if ret == SUCCESS and c.suspended:  # comms.rst, ncclCommSuspend (nccl_suspend.py)
+            w.violations.record(f"{name} on communicator 0x{c.handle:x} while it is suspended (comms.rst: \"The "
+                                "communicator cannot be used for any NCCL operations while suspended\"): on a GPU its "
+                                "kernel would touch unmapped memory")
+            ret = UNHANDLED_CUDA
         if ret == SUCCESS:
             ret = _args_check(c, task)
+        if ret == SUCCESS and nccl_collconfig.alg_refused(task.config, task.kind):
+            ret = INVALID_ARGUMENT  # taskAppend: ncclCollConfigGetAlgMask with forceAlgSelection
         if ret == SUCCESS:
             g = w.group()
             if g.blocking == -1:

@@ -235,6 +235,8 @@ def _existing(w: World, parent: SimComm, nranks: int, raw: bytes | None, rank: i
     if isinstance(cfg, int):
         return cfg
     newc = _new_comm(w, nranks, parent.rank, parent.device, cfg, magic)
+    if parent.share_resources:  # initTransportsRank(comm, job->parent): the parent's proxy, sized for its family
+        newc.proxy_peers = parent.tp_nranks
     out.append(newc)
     key_magic = _handle_fields(raw)[0] if raw is not None else magic  # comm->magic: the handle's, if it has one
     parent.growing += 1

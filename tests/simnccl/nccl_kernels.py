@@ -17,13 +17,14 @@ from .net import Aborted
 
 
 class Task:
-    __slots__ = ("kind", "send", "recv", "count", "dtype", "op", "root", "peer", "stream", "name", "redop")
+    __slots__ = ("kind", "send", "recv", "count", "dtype", "op", "root", "peer", "stream", "name", "redop", "config")
 
     def __init__(self, kind: str, name: str, send: int, recv: int, count: int, dtype: int, op: int, root: int,
-                 peer: int, stream: int) -> None:
+                 peer: int, stream: int, config: Any = None) -> None:
         self.kind, self.name, self.send, self.recv, self.count = kind, name, send, recv, count
         self.dtype, self.op, self.root, self.peer, self.stream = dtype, op, root, peer, stream
         self.redop: tuple[str, Any] = ("sum", None)
+        self.config = config  # nccl_collconfig.CollConfig of a nccl*Config call, else None
 
 
 # --- kernels: the collectives over the transport ---------------------------------------------------------
@@ -44,6 +45,9 @@ class GraphKernel:
         self.w, self.c, self.tasks = w, c, tasks
 
     def instance(self) -> Callable[[], None]:
+        if self.c.freed:  # its plan's device memory and the communicator's went with commFree (_reclaim)
+            self.w.violations.record(f"a replay launched a kernel of communicator 0x{self.c.handle:x}, freed "
+                                     f"({self.c.freed}) while the graph that captured it was alive")
         return kernel(self.w, self.c, self.tasks, ticket(self.c))
 
     def __call__(self) -> None:
@@ -93,30 +97,44 @@ def _read(t: Task, start: int, count: int) -> np.ndarray:
     return raw.copy().view(dt)
 
 
-def _send(w: World, c: SimComm, peer: int, key: tuple[Any, ...], data: np.ndarray) -> None:
-    if not w.net.send(c.peers[peer], (c.key, *key), data.tobytes()) and c.proxy_error == SUCCESS:
+def _signature(t: Task) -> tuple[Any, ...] | None:
+    return None if t.config is None else t.config.signature()
+
+
+def _send(w: World, c: SimComm, peer: int, key: tuple[Any, ...], data: np.ndarray, t: Task) -> None:
+    """A collective's data carries its per-call settings, for the receiver to compare (``_recv``)."""
+    sig = _signature(t)
+    payload = data.tobytes() if sig is None else (sig, data.tobytes())
+    if not w.net.send(c.peers[peer], (c.key, *key), payload) and c.proxy_error == SUCCESS:
         c.proxy_error = REMOTE
 
 
 def _post(w: World, c: SimComm, t: Task, seq: int) -> None:
     n, me, k = c.nranks, c.rank, t.kind
     if k == "send":
-        _send(w, c, t.peer, ("p2p", me, t.peer, seq), _read(t, 0, t.count))
+        _send(w, c, t.peer, ("p2p", me, t.peer, seq), _read(t, 0, t.count), t)
     elif k in ("all_reduce", "all_gather", "reduce") or (k == "broadcast" and me == t.root) or \
             (k == "gather" and me != t.root):
         data = _read(t, 0, t.count)
         targets = [t.root] if k in ("reduce", "gather") else range(n)
         for p in targets:
             if p != me:
-                _send(w, c, p, ("c", seq, me, p), data)
+                _send(w, c, p, ("c", seq, me, p), data, t)
     elif k in ("reduce_scatter", "allto_all") or (k == "scatter" and me == t.root):
         for p in range(n):
             if p != me:
-                _send(w, c, p, ("c", seq, me, p), _read(t, p * t.count, t.count))
+                _send(w, c, p, ("c", seq, me, p), _read(t, p * t.count, t.count), t)
 
 
-def _recv(w: World, c: SimComm, key: tuple[Any, ...], peer: int, dt: np.dtype) -> np.ndarray:
-    raw = w.net.recv((c.key, *key), c.peers[peer], c.aborted, fail_on_lost=False)
+def _recv(w: World, c: SimComm, key: tuple[Any, ...], peer: int, dt: np.dtype, t: Task) -> np.ndarray:
+    got = w.net.recv((c.key, *key), c.peers[peer], c.aborted, fail_on_lost=False)
+    theirs, raw = got if isinstance(got, tuple) else (None, got)
+    mine = _signature(t)
+    if theirs != mine:  # nccl.h 2.32.3: "The same configuration must be set on every rank; NCCL validates it
+        # only locally" and "Every rank must provide a non-NULL event or every rank must provide NULL"
+        w.violations.record(f"{t.name} of communicator 0x{c.handle:x}: rank {c.rank} passed the per-call config "
+                            f"{mine}, rank {peer} {theirs}; NCCL checks it only locally: undefined on a GPU (a hang or "
+                            "wrong results)")
     return np.frombuffer(raw, dt)
 
 
@@ -125,10 +143,10 @@ def _gather(w: World, c: SimComm, t: Task, seq: int) -> np.ndarray | None:
     if k == "send":
         return None
     if k == "recv":
-        return _recv(w, c, ("p2p", t.peer, me, seq), t.peer, dt)
+        return _recv(w, c, ("p2p", t.peer, me, seq), t.peer, dt, t)
 
     def part(p: int, start: int = 0) -> np.ndarray:
-        return _read(t, start, t.count) if p == me else _recv(w, c, ("c", seq, p, me), p, dt)
+        return _read(t, start, t.count) if p == me else _recv(w, c, ("c", seq, p, me), p, dt, t)
 
     if k == "all_reduce" or (k == "reduce" and me == t.root):
         return _reduce(t, [part(p) for p in range(n)], n)

@@ -223,6 +223,7 @@ def _init_child(w: World, name: str, parent: SimComm, newcomm: Any, cfg_ptr: int
             return cfg
         share = not parent.revoked and ((not flags & SHRINK_ABORT and parent.config["shrink_share"] == 1) if shrink
                                         else parent.config["split_share"] == 1)
+        parent.share_resources = share  # "this is used throughout the init and must be reset every time"
         sub = SimComm(w, 0, 0, parent.device, cfg)
         sub.init_state = INTERNAL  # "start with ncclInternalError and will be changed to ncclSuccess"
         if share:

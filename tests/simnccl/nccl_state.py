@@ -45,7 +45,12 @@ except ImportError:  # pragma: no cover - ml_dtypes comes with the test extra
 # from v2.28.9-1).
 FIRST_VERSION = {"comm_split": 21800, "comm_init_rank_scalable": 22300, "comm_shrink": 22700,
                  "allto_all": 22800, "gather": 22800, "scatter": 22800, "comm_revoke": 22807,
-                 "comm_get_unique_id": 22902, "comm_grow": 22902}
+                 "comm_get_unique_id": 22902, "comm_grow": 22902,
+                 # mem_manager.cc's entry points from v2.29.7-1 (absent from v2.29.3-1's nccl.h.in)
+                 "comm_suspend": 22907, "comm_resume": 22907, "comm_mem_stats": 22907,
+                 # the nccl*Config entry points from v2.31.2-1 (collectives.cc; nccl.h.in ncclCollConfig_v23100)
+                 **{f"{k}_config": 23102 for k in ("all_reduce", "broadcast", "reduce", "all_gather",
+                                                    "reduce_scatter", "allto_all", "gather", "scatter")}}
 
 
 class Flag:
@@ -96,6 +101,7 @@ class SimComm:
         self.child_abort: Flag | None = None  # a non-sharing child's flag while its init runs (init.cc:3119-3124)
         self.shared = Shared()
         self.shared.members.add(self.handle)
+        self.tp_nranks = nranks  # sharedRes->tpNRanks: the top parent's size, for a family sharing resources
         self.destroy_flag = self.finalize_called = self.revoked = False
         self.freed: str | None = None
         self.coll_seq = 0
@@ -114,6 +120,12 @@ class SimComm:
         self.launched = 0  # kernels launched (host order: enqueue, or cudaGraphLaunch for a captured one)
         self.executed = 0  # kernels that have run, in launch order
         self.local_refs = 0  # localPersistentRefs: captured plans whose graphs are alive (enqueue.cc)
+        # comm->shareResources: set on a parent by each split/shrink that makes a child (init.cc
+        # ncclCommInitChildComm), read by a grow of it (initTransportsRank: the parent's proxy is reused)
+        self.share_resources = False
+        self.proxy_peers: int | None = None  # a proxy reused from a grow's parent: its peer table's size
+        self.suspended = False  # the memory manager's ``released`` (mem_manager.cc)
+        self.mem_epoch = 0  # suspends and resumes done (their bootstrap barriers' tags)
         self.cv = threading.Condition()
 
     def aborted(self) -> bool:
@@ -125,6 +137,8 @@ class SimComm:
         self.abort = parent.abort
         self.shared = parent.shared
         self.shared.members.add(self.handle)
+        self.tp_nranks = parent.tp_nranks
+        self.proxy_peers = parent.proxy_peers  # ``comm->proxyState = parent->sharedRes->proxyState``
 
     @property
     def proxy_error(self) -> int:

@@ -13,12 +13,15 @@ This module is the binding's surface (``module()``, the functions named as
 nccl4py names them, ``install()``, ``world()``); the behaviour is in
 nccl_state.py (communicators, shared resources, thread safety, configuration),
 nccl_groups.py (groups, enqueue, launches), nccl_kernels.py (the device side)
-nccl_lifecycle.py (init, split, shrink, finalize, destroy, abort, revoke) and
-nccl_grow.py (ncclCommGetUniqueId, ncclCommGrow).
-Every rule cites what it follows: NCCL's sources at tag v2.30.7-1 (``src/init.cc``,
-``group.cc``, ``enqueue.cc``, ``nccl.h.in``, ``argcheck.cc``, ``bootstrap.cc``)
-or the user guide at that tag (``docs/userguide/source/usage/*.rst``); the
-table in docs/NCCL_BACKEND.md lists them.
+nccl_lifecycle.py (init, split, shrink, finalize, destroy, abort, revoke),
+nccl_grow.py (ncclCommGetUniqueId, ncclCommGrow), nccl_collconfig.py (the
+nccl*Config entry points) and nccl_suspend.py (suspend, resume, memory
+statistics). It is NCCL 2.32.3 (``SIM_VERSION``). Every rule cites what it
+follows: NCCL's sources at the tag it was read at (v2.30.7-1 for ``src/init.cc``,
+``group.cc``, ``enqueue.cc``, ``nccl.h.in``, ``argcheck.cc``, ``bootstrap.cc``,
+their init.cc functions unchanged at v2.31.2-1; v2.31.2-1 and v2.32.3-1 for
+what 2.31 and 2.32 added) or the user guide (``docs/userguide/source/usage/*.rst``);
+the table in docs/NCCL_BACKEND.md lists them with that tag.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from . import checks, cuda_state, nccl_grow, nccl_lifecycle, nccl_state
+from . import checks, cuda_state, nccl_collconfig, nccl_grow, nccl_lifecycle, nccl_state, nccl_suspend
 from .nccl_groups import enqueue
 from .nccl_groups import group_end as _group_end
 from .nccl_groups import group_start as _group_start
@@ -78,8 +81,10 @@ def __getattr__(name: str) -> Any:  # noqa: N807 - PEP 562: ``ncclsim.WORLD`` is
 
 
 def _coll(kind: str, nccl_name: str, send: int, recv: int, count: int, dtype: int, op: int, root: int,
-          comm: Any, stream: int, peer: int = -1) -> None:
-    enqueue(world(), nccl_name, comm, Task(kind, nccl_name, send, recv, count, dtype, op, root, peer, stream))
+          comm: Any, stream: int, peer: int = -1, config: int = 0) -> None:
+    w = world()
+    cfg = nccl_collconfig.parse(config, w.version)  # collectives.cc: ncclParseCollConfig before ncclEnqueueCheck
+    enqueue(w, nccl_name, comm, Task(kind, nccl_name, send, recv, count, dtype, op, root, peer, stream, cfg))
 
 
 def _note(w: World, call: str, comm: Any, **details: Any) -> None:
@@ -127,6 +132,64 @@ def gather(sendbuff: Any, recvbuff: Any, count: Any, datatype: Any, root: Any, c
 def scatter(sendbuff: Any, recvbuff: Any, count: Any, datatype: Any, root: Any, comm: Any, stream: Any) -> Any:
     _, a = enter("ncclScatter", "scatter", (sendbuff, recvbuff, count, datatype, root, comm, stream))
     _coll("scatter", "ncclScatter", a[0], a[1], a[2], a[3], 0, a[4], comm, a[6])
+
+
+# The nccl*Config entry points (v2.31.2-1): the same collectives with a trailing ncclCollConfig_t*.
+
+def all_reduce_config(sendbuff: Any, recvbuff: Any, count: Any, datatype: Any, op: Any, comm: Any, stream: Any,
+                      config: Any) -> Any:
+    _, a = enter("ncclAllReduceConfig", "all_reduce_config", (sendbuff, recvbuff, count, datatype, op, comm, stream,
+                                                              config))
+    _coll("all_reduce", "ncclAllReduceConfig", a[0], a[1], a[2], a[3], a[4], 0, comm, a[6], config=a[7])
+
+
+def reduce_config(sendbuff: Any, recvbuff: Any, count: Any, datatype: Any, op: Any, root: Any, comm: Any,
+                  stream: Any, config: Any) -> Any:
+    _, a = enter("ncclReduceConfig", "reduce_config", (sendbuff, recvbuff, count, datatype, op, root, comm, stream,
+                                                       config))
+    _coll("reduce", "ncclReduceConfig", a[0], a[1], a[2], a[3], a[4], a[5], comm, a[7], config=a[8])
+
+
+def broadcast_config(sendbuff: Any, recvbuff: Any, count: Any, datatype: Any, root: Any, comm: Any, stream: Any,
+                     config: Any) -> Any:
+    _, a = enter("ncclBroadcastConfig", "broadcast_config", (sendbuff, recvbuff, count, datatype, root, comm, stream,
+                                                             config))
+    _coll("broadcast", "ncclBroadcastConfig", a[0], a[1], a[2], a[3], 0, a[4], comm, a[6], config=a[7])
+
+
+def all_gather_config(sendbuff: Any, recvbuff: Any, sendcount: Any, datatype: Any, comm: Any, stream: Any,
+                      config: Any) -> Any:
+    _, a = enter("ncclAllGatherConfig", "all_gather_config", (sendbuff, recvbuff, sendcount, datatype, comm, stream,
+                                                              config))
+    _coll("all_gather", "ncclAllGatherConfig", a[0], a[1], a[2], a[3], 0, 0, comm, a[5], config=a[6])
+
+
+def reduce_scatter_config(sendbuff: Any, recvbuff: Any, recvcount: Any, datatype: Any, op: Any, comm: Any,
+                          stream: Any, config: Any) -> Any:
+    _, a = enter("ncclReduceScatterConfig", "reduce_scatter_config", (sendbuff, recvbuff, recvcount, datatype, op,
+                                                                      comm, stream, config))
+    _coll("reduce_scatter", "ncclReduceScatterConfig", a[0], a[1], a[2], a[3], a[4], 0, comm, a[6], config=a[7])
+
+
+def allto_all_config(sendbuff: Any, recvbuff: Any, count: Any, datatype: Any, comm: Any, stream: Any,
+                     config: Any) -> Any:
+    _, a = enter("ncclAlltoAllConfig", "allto_all_config", (sendbuff, recvbuff, count, datatype, comm, stream,
+                                                            config))
+    _coll("allto_all", "ncclAlltoAllConfig", a[0], a[1], a[2], a[3], 0, 0, comm, a[5], config=a[6])
+
+
+def gather_config(sendbuff: Any, recvbuff: Any, count: Any, datatype: Any, root: Any, comm: Any, stream: Any,
+                  config: Any) -> Any:
+    _, a = enter("ncclGatherConfig", "gather_config", (sendbuff, recvbuff, count, datatype, root, comm, stream,
+                                                       config))
+    _coll("gather", "ncclGatherConfig", a[0], a[1], a[2], a[3], 0, a[4], comm, a[6], config=a[7])
+
+
+def scatter_config(sendbuff: Any, recvbuff: Any, count: Any, datatype: Any, root: Any, comm: Any, stream: Any,
+                   config: Any) -> Any:
+    _, a = enter("ncclScatterConfig", "scatter_config", (sendbuff, recvbuff, count, datatype, root, comm, stream,
+                                                         config))
+    _coll("scatter", "ncclScatterConfig", a[0], a[1], a[2], a[3], 0, a[4], comm, a[6], config=a[7])
 
 
 def send(sendbuff: Any, count: Any, datatype: Any, peer: Any, comm: Any, stream: Any) -> Any:
@@ -260,6 +323,23 @@ def comm_revoke(comm: Any, revoke_flags: Any) -> Any:
     nccl_lifecycle.revoke(w, c, a[1])
 
 
+def comm_suspend(comm: Any, flags: Any) -> Any:
+    w, a = enter("ncclCommSuspend", "comm_suspend", (comm, flags))
+    _note(w, "ncclCommSuspend", comm, flags=a[1])
+    nccl_suspend.suspend(w, comm, a[1])
+
+
+def comm_resume(comm: Any) -> Any:
+    w, _ = enter("ncclCommResume", "comm_resume", (comm,))
+    _note(w, "ncclCommResume", comm)
+    nccl_suspend.resume(w, comm)
+
+
+def comm_mem_stats(comm: Any, stat: Any) -> Any:
+    w, a = enter("ncclCommMemStats", "comm_mem_stats", (comm, stat))
+    return nccl_suspend.mem_stats(w, comm, a[1])
+
+
 # --- user reduction ops (enqueue.cc) -------------------------------------------------------------------------
 
 def red_op_create_pre_mul_sum(scalar: Any, datatype: Any, residence: Any, comm: Any) -> Any:
@@ -295,7 +375,9 @@ _FUNCTIONS: list[Callable[..., Any]] = [
     all_reduce, reduce, broadcast, all_gather, reduce_scatter, allto_all, gather, scatter, send, recv, group_start,
     group_end, get_version, get_error_string, get_unique_id, comm_init_rank_config, comm_init_rank_scalable,
     comm_split, comm_shrink, comm_get_unique_id, comm_grow, comm_get_async_error, comm_user_rank, comm_count, comm_finalize, comm_destroy,
-    comm_abort, comm_revoke, red_op_create_pre_mul_sum, red_op_destroy]
+    comm_abort, comm_revoke, red_op_create_pre_mul_sum, red_op_destroy, all_reduce_config, reduce_config,
+    broadcast_config, all_gather_config, reduce_scatter_config, allto_all_config, gather_config, scatter_config,
+    comm_suspend, comm_resume, comm_mem_stats]
 
 
 def module() -> types.ModuleType:

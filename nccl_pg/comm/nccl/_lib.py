@@ -34,6 +34,9 @@ V_NATIVE_ALLTOALL = 22800  # ncclAlltoAll / ncclGather / ncclScatter
 V_SHRINK = 22700  # ncclCommShrink
 V_REVOKE = 22807  # ncclCommRevoke (nccl.h.in declares it from v2.28.7-1)
 V_GROW = 22902  # ncclCommGetUniqueId / ncclCommGrow (nccl.h.in declares them from v2.29.2-1)
+V_SUSPEND = 22907  # ncclCommSuspend / ncclCommResume / ncclCommMemStats (nccl.h.in from v2.29.7-1)
+V_COLL_CONFIG = 23102  # the nccl*Config collectives, ncclCollConfig_t (v2.31.2-1)
+V_LAUNCH_EVENT = 23203  # ncclCollConfig_t.launchCompletionEvent (v2.32.3-1)
 # ncclCommShrink flags
 SHRINK_DEFAULT = 0
 SHRINK_ABORT = 1

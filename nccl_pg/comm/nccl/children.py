@@ -153,6 +153,12 @@ class Children(Operations):
     def _start_child(self, what: str, fn: Any, parent: Any, *args: Any) -> Any:
         """Issue a split or shrink of ``parent``; returns the nccl4py Comm NCCL writes the child into when the
         job ends (it must stay referenced until then: the binding passed its own storage)."""
+        return self._start_job(what, fn, parent, *args, keep=True)
+
+    def _start_job(self, what: str, fn: Any, *args: Any, keep: bool = False) -> Any:
+        """Issue ``fn(*args)``, a call whose job runs on the control communicator (polled out of ncclInProgress
+        by the caller, ``_poll``), under the family lock on this communicator's device; ``keep``: its result is
+        a child NCCL writes when the job ends (kept referenced until then)."""
         prev = device_guard(self.device)
         try:
             self._acquire(what)
@@ -160,12 +166,13 @@ class Children(Operations):
                 self._check_live(what)
                 self._ctl_idle.clear()
                 try:
-                    child = self._call(what, fn, parent, *args)
+                    result = self._call(what, fn, *args)
                 except BaseException:
                     self._ctl_idle.set()
                     raise
-                self._children.append(child)
-                return child
+                if keep:
+                    self._children.append(result)
+                return result
             finally:
                 self._lock.release()
         finally:

@@ -41,8 +41,9 @@ from .calls import _ABORT_WAIT
 from .config import nccl_config, rank_has_root, root_count, roots, unique_id, unique_id_bytes
 from .device import adopt_thread, device_guard, restore_device
 from .family import Family
-from .growing import Grows
+from .percall import CallOptions
 from .stream import CudaEvent, CudaStream
+from .suspending import Suspends
 
 __all__ = ["NcclCommunicator", "nccl_config", "rank_has_root", "root_count", "unique_id_bytes"]
 
@@ -56,7 +57,7 @@ class _GraphsAlive(DistBackendError):
     """NCCL's finalize waits for the CUDA graphs that captured this communicator's operations."""
 
 
-class NcclCommunicator(Grows):
+class NcclCommunicator(Suspends):
     def __init__(self, nranks: int, rank: int, device: int, config: CommConfig, name: str,
                  family: Family | None = None, mode: str | None = None) -> None:
         if not 0 <= rank < nranks:
@@ -95,6 +96,7 @@ class NcclCommunicator(Grows):
         self._deferred_ops: list[int] = []
         self._graph_ops: list[int] = []
         self._keep: list[Any] = []  # ncclConfig_t objects NCCL may still read
+        self._options = CallOptions()
         self._version = _lib.version()
         self._rank_known = True  # False for a split child until NCCL says which rank it is
 

@@ -46,7 +46,27 @@ class Grows(Children):
 
     @property
     def supports_grow(self) -> bool:  # type: ignore[override]
-        return self._version >= _lib.V_GROW
+        """NCCL >= 2.29.2, and a control communicator that never shares its resources with a split: a grow of a
+        parent whose last split shared them reuses the parent's proxy (init.cc initTransportsRank: ``if (parent &&
+        parent->shareResources) comm->proxyState = parent->sharedRes->proxyState``, v2.30.7-1 and v2.31.2-1),
+        whose peer table has the parent's size (proxy.cc ncclProxyConnect: "peerIndex %d out of bounds"). That is
+        always the case in the blocking variant (its operations communicator is a sharing split) and after a
+        split of a group with ``split_share``: the group layer then grows through a fresh communicator."""
+        return self._version >= _lib.V_GROW and self._grow_refusal() is None
+
+    def _grow_refusal(self) -> str | None:
+        if self._mode == "blocking" or self.config.split_share:
+            return ("a grow of this communicator would reuse its proxy, sized for its own ranks: NCCL grows a parent "
+                    "whose split shared its resources that way (init.cc initTransportsRank), and "
+                    + ("NCCL_PG_NCCL_OPS=blocking splits its operations communicator so" if self._mode == "blocking"
+                       else "this group's split_share makes its splits share")
+                    + "; grow through a fresh communicator (the process group's reconfigure does)")
+        return None
+
+    def _refuse_grow(self, what: str) -> None:
+        why = self._grow_refusal()
+        if why is not None:
+            raise DistBackendError(f"{self.name}: {what} on rank {self._rank} refused: {why}")
 
     def _idle_for(self, what: str, deadline: float) -> None:
         """READY, nothing in flight (comms.rst: no outstanding NCCL operations on the communicator), no job."""
@@ -64,6 +84,7 @@ class Grows(Children):
     def get_unique_id(self) -> bytes:
         """ncclCommGetUniqueId of the control communicator (the coordinator only)."""
         self._need(_lib.V_GROW, "ncclCommGetUniqueId")
+        self._refuse_grow("ncclCommGetUniqueId")
         if self._grow_id is not None:
             raise DistBackendError(
                 f"{self.name}: rank {self._rank} already holds a grow id that no grow has used; NCCL makes one at a "
@@ -89,6 +110,7 @@ class Grows(Children):
         rank, and a one-rank parent's grow cannot complete without it: bcastGrowHandle sends it nothing). The new
         communicator shares nothing with this one; destroy this one once the new one is READY."""
         self._need(_lib.V_GROW, "ncclCommGrow")
+        self._refuse_grow("ncclCommGrow")
         if isinstance(nranks, bool) or not isinstance(nranks, int) or nranks <= self._nranks:
             raise ValueError(f"grow: nranks must be an int larger than this communicator's {self._nranks} ranks, "
                              f"got {nranks!r}")

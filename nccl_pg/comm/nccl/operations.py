@@ -23,6 +23,7 @@ from ._lib import bindings
 from .array import DeviceArray, as_device_array
 from .calls import Calls
 from .config import check_root
+from .percall import CONFIG_FN, CallOptions
 from .stream import CudaStream
 
 
@@ -31,6 +32,26 @@ class Operations(Calls):
     _version: int
     _deferred_ops: list[int]  # PREMUL_SUM ops to destroy at group end
     _graph_ops: list[int]  # PREMUL_SUM ops captured into CUDA graphs: destroyed with the communicator
+    _options: CallOptions  # the next collective's per-call settings (percall.py)
+    _suspended = False  # ncclCommSuspend'ed: no operation until ncclCommResume (suspending.py)
+
+    @property
+    def supports_launch_marks(self) -> bool:  # type: ignore[override]
+        return self._version >= _lib.V_LAUNCH_EVENT
+
+    def set_call_options(self, config: Any, launched: Any) -> None:
+        self._options.set(config, launched)
+
+    def clear_call_options(self) -> bool:
+        return self._options.clear()
+
+    def _entry(self, what: str, fn: Any, captured: bool) -> tuple[Any, tuple[Any, ...]]:
+        """The entry point for ``what`` and its extra argument: ``fn`` itself, or its nccl*Config twin with the
+        ncclCollConfig_t the per-call settings make (kept referenced by the caller through the call)."""
+        struct = self._options.for_call(what, self._version, captured, self.config.max_ctas)
+        if struct is None:
+            return fn, ()
+        return getattr(bindings(), CONFIG_FN[what]), (struct,)
 
     def _ops_comm(self) -> Any:
         """The operations communicator of a READY communicator (waits for a nonblocking init, bounded)."""
@@ -39,6 +60,8 @@ class Operations(Calls):
                 self.wait_ready(self.config.timeout + WAIT_READY_GRACE)
             if self.state is not CommState.READY:  # the property: wait_ready changed it
                 raise self._error or DistBackendError(f"{self.name}: {self._state.value}")
+        if self._suspended:  # comms.rst: "cannot be used for any NCCL operations while suspended"
+            raise DistBackendError(f"{self.name}: rank {self._rank} is suspended (ncclCommSuspend); resume it first")
         return self._ops
 
     def _captures(self, stream: CudaStream) -> bool:
@@ -106,9 +129,10 @@ class Operations(Calls):
         nccl_type, k = _lib.reduction(send.dtype, op, scale, what)
         comm = self._ops_comm()
         captured = self._captures(stream)
+        entry, tail = self._entry(what, fn, captured)
         redop, created = self._redop(op, send.dtype, nccl_type, scale, comm)
         try:
-            self._issue(what, fn, send.ptr, recv.ptr, count * k, nccl_type, redop, *extra, comm, stream.ptr)
+            self._issue(what, entry, send.ptr, recv.ptr, count * k, nccl_type, redop, *extra, comm, stream.ptr, *tail)
         finally:
             self._release_op(redop, created, comm, captured)
         stream.keep(send.owner, recv.owner)
@@ -138,8 +162,8 @@ class Operations(Calls):
                 *extra: Any) -> None:
         nccl_type, k = _lib.nccl_dtype(send.dtype, what)
         comm = self._ops_comm()
-        self._captures(stream)
-        self._issue(what, fn, send.ptr, recv.ptr, count * k, nccl_type, *extra, comm, stream.ptr)
+        entry, tail = self._entry(what, fn, self._captures(stream))
+        self._issue(what, entry, send.ptr, recv.ptr, count * k, nccl_type, *extra, comm, stream.ptr, *tail)
         stream.keep(send.owner, recv.owner)
 
     def broadcast(self, send: Any, recv: Any, root: int, stream: Stream) -> None:
@@ -169,6 +193,7 @@ class Operations(Calls):
         if native is not None:
             self._moving("ncclAlltoAll", native, s, r, s.size // n, cs)
             return
+        self._options.refuse_p2p("all_to_all")
         so, ro = np.concatenate([[0], np.cumsum(sc)]), np.concatenate([[0], np.cumsum(rc)])
         self._p2p_group("all_to_all", cs, [(p, s[int(so[p]):int(so[p + 1])]) for p in range(n)],
                         [(p, r[int(ro[p]):int(ro[p + 1])]) for p in range(n)])
@@ -184,6 +209,7 @@ class Operations(Calls):
         if native is not None:
             self._moving("ncclGather", native, s, r if r is not None else s, s.size, cs, root)
             return
+        self._options.refuse_p2p("gather")
         recvs = [(p, r[p * s.size:(p + 1) * s.size]) for p in range(n)] if r is not None else []
         self._p2p_group("gather", cs, [(root, s)], recvs)
 
@@ -198,6 +224,7 @@ class Operations(Calls):
         if native is not None:
             self._moving("ncclScatter", native, s if s is not None else r, r, r.size, cs, root)
             return
+        self._options.refuse_p2p("scatter")
         sends = [(p, s[p * r.size:(p + 1) * r.size]) for p in range(n)] if s is not None else []
         self._p2p_group("scatter", cs, sends, [(root, r)])
 

@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..base import Event, Stream
+from . import graph_life
 from ._lib import check_cuda, cudart
 from .device import device_guard, on_own_thread, restore_device
 from .memory import DeviceMemory, free_released
 
 _NOT_READY = 600  # cudaErrorNotReady
 _CAPTURE_NONE = 0  # cudaStreamCaptureStatusNone
+_CAPTURE_ACTIVE = 1  # cudaStreamCaptureStatusActive
 
 
 class _AbortFlag:
@@ -177,6 +180,37 @@ class CudaStream(Stream):
     def capturing(self) -> bool:
         status = check_cuda(cudart().cudaStreamIsCapturing(self.handle), "cudaStreamIsCapturing")
         return int(status) != _CAPTURE_NONE
+
+    def capture_id(self) -> int:
+        """cudaStreamGetCaptureInfo's id of the capture this stream takes part in ("unique over the lifetime of
+        the process"); 0 when it does not capture."""
+        err, status, cid, *_ = cudart().cudaStreamGetCaptureInfo(self.handle)
+        check_cuda((err,), "cudaStreamGetCaptureInfo")
+        return int(cid) if int(status) == _CAPTURE_ACTIVE else 0
+
+    def capture_gone(self) -> Callable[[], bool] | None:
+        """A CUDA user object owned by the graph being captured (cudaUserObjectCreate, cudaGraphRetainUserObject
+        with cudaGraphUserObjectMove: Programming Guide, "CUDA User Objects"): its destructor runs once the graph
+        and every instantiation are destroyed, on a CUDA thread that may not call CUDA or block. It is libc's
+        sem_post on a semaphore of ours: no Python, no lock, no GIL in that thread; the probe reads the count."""
+        err, status, _, graph, *_ = cudart().cudaStreamGetCaptureInfo(self.handle)
+        check_cuda((err,), "cudaStreamGetCaptureInfo")
+        if int(status) != _CAPTURE_ACTIVE or graph is None:
+            return None
+        return graph_life.attach(graph)
+
+    def record_replayed(self, event: Event) -> None:
+        """An event record node in the capture (cudaEventRecordWithFlags with cudaEventRecordExternal): every
+        replay of the graph records ``event`` there again, and the host can query it; before the first replay
+        it is complete (CUDA: an event never recorded "represents an empty set of work")."""
+        if not isinstance(event, CudaEvent):
+            raise TypeError(f"a CudaStream records CudaEvents, got {type(event).__name__}")
+        rt = cudart()
+        check_cuda(rt.cudaEventRecordWithFlags(event.handle, self.handle, rt.cudaEventRecordExternal),
+                   "cudaEventRecordWithFlags(cudaEventRecordExternal)")
+        event.recorded = True
+        if event.flag is None:
+            event.flag = self._flag
 
     def query(self) -> bool:
         (err,) = cudart().cudaStreamQuery(self.handle)

@@ -181,7 +181,34 @@ static int unavailable(const char *name) {
   X(ncclRecv, (void *recvbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm, cudaStream_t stream), \
     (recvbuff, count, datatype, peer, comm, stream))                                                                  \
   X(ncclGroupStart, (void), ())                                                                                       \
-  X(ncclGroupEnd, (void), ())
+  X(ncclGroupEnd, (void), ())                                                                                         \
+  X(ncclCommSuspend, (ncclComm_t comm, int flags), (comm, flags))                                                      \
+  X(ncclCommResume, (ncclComm_t comm), (comm))                                                                        \
+  X(ncclCommMemStats, (ncclComm_t comm, ncclCommMemStat_t stat, uint64_t *value), (comm, stat, value))                \
+  X(ncclAllReduceConfig, (const void *sendbuff, void *recvbuff, size_t count, ncclDataType_t datatype, ncclRedOp_t op, \
+                          ncclComm_t comm, cudaStream_t stream, const ncclCollConfig_t *config),                      \
+    (sendbuff, recvbuff, count, datatype, op, comm, stream, config))                                                  \
+  X(ncclBroadcastConfig, (const void *sendbuff, void *recvbuff, size_t count, ncclDataType_t datatype, int root,      \
+                          ncclComm_t comm, cudaStream_t stream, const ncclCollConfig_t *config),                      \
+    (sendbuff, recvbuff, count, datatype, root, comm, stream, config))                                                \
+  X(ncclReduceConfig, (const void *sendbuff, void *recvbuff, size_t count, ncclDataType_t datatype, ncclRedOp_t op,    \
+                       int root, ncclComm_t comm, cudaStream_t stream, const ncclCollConfig_t *config),               \
+    (sendbuff, recvbuff, count, datatype, op, root, comm, stream, config))                                            \
+  X(ncclAllGatherConfig, (const void *sendbuff, void *recvbuff, size_t sendcount, ncclDataType_t datatype,             \
+                          ncclComm_t comm, cudaStream_t stream, const ncclCollConfig_t *config),                      \
+    (sendbuff, recvbuff, sendcount, datatype, comm, stream, config))                                                  \
+  X(ncclReduceScatterConfig, (const void *sendbuff, void *recvbuff, size_t recvcount, ncclDataType_t datatype,         \
+                              ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream, const ncclCollConfig_t *config),  \
+    (sendbuff, recvbuff, recvcount, datatype, op, comm, stream, config))                                              \
+  X(ncclAlltoAllConfig, (const void *sendbuff, void *recvbuff, size_t count, ncclDataType_t datatype, ncclComm_t comm,  \
+                         cudaStream_t stream, const ncclCollConfig_t *config),                                        \
+    (sendbuff, recvbuff, count, datatype, comm, stream, config))                                                      \
+  X(ncclGatherConfig, (const void *sendbuff, void *recvbuff, size_t count, ncclDataType_t datatype, int root,          \
+                       ncclComm_t comm, cudaStream_t stream, const ncclCollConfig_t *config),                         \
+    (sendbuff, recvbuff, count, datatype, root, comm, stream, config))                                                \
+  X(ncclScatterConfig, (const void *sendbuff, void *recvbuff, size_t count, ncclDataType_t datatype, int root,         \
+                        ncclComm_t comm, cudaStream_t stream, const ncclCollConfig_t *config),                        \
+    (sendbuff, recvbuff, count, datatype, root, comm, stream, config))
 
 #define DEFINE_MODELLED(name, params, args)                                                                           \
   static ncclResult_t(*sim_##name) params;                                                                            \
@@ -252,10 +279,6 @@ const char *ncclGetErrorString(ncclResult_t result) {
   X(ncclResult_t, RESULT, ncclCommRegister, (const ncclComm_t comm, void *buff, size_t size, void **handle),  \
     (comm, buff, size, handle))                                                                                       \
   X(ncclResult_t, RESULT, ncclCommDeregister, (const ncclComm_t comm, void *handle), (comm, handle))           \
-  X(ncclResult_t, RESULT, ncclCommSuspend, (ncclComm_t comm, int flags), (comm, flags))                        \
-  X(ncclResult_t, RESULT, ncclCommResume, (ncclComm_t comm), (comm))                                           \
-  X(ncclResult_t, RESULT, ncclCommMemStats, (ncclComm_t comm, ncclCommMemStat_t stat, uint64_t *value),        \
-    (comm, stat, value))                                                                                              \
   X(ncclResult_t, RESULT, ncclCommWindowRegister,                                                              \
     (ncclComm_t comm, void *buff, size_t size, ncclWindow_t *win, int winFlags), (comm, buff, size, win, winFlags))   \
   X(ncclResult_t, RESULT, ncclCommWindowDeregister, (ncclComm_t comm, ncclWindow_t win), (comm, win))          \
@@ -264,32 +287,6 @@ const char *ncclGetErrorString(ncclResult_t result) {
   X(ncclResult_t, RESULT, ncclBcast,                                                                           \
     (void *buff, size_t count, ncclDataType_t datatype, int root, ncclComm_t comm, cudaStream_t stream),              \
     (buff, count, datatype, root, comm, stream))                                                                      \
-  X(ncclResult_t, RESULT, ncclAllReduceConfig,                                                                 \
-    (const void *sendbuff, void *recvbuff, size_t count, ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,    \
-     cudaStream_t stream, const ncclCollConfig_t *config), (sendbuff, recvbuff, count, datatype, op, comm, stream, config)) \
-  X(ncclResult_t, RESULT, ncclBroadcastConfig,                                                                 \
-    (const void *sendbuff, void *recvbuff, size_t count, ncclDataType_t datatype, int root, ncclComm_t comm,          \
-     cudaStream_t stream, const ncclCollConfig_t *config), (sendbuff, recvbuff, count, datatype, root, comm, stream, config)) \
-  X(ncclResult_t, RESULT, ncclReduceConfig,                                                                    \
-    (const void *sendbuff, void *recvbuff, size_t count, ncclDataType_t datatype, ncclRedOp_t op, int root,           \
-     ncclComm_t comm, cudaStream_t stream, const ncclCollConfig_t *config),                                           \
-    (sendbuff, recvbuff, count, datatype, op, root, comm, stream, config))                                            \
-  X(ncclResult_t, RESULT, ncclAllGatherConfig,                                                                 \
-    (const void *sendbuff, void *recvbuff, size_t sendcount, ncclDataType_t datatype, ncclComm_t comm,                \
-     cudaStream_t stream, const ncclCollConfig_t *config), (sendbuff, recvbuff, sendcount, datatype, comm, stream, config)) \
-  X(ncclResult_t, RESULT, ncclReduceScatterConfig,                                                             \
-    (const void *sendbuff, void *recvbuff, size_t recvcount, ncclDataType_t datatype, ncclRedOp_t op,                 \
-     ncclComm_t comm, cudaStream_t stream, const ncclCollConfig_t *config),                                           \
-    (sendbuff, recvbuff, recvcount, datatype, op, comm, stream, config))                                              \
-  X(ncclResult_t, RESULT, ncclAlltoAllConfig,                                                                  \
-    (const void *sendbuff, void *recvbuff, size_t count, ncclDataType_t datatype, ncclComm_t comm,                    \
-     cudaStream_t stream, const ncclCollConfig_t *config), (sendbuff, recvbuff, count, datatype, comm, stream, config)) \
-  X(ncclResult_t, RESULT, ncclGatherConfig,                                                                    \
-    (const void *sendbuff, void *recvbuff, size_t count, ncclDataType_t datatype, int root, ncclComm_t comm,          \
-     cudaStream_t stream, const ncclCollConfig_t *config), (sendbuff, recvbuff, count, datatype, root, comm, stream, config)) \
-  X(ncclResult_t, RESULT, ncclScatterConfig,                                                                   \
-    (const void *sendbuff, void *recvbuff, size_t count, ncclDataType_t datatype, int root, ncclComm_t comm,          \
-     cudaStream_t stream, const ncclCollConfig_t *config), (sendbuff, recvbuff, count, datatype, root, comm, stream, config)) \
   X(ncclResult_t, RESULT, ncclPutSignal,                                                                       \
     (const void *localbuff, size_t count, ncclDataType_t datatype, int peer, ncclWindow_t peerWin,                    \
      size_t peerWinOffset, int sigIdx, int ctx, unsigned int flags, ncclComm_t comm, cudaStream_t stream),            \

@@ -1,0 +1,140 @@
+"""The watchdog's watch of CUDA-graph replays (docs/NCCL_BACKEND.md,
+"Watched replays"; the design of torchcomms' GraphEventTracker, without its
+per-replay host callback).
+
+A collective captured into a CUDA graph runs at every replay, where no host
+code issues it. At capture, the group puts two event record nodes around it
+into the graph (``Stream.record_replayed``: cudaEventRecordWithFlags with
+cudaEventRecordExternal), which every replay records again and the host can
+query: ``start`` before the collective, ``end`` after it. A launch of the
+graph re-arms both (they read not ready until the replay reaches them).
+
+On each watchdog poll, per graph this group captured into:
+
+- idle (the last collective's ``end`` complete; before any replay it is too):
+  one event query, nothing else. No work at all per replay;
+- otherwise each collective of the graph: ``end`` complete, it is done; not,
+  it is in flight since the first poll that saw it so, or since its ``start``
+  newly completed (a later replay reached it: progress). In flight past the
+  group's timeout, it is named (group, collective, its place among the
+  group's collectives in the graph, the capture) and the group's error
+  handling applies, as to a timed-out operation. Replays launched back to back
+  faster than they complete count as one stretch, as an eager operation counts
+  from its issue.
+
+A graph's entries go once CUDA says the graph and every instantiation of it
+were destroyed (``Stream.capture_gone``: a user object's destructor), and all
+of them with the group. While some are alive, a revoke of the group's
+communicator is refused (GroupCore._refuse_with_live_graphs): NCCL frees a
+revoked communicator without waiting for the graphs that captured it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..comm.base import Event
+
+
+@dataclass
+class _Entry:
+    op: str  # OpType name
+    place: int  # 1-based, among this group's collectives in the graph
+    start: Event
+    end: Event
+    timeout: float
+    since: float | None = None  # in flight since (monotonic); None: done or idle
+    started: bool = False  # its start was complete at the last poll
+    reported: bool = False  # named for this stretch already
+
+
+@dataclass
+class _Graph:
+    capture: int  # the capture's id (cudaStreamGetCaptureInfo)
+    gone: Callable[[], bool] | None
+    entries: list[_Entry] = field(default_factory=list)
+    busy: bool = False  # something was in flight at the last poll
+
+
+@dataclass(frozen=True)
+class Stuck:
+    """A collective whose replay did not complete within its timeout."""
+
+    op: str
+    place: int
+    of: int  # collectives this group captured into the graph
+    capture: int
+    elapsed: float
+    timeout: float
+
+    def describe(self) -> str:
+        return (f"{self.op} (collective {self.place} of {self.of} this group captured into CUDA graph capture "
+                f"{self.capture}) has been in flight in a replay for {self.elapsed:.3f} s, past its timeout of "
+                f"{self.timeout:.3f} s")
+
+
+class ReplayWatch:
+    """The captured collectives of one process group."""
+
+    def __init__(self) -> None:
+        self._graphs: dict[int, _Graph] = {}
+        self._lock = threading.Lock()
+
+    def __bool__(self) -> bool:
+        return bool(self._graphs)
+
+    def captured(self, capture: int, op: str, start: Event, end: Event, timeout: float,
+                 probe: Callable[[], Callable[[], bool] | None]) -> None:
+        """One collective captured between ``start`` and ``end`` (recorded into the graph). ``probe`` makes the
+        graph's lifetime probe (``Stream.capture_gone``), called at the graph's first collective."""
+        with self._lock:
+            g = self._graphs.get(capture)
+            if g is None:
+                g = self._graphs[capture] = _Graph(capture, probe())
+            g.entries.append(_Entry(op, len(g.entries) + 1, start, end, timeout))
+
+    def poll(self, now: float | None = None) -> list[Stuck]:
+        """Never blocks; the collectives newly past their timeout."""
+        now = time.monotonic() if now is None else now
+        out: list[Stuck] = []
+        with self._lock:
+            graphs = list(self._graphs.values())
+        for g in graphs:
+            if not g.busy and g.entries[-1].end.query():
+                if g.gone is not None and g.gone():
+                    with self._lock:
+                        self._graphs.pop(g.capture, None)
+                continue
+            g.busy = False
+            for e in g.entries:
+                if e.end.query():
+                    e.since, e.started, e.reported = None, False, False
+                    continue
+                g.busy = True
+                started = e.start.query()
+                if e.since is None or (started and not e.started):
+                    e.since, e.reported = now, False
+                e.started = started
+                if not e.reported and now - e.since > e.timeout:
+                    e.reported = True
+                    out.append(Stuck(e.op, e.place, len(g.entries), g.capture, now - e.since, e.timeout))
+        return out
+
+    def captures(self) -> int:
+        return len(self._graphs)
+
+    def alive(self) -> list[int]:
+        """The captures whose graph, or an instantiation of it, may still be alive (destroyed ones are dropped)."""
+        out = []
+        with self._lock:
+            graphs = list(self._graphs.values())
+        for g in graphs:
+            if g.gone is not None and g.gone():
+                with self._lock:
+                    self._graphs.pop(g.capture, None)
+            else:
+                out.append(g.capture)
+        return sorted(out)
