@@ -5,7 +5,10 @@ not take the store down for the others. Each rank runs in its own session, so
 that signalling its process group reaches everything it started. One
 single-threaded loop multiplexes the ranks' output pipes, signals (through a
 wakeup pipe) and deadlines; nothing else signals or reaps the ranks, so there
-are no races between threads over who reaps or kills what.
+are no races between threads over who reaps or kills what. It never blocks on
+its own output: what it prints goes through output.py's sinks (a bounded
+buffer and a writer thread each), so a reader that stops reading cannot stop
+the deadlines or the signals.
 
 Before it stops a job (``--max-time``, the first rank to fail, a signal), it
 asks the ranks why (autopsy.py, on a thread of its own that only talks to
@@ -28,13 +31,13 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import IO, BinaryIO
+from typing import IO
 
 from .. import env
 from ..errors import DistError
 from ..store import TCPStoreServer
 from ..timeouts import option_seconds
-from . import elastic, jobs
+from . import elastic, jobs, output
 from ._rank_guard import CLEANUP_BUDGET, KILL_SIGNAL
 from .autopsy import AUTOPSY_TIME, Autopsy
 
@@ -158,15 +161,23 @@ def _signame(signum: int) -> str:
         return f"signal {signum}"
 
 
+_console: output.Console | None = None  # the running job's outputs (the launcher runs one job per process)
+OUTPUT_FLUSH = 2.0  # seconds, at the end, for the outputs to write out what they hold
+
+
 def _log(message: str) -> None:
-    print(f"nccl-pg run: {message}", file=sys.stderr, flush=True)
+    line = f"nccl-pg run: {message}"
+    if _console is not None:
+        _console.log(line)
+    else:
+        print(line, file=sys.stderr, flush=True)
 
 
 class _LineWriter:
     """Writes a rank's output line by line with a prefix, so that lines of
     different ranks never interleave mid-line."""
 
-    def __init__(self, prefix: bytes, out: BinaryIO) -> None:
+    def __init__(self, prefix: bytes, out: output.Sink) -> None:
         self.prefix = prefix
         self.out = out
         self.partial = b""
@@ -186,8 +197,7 @@ class _LineWriter:
 
     def _write(self, lines: list[bytes]) -> None:
         if lines:
-            self.out.write(b"".join(self.prefix + line + b"\n" for line in lines))
-            self.out.flush()
+            self.out.write(b"".join(self.prefix + line + b"\n" for line in lines), len(lines))
 
 
 class _Stream:
@@ -267,8 +277,18 @@ class _Job:
         self.stop_after_autopsy: tuple[int, str] | None = None  # the signal and reason of the stop it holds back
         self.membership: elastic.Records | None = None  # --elastic: the records, the replacements
         self.common_env: dict[str, str] = {}  # what every rank's environment holds (a replacement's too)
+        self.console = output.Console()  # the launcher's stdout and stderr (output.py)
 
     def run(self) -> int:
+        global _console
+        _console = self.console
+        try:
+            return self._run()
+        finally:
+            _console = None
+            self.console.close(OUTPUT_FLUSH)
+
+    def _run(self) -> int:
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
         old_wakeup = signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
@@ -337,8 +357,8 @@ class _Job:
         self.ranks.append(_Rank(rank, proc))
         if self.config.prefix:
             prefix = f"[rank{rank}]: ".encode()
-            self._watch(proc.stdout, _LineWriter(prefix, sys.stdout.buffer))
-            self._watch(proc.stderr, _LineWriter(prefix, sys.stderr.buffer))
+            self._watch(proc.stdout, _LineWriter(prefix, self.console.out))
+            self._watch(proc.stderr, _LineWriter(prefix, self.console.err))
 
     def _watch(self, pipe: IO[bytes] | None, writer: _LineWriter) -> None:
         assert pipe is not None
