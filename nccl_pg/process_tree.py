@@ -83,6 +83,16 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def only_child(pid: int) -> int | None:
+    """The one child of ``pid`` (a rank's guard has one: the rank), from /proc; None if it has none or several."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            kids = f.read().split()
+    except OSError:
+        kids = [str(p) for p in descendants(pid) if stat(p)[1:2] == [str(pid)]] if os.path.isdir("/proc") else []
+    return int(kids[0]) if len(kids) == 1 else None
+
+
 def alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie, ended but not reaped, does not)."""
     try:

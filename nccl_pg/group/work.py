@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..diagnostics import diagnosis
+from ..diagnostics import diagnosis, verdicts
 from ..errors import Culprit, DistBackendError, NanError
 from ..timeouts import Timeout, to_seconds
 
@@ -363,6 +363,11 @@ class Work:
     def issued_at(self) -> float:
         """When it was issued (``time.monotonic()``)."""
         return self._issued_mono
+
+    def name(self) -> str:
+        """The operation as every tool names it: "all_reduce #2 of group 0" (a
+        point-to-point operation by its own count: "send #3 of group 0")."""
+        return verdicts.collective(self.op_type.value, self._seq, self._group.group_name)
 
     @property
     def deadline(self) -> float:
