@@ -4,8 +4,9 @@ backend). A rank says it is in place by creating ``ready.<rank>`` in the
 test's folder, after it has issued what the test looks for; the waits below
 only bound how long the test waits.
 
-Each test runs with TMPDIR set to its own folder, so that the launcher's job
-records (and `nccl-pg why` with no arguments) see only this test's job.
+Each test runs with TMPDIR and NCCL_PG_RUNTIME_DIR set to its own folder, so
+that the launcher's job records (and `nccl-pg why` with no arguments) see
+only this test's job.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ class Job:
         self.script = folder / "job.py"
         self.script.write_text(script)
         self.dumps = folder / "dumps"
-        self.env = clean_env({"TEST_DIR": str(folder), "TMPDIR": str(folder), "STUCK": stuck, "TIMEOUT": str(timeout),
+        self.env = clean_env({"TEST_DIR": str(folder), "TMPDIR": str(folder), "NCCL_PG_RUNTIME_DIR": str(folder / "run"),
+                              "STUCK": stuck, "TIMEOUT": str(timeout),
                               "NCCL_PG_DEBUG_INFO_TEMP_FILE": str(self.dumps / "trace_")})
         self.proc = subprocess.Popen([sys.executable, "-m", "nccl_pg.cli.main", "run", "--nproc", "4",
                                       *launcher_args, str(self.script)], cwd=folder, env=self.env,
@@ -255,8 +257,10 @@ def test_the_deadline_timer_writes_the_stack_of_a_rank_stuck_in_c(tmp_path):
         text
 
 
-# Rank 1 takes a slow step (50 ms) before each of 12 all_reduces, then every rank waits in user code, its group idle,
-# until the test is done asking.
+# Rank 2 takes a slow step (200 ms) before each of 7 world all_reduces, and every step also runs an all_reduce on a
+# pair subgroup ([0, 1] and [2, 3]), right after the world's (issue 32 item 2: counted over every group at once, the
+# pair collectives, where rank 2 is on time, diluted it); then every rank waits in user code, its groups idle, until
+# the test is done asking.
 STRAGGLER_JOB = '''\
 import os, pathlib, time
 import numpy as np
@@ -265,11 +269,13 @@ import nccl_pg as dist
 DIR = pathlib.Path(os.environ["TEST_DIR"])
 dist.init_process_group("host", init_method="env://", timeout=60)
 rank = dist.get_rank()
+pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
 x = np.ones(1024, np.float32)
-for _ in range(12):
-    if rank == 1:
-        time.sleep(0.05)  # rank 1's slow step, on purpose
+for _ in range(7):
+    if rank == 2:
+        time.sleep(0.2)  # rank 2's slow step, on purpose
     dist.all_reduce(x)
+    dist.all_reduce(x, group=pairs[rank // 2])
 (DIR / f".ready.{rank}").write_text(str(os.getpid()))
 (DIR / f".ready.{rank}").rename(DIR / f"ready.{rank}")
 while not (DIR / "done").exists():
@@ -279,25 +285,34 @@ dist.destroy_process_group()
 
 
 @pytest.mark.timeout(120)
-def test_why_stragglers_names_the_rank_delayed_on_purpose(job):
-    """A live 4-rank job where rank 1 is 50 ms late at each of 12 all_reduces: `nccl-pg why --stragglers` names rank
-    1 alone, with its host and pid, last at nearly every collective by about 50 ms, from the timestamps of the
-    recorders the ranks send with their answers; nothing is in flight, so no problem (exit 0). Without the option the
-    words say nothing of stragglers; --json always holds them."""
+def test_why_stragglers_and_trace_name_the_rank_late_at_the_world_among_subgroups(job):
+    """A live 4-rank job where rank 2 is 200 ms late at each of 7 world all_reduces, each followed by an all_reduce on
+    a pair subgroup: `nccl-pg why --stragglers` names rank 2 alone, with its host and pid, last at nearly every
+    collective of group 0 by about 200 ms, from the timestamps of the recorders the ranks send with their answers;
+    nothing is in flight, so no problem (exit 0). The dumps the ranks then write (--dump) give `nccl-pg trace` the
+    same straggler, by the same rule. Without the option the words say nothing of stragglers; --json always holds
+    them, with each rank's score per group."""
     j = job("none", "--autopsy-time", "0", script=STRAGGLER_JOB)
     pids = j.wait_ready()
-    res = j.why("--stragglers")
+    res = j.why("--stragglers", "--dump")
     assert res.returncode == 0 and "  no problem: 4 process(es) answered" in res.stdout, res
-    named = re.findall(r"  straggler: rank (\d) \(host \S+, pid (\d+)\) arrived last at (\d+) of (\d+) collectives of "
-                       r"group '0', ([\d.]+) ms after the first rank", res.stdout)
+    pattern = (r"  straggler: rank (\d) \(host \S+, pid (\d+)\) arrived last at (\d+) of (\d+) collectives of "
+               r"group '0', ([\d.]+) ms after the first rank")
+    named = re.findall(pattern, res.stdout)
     assert len(named) == 1, res.stdout
     rank, pid, last, compared, late = named[0]
-    assert (int(rank), int(pid)) == (1, pids[1]) and int(compared) >= 12 and int(last) >= int(compared) - 2, res.stdout
-    assert 40.0 <= float(late) <= 200.0, res.stdout
+    assert (int(rank), int(pid)) == (2, pids[2]) and int(compared) >= 7 and int(last) >= int(compared) - 1, res.stdout
+    assert 150.0 <= float(late) <= 600.0, res.stdout
     plain = j.why()
     assert plain.returncode == 0 and "\nstragglers (" not in plain.stdout, plain.stdout
     data = json.loads(j.why("--json").stdout)
-    assert [s["rank"] for s in data["stragglers"]["stragglers"]] == [1], data["stragglers"]
+    assert [(s["rank"], s["group"]) for s in data["stragglers"]["stragglers"]] == [(2, "0")], data["stragglers"]
+    score = next(s for s in data["stragglers"]["scores"] if (s["rank"], s["group"]) == (2, "0"))
+    assert score["straggler"] and score["score"] < 0.5, score  # its group waits for it most of each step
+    trace = subprocess.run([sys.executable, "-m", "nccl_pg.cli.main", "trace", str(j.dumps)], env=j.env,
+                           capture_output=True, text=True, timeout=60)
+    assert trace.returncode == 0, trace
+    assert [(int(r), int(p)) for r, p, *_ in re.findall(pattern, trace.stdout)] == [(2, pids[2])], trace.stdout
     (j.dir / "done").write_text("")
     code, _, err = j.finish(timeout=60)
     assert code == 0, err
@@ -310,7 +325,7 @@ def test_job_records_are_private_removed_at_exit_and_read_as_untrusted(job, tmp_
     that are not records (a link, garbage) with a note, and removes a record whose launcher is gone."""
     j = job("sleep", "--autopsy-time", "0")
     j.wait_ready()
-    folder = tmp_path / f"nccl_pg-{os.getuid()}" / "jobs"
+    folder = tmp_path / "run"
     record = folder / f"run-{j.proc.pid}.json"
     assert oct(folder.stat().st_mode & 0o777) == "0o700" and oct(record.stat().st_mode & 0o777) == "0o600"
     assert json.loads(record.read_text())["launcher_pid"] == j.proc.pid
@@ -333,10 +348,10 @@ def test_why_with_the_store_given(job, tmp_path):
     the secret from NCCL_PG_STORE_SECRET; a wrong secret is refused (exit 2, saying it cannot ask)."""
     j = job("sleep", "--autopsy-time", "0")
     j.wait_ready()
-    record = json.loads((tmp_path / f"nccl_pg-{os.getuid()}" / "jobs" / f"run-{j.proc.pid}.json").read_text())
+    record = json.loads((tmp_path / "run" / f"run-{j.proc.pid}.json").read_text())
     elsewhere = tmp_path / "elsewhere"  # no records there
     elsewhere.mkdir()
-    env = {**j.env, "TMPDIR": str(elsewhere), "NCCL_PG_STORE_SECRET": record["secret"]}
+    env = {**j.env, "TMPDIR": str(elsewhere), "NCCL_PG_RUNTIME_DIR": str(elsewhere), "NCCL_PG_STORE_SECRET": record["secret"]}
     run = [sys.executable, "-m", "nccl_pg.cli.main", "why", "--json"]
     by_option = subprocess.run([*run, "--store", f"127.0.0.1:{record['port']}"], env=env, capture_output=True,
                                text=True, timeout=30)

@@ -113,8 +113,9 @@ def run(args: argparse.Namespace) -> int:
     for n in notes:
         print(f"nccl-pg why: {n}", file=sys.stderr)
     if not targets:
-        print("nccl-pg why: no job to ask: none started with `nccl-pg run` by this user on this machine is running; "
-              "give the store with --store HOST:PORT (or MASTER_ADDR and MASTER_PORT)", file=sys.stderr)
+        print("nccl-pg why: no job to ask: none started with `nccl-pg run` by this user on this machine is running "
+              f"(looked for launchers' records in {', '.join(jobs.searched())}); give the store with --store "
+              "HOST:PORT (or MASTER_ADDR and MASTER_PORT)", file=sys.stderr)
         return EXIT_NO_JOB
     signum = env.STACKS_SIGNAL.get() if args.stacks_signal is None else args.stacks_signal
     status, out = EXIT_OK, []

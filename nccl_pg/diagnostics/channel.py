@@ -59,7 +59,8 @@ class Channel:
         self.latest = 0  # newest incident seen or raised here
         self.recent: collections.deque[int] = collections.deque(maxlen=LOOKBACK + 1)
         # this rank's dumps by what they were for (incident numbers, timed-out operations' claims)
-        self._dumped: collections.OrderedDict[str, str | None] = collections.OrderedDict()
+        self._dumped: collections.OrderedDict[str, tuple[str | None, tuple[tuple[str, tuple[int, int, int]], ...]]] = \
+            collections.OrderedDict()
         self._dumping = threading.Lock()  # held while a dump is written (not the channel's: that one stays quick)
         self._job: Callable[[], None] | None = None  # this store's incident work, queued or running
         self._jobs = threading.Condition(self._lock)
@@ -233,15 +234,26 @@ class Channel:
     def dump_once(self, about: list[str], reason: str) -> str | None:
         """This rank's dump for an incident, known by any of ``about``
         (its number, the claims of its timed-out operations): written once,
-        whether the signal or this rank's own timeout comes first."""
+        whether the signal or this rank's own timeout comes first, unless
+        this rank moved since (it issued or completed operations after it
+        dumped at the signal): a dump must show where it is when it fails,
+        not where it was when another rank failed."""
         with self._dumping:
+            now = self._progress()
             seen = [a for a in about if a in self._dumped]
-            path = self._dumped[seen[0]] if seen else self._write_dump(reason, self.rank())
+            if seen and self._dumped[seen[0]][1] == now:
+                path = self._dumped[seen[0]][0]
+            else:
+                path = self._write_dump(reason, self.rank())
             for a in about:
-                self._dumped[a] = path
+                self._dumped[a] = (path, now)
             while len(self._dumped) > 64:
                 self._dumped.popitem(last=False)
             return path
+
+    def _progress(self) -> tuple[tuple[str, tuple[int, int, int]], ...]:
+        """Where this process is on every group of this store (what a dump would show)."""
+        return tuple(sorted((v.ident, v.counts()) for v in self.views()))
 
 
 def join(threads: list[threading.Thread], timeout: float) -> list[threading.Thread]:

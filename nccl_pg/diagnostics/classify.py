@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .verdicts import Verdict, collective
+from .verdicts import Verdict, collective, group_desc
 
 
 @dataclass
@@ -51,7 +51,8 @@ def _ranks(ranks: Sequence[Any]) -> str:
 
 
 def _desc(analysis: Mapping[str, Any], group: Any) -> str:
-    return next((str(g.get("desc") or "") for g in analysis.get("groups", []) if g.get("name") == group), "")
+    g: Mapping[str, Any] = next((g for g in analysis.get("groups", []) if g.get("name") == group), {})
+    return group_desc(str(g.get("desc") or ""), [r for r in g.get("ranks") or [] if isinstance(r, int)])
 
 
 def _at(w: Mapping[str, Any] | None) -> str:

@@ -18,7 +18,7 @@ host names) is untrusted: each line printed goes through
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from . import frames, report, trace, verdicts
@@ -63,57 +63,85 @@ def _stall_kind(v: Verdict) -> bool:
     return v.kind in STALLS and v.extra.get("group") is not None and v.kind != "stuck_in_c"
 
 
+def _held(found: list[Verdict]) -> dict[str, int | None]:
+    """The groups a look finds held up, and at which collective: {group: seq}."""
+    return {v.extra["group"]: v.extra.get("seq") for v in found if _stall_kind(v)}
+
+
+def _age(inq: Inquiry, group: str) -> float:
+    """How long the group's oldest collective in flight has been, as its ranks say (0: none in flight, which a
+    snapshot of ranks answering a moment apart can show while they move)."""
+    s = verdicts.stall(looks(inq).get(group, {}))
+    return 0.0 if s is None else s.age_s
+
+
 def ask(look: Callable[[], Inquiry], budget: float) -> Inquiry:
-    """Look (``look``: one ``inquiry.inquire``), and look again when a group
-    is held up by an operation too young to call stuck, within ``budget``
-    seconds from now; the last look, with its verdicts set."""
+    """Look (``look``: one ``inquiry.inquire``), and look again while a group
+    is held up by a collective too young to call stuck: soon at first (a
+    healthy job has moved on within a few of its steps), then once it would
+    be old enough; within ``budget`` seconds from now. The last look, its
+    verdicts set: a group that moved is "in progress", one held up at the
+    same collective but still too young "slow", one held up at the same
+    collective for ``verdicts.stuck_after`` a hang."""
     end = time.monotonic() + budget
     first = look()
-    found = judge(first)
-    held = {v.extra["group"] for v in found if _stall_kind(v)}
     steps = typical_steps(first)
-    a = looks(first)
-    young = {g: s for g in held if (s := verdicts.stall(a.get(g, {}))) is not None
-             and s.age_s < verdicts.stuck_after(steps.get(g))}
-    if not young:
+    found = judge(first)
+    at = _held(found)
+    young = {g: seq for g, seq in at.items() if _age(first, g) < verdicts.stuck_after(steps.get(g))}
+    last, moved = first, set()
+    gap = max(0.1, min(0.5, 3 * max((steps.get(g) or 0.0) for g in young))) if young else 0.0
+    while young:
+        left = end - time.monotonic() - 0.5
+        if left <= 0:
+            break
+        wait = min(gap, max(verdicts.stuck_after(steps.get(g)) - _age(last, g) for g in young))
+        time.sleep(max(0.0, min(wait, left)))
+        last = look()
+        found = judge(last)
+        now = _held(found)
+        moved |= {g for g, seq in young.items() if now.get(g) != seq}
+        young = {g: seq for g, seq in young.items() if g not in moved
+                 and _age(last, g) < verdicts.stuck_after(steps.get(g))}
+        gap = max(0.1, max(verdicts.stuck_after(steps.get(g)) for g in young) / 2) if young else 0.0
+    if last is first and not young:
         first.verdicts = [v.as_dict() for v in found]
         return first
-    wait = max(verdicts.stuck_after(steps.get(g)) - s.age_s for g, s in young.items())
-    time.sleep(max(0.0, min(wait, end - time.monotonic() - 0.5)))
-    second = look()
-    again = judge(second)
-    b = looks(second)
     out: list[Verdict] = []
-    settled: set[str] = set()
-    for g, s in young.items():
-        if verdicts.stuck(a.get(g, {}), b.get(g, {}), steps.get(g)) is not None:
-            continue  # it persisted: the second look's verdicts say it
-        settled.add(g)
-        out.append(_not_stuck(first, second, g, s, b.get(g, {}), steps.get(g)))
-    out += [v for v in again if not (_stall_kind(v) and v.extra["group"] in settled)
+    final = _held(found)
+    not_stuck = {g for g, seq in final.items() if g in moved or g in young
+                 or _age(last, g) < verdicts.stuck_after(steps.get(g))}
+    for g in sorted(not_stuck):
+        out.append(_not_stuck(first, last, g, final[g], g not in young, steps.get(g)))
+    out += [v for v in found if not (_stall_kind(v) and v.extra["group"] in not_stuck)
             and not (v.kind == "ok" and out)]
-    second.verdicts = [v.as_dict() for v in out]
-    second.notes.append(f"looked twice, {second.looked_at - first.looked_at:.2f} s apart: a hang is named only "
-                        "once it persists")
-    return second
+    last.verdicts = [v.as_dict() for v in out or [Verdict("ok", (), "the ranks line up")]]
+    if last is not first:
+        last.notes.append(f"looked again {last.looked_at - first.looked_at:.2f} s after the first look: a hang is "
+                          "named only once it persists")
+    return last
 
 
-def _not_stuck(first: Inquiry, second: Inquiry, group: str, s: verdicts.Stall, now: Mapping[int, verdicts.Look],
-               step: float | None) -> Verdict:
-    op = next((v.extra.get("op", "") for v in judge(first) if v.extra.get("group") == group), "")
-    desc = next((str(g.get("desc") or "") for g in (first.analysis or {}).get("groups", [])
-                 if g.get("name") == group), "")
-    coll = collective(op or "collective", s.seq, group, desc)
-    waited = ", ".join(map(str, s.waiting))
-    gap = second.looked_at - first.looked_at
+def _not_stuck(first: Inquiry, last: Inquiry, group: str, seq: int | None, moved: bool, step: float | None
+               ) -> Verdict:
+    """"in progress" (it moved since the first look) or "slow" (held at the same collective, too young to call
+    stuck)."""
+    v = next((v for v in judge(last) if _stall_kind(v) and v.extra.get("group") == group), None)
+    g: dict[str, Any] = next((g for g in (last.analysis or {}).get("groups", []) if g.get("name") == group), {})
+    coll = collective(str((v.extra.get("op") if v else None) or "collective"), seq, group,
+                      verdicts.group_desc(str(g.get("desc") or ""), g.get("ranks") or []))
+    s = verdicts.stall(looks(last).get(group, {}))
+    waiting = f" on ranks {', '.join(map(str, s.waiting))} for {s.age_s:.2f} s" if s else ""
+    who = f", waiting for {'ranks' if len(v.ranks) > 1 else 'rank'} {', '.join(map(str, v.ranks))}" \
+        if v is not None and v.ranks else ""
     usual = f"; the group's usual step is {step * 1e3:.0f} ms" if step else ""
-    b = verdicts.stall(now)
-    if b is None or b.seq != s.seq:
-        return Verdict("in_progress", (), f"{coll} was in flight on ranks {waited} for {s.age_s:.2f} s at the first "
-                       f"look; {gap:.2f} s later it had completed{usual}", extra={"group": group, "seq": s.seq})
-    return Verdict("slow", (), f"{coll} has been in flight on ranks {waited} for {b.age_s:.2f} s, waiting for "
-                   f"{', '.join(map(str, b.holding)) or 'its peers'}; a hang is named after "
-                   f"{verdicts.stuck_after(step):.1f} s{usual}: ask again", extra={"group": group, "seq": s.seq})
+    hang = verdicts.stuck_after(step)
+    if moved:
+        return Verdict("in_progress", (), f"group {group} moves: {last.looked_at - first.looked_at:.2f} s after "
+                       f"the first look, {coll} was in flight{waiting}{who}; a hang is named after {hang:.1f} s"
+                       f"{usual}", extra={"group": group, "seq": seq})
+    return Verdict("slow", (), f"{coll} has been in flight{waiting}{who}; a hang is named after {hang:.1f} s"
+                   f"{usual}: ask again", extra={"group": group, "seq": seq})
 
 
 def one_look(inq: Inquiry) -> Inquiry:

@@ -133,7 +133,7 @@ def checked(raw: bytes, cap: int) -> dict[str, Any] | None:
         "cut": [_str(c, 256) for c in d.get("cut", []) if isinstance(c, str)] if isinstance(d.get("cut"), list) else [],
         # for the trace tool, which checks these itself
         "version": d.get("version"), "pg_config": d.get("pg_config"), "pg_status": d.get("pg_status"),
-        "entries": d.get("entries"), "reason": _str(d.get("reason")),
+        "entries": d.get("entries"), "reason": _str(d.get("reason")), "job": _str(d.get("job"), 64) or None,
     }
 
 
@@ -277,7 +277,7 @@ def _from_dump(path: str, rank: int, notes: list[str]) -> dict[str, Any] | None:
             "time": d.get("time") if isinstance(d.get("time"), (int, float)) else None, "devices": [], "where": None,
             "threads": threads, "groups": [], "cut": [],
             "version": d.get("version"), "pg_config": d.get("pg_config"), "pg_status": d.get("pg_status"),
-            "entries": d.get("entries"), "reason": _str(d.get("reason"))}
+            "entries": d.get("entries"), "reason": _str(d.get("reason")), "job": _str(d.get("job"), 64) or None}
 
 
 def _read(store: Store, gen: int, world: int | None, cap: int, total_cap: int, deadline: float,
@@ -308,7 +308,7 @@ def _analyze(folder: str, answers: Mapping[int, dict[str, Any]], straggler_ms: f
     """The reports as dumps in ``folder`` (0700), and the trace tool's analysis of them."""
     os.makedirs(folder, mode=0o700, exist_ok=True)
     for r, a in answers.items():
-        d = {k: a[k] for k in ("version", "pg_config", "pg_status", "entries", "reason", "pid", "host", "time")
+        d = {k: a[k] for k in ("version", "pg_config", "pg_status", "entries", "reason", "pid", "host", "time", "job")
              if a.get(k) is not None}
         d["rank"] = r
         d["threads"] = {f"{t['name']} ({t['ident']})": frames.format_traceback([frames.Frame(*f) for f in t["frames"]])

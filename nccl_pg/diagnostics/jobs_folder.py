@@ -96,6 +96,7 @@ class Ending:
     signal: str | None
     time: float
     last_op: str = ""
+    where: str = ""  # where it raised, when known ("test.py:25 in step": the test harness knows)
 
 
 def write_endings(dump_dir: str, job: str, endings: list[Ending]) -> str | None:
@@ -143,9 +144,9 @@ def _ending(r: Any) -> Ending | None:
         return None
     if code is not None and (not isinstance(code, int) or isinstance(code, bool)):
         return None
-    how, sig, last = r.get("how"), r.get("signal"), r.get("last_op", "")
+    how, sig, last, where = r.get("how"), r.get("signal"), r.get("last_op", ""), r.get("where", "")
     t = r.get("time")
     if not isinstance(how, str) or (sig is not None and not isinstance(sig, str)) or not isinstance(last, str) \
-            or isinstance(t, bool) or not isinstance(t, (int, float)):
+            or not isinstance(where, str) or isinstance(t, bool) or not isinstance(t, (int, float)):
         return None
-    return Ending(rank, pid, how[:200], code, None if sig is None else sig[:32], float(t), last[:200])
+    return Ending(rank, pid, how[:300], code, None if sig is None else sig[:32], float(t), last[:200], where[:500])

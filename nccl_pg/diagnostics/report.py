@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from . import dump as dump_mod
 from . import flight_recorder, frames
 from .group_view import GroupView
 
@@ -90,7 +91,8 @@ def build(views: Sequence[GroupView], cap: int, reason: str) -> bytes:
     devices = sorted({d for v in views if (d := v.device()) is not None})
     report: dict[str, Any] = {
         "v": VERSION, "reason": reason, "rank": ranks[0] if ranks else -1, "ranks": ranks, "world": world,
-        "pid": os.getpid(), "host": socket.gethostname(), "time": time.time(), "devices": devices,
+        "pid": os.getpid(), "host": socket.gethostname(), "time": time.time(), "job": dump_mod.job_id(),
+        "devices": devices,
         "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "where": _where(focus),
         "groups": _groups(views), **dump, "entries": [], "threads": threads, "cut": [],

@@ -229,6 +229,14 @@ def collective(op: str, seq: int | None, group: str, desc: str = "") -> str:
         f" ({desc})" if desc else "")
 
 
+def group_desc(desc: str, ranks: Sequence[int] = ()) -> str:
+    """A group's description as the tools print it: its own, else (none, or torch's default "undefined") its
+    ranks: "ranks 0, 1"."""
+    if desc and desc != "undefined":
+        return desc
+    return f"ranks {', '.join(map(str, ranks))}" if ranks else ""
+
+
 _OP_NAMES = {"allreduce": "all_reduce", "allgather": "all_gather", "_allgather_base": "all_gather_into_tensor",
              "alltoall": "all_to_all", "alltoall_base": "all_to_all_single", "reducescatter": "reduce_scatter",
              "_reduce_scatter_base": "reduce_scatter_tensor", "allreduce_coalesced": "all_reduce_coalesced"}
@@ -297,6 +305,18 @@ def stall(looks: Mapping[int, Look]) -> Stall | None:
     return Stall(seq, in_it, holding, max(looks[r].age_s for r in in_it))
 
 
+def moved(first: Mapping[int, Look], second: Mapping[int, Look]) -> bool:
+    """Whether the group moved between two looks: its stall is gone or is
+    another (another collective, other ranks holding it), or a rank that
+    waited completed something."""
+    a, b = stall(first), stall(second)
+    if a is None:
+        return False
+    if b is None or (b.seq, b.holding) != (a.seq, a.holding):
+        return True
+    return any(second[r].completed != first[r].completed for r in a.waiting if r in second)
+
+
 def stuck(first: Mapping[int, Look], second: Mapping[int, Look] | None, typical_s: float | None = None
           ) -> Stall | None:
     """The rule: the group is stuck when the stall of the last look is at
@@ -310,10 +330,9 @@ def stuck(first: Mapping[int, Look], second: Mapping[int, Look] | None, typical_
     if second is None:
         return a if a.age_s >= stuck_after(typical_s) else None
     b = stall(second)
-    if b is None or (b.seq, b.holding) != (a.seq, a.holding) or not set(a.waiting) <= set(b.waiting):
+    if b is None or moved(first, second) or not set(a.waiting) <= set(b.waiting):
         return None
-    moved = any(second[r].completed != first[r].completed for r in a.waiting if r in second)
-    return None if moved or b.age_s < stuck_after(typical_s) else b
+    return None if b.age_s < stuck_after(typical_s) else b
 
 
 # --- stragglers --------------------------------------------------------------------------------
