@@ -241,7 +241,7 @@ class Channel:
         with self._dumping:
             now = self._progress()
             seen = [a for a in about if a in self._dumped]
-            if seen and self._dumped[seen[0]][1] == now:
+            if seen and not _moved(self._dumped[seen[0]][1], now):
                 path = self._dumped[seen[0]][0]
             else:
                 path = self._write_dump(reason, self.rank())
@@ -254,6 +254,14 @@ class Channel:
     def _progress(self) -> tuple[tuple[str, tuple[int, int, int]], ...]:
         """Where this process is on every group of this store (what a dump would show)."""
         return tuple(sorted((v.ident, v.counts()) for v in self.views()))
+
+
+def _moved(before: tuple[tuple[str, tuple[int, int, int]], ...],
+           now: tuple[tuple[str, tuple[int, int, int]], ...]) -> bool:
+    """Whether a group present at both moments issued or completed something in between (a group that went, by
+    an abort or a destroy, did not move)."""
+    old = dict(before)
+    return any(ident in old and old[ident] != counts for ident, counts in now)
 
 
 def join(threads: list[threading.Thread], timeout: float) -> list[threading.Thread]:

@@ -49,6 +49,7 @@ def _group(view: GroupView) -> dict[str, Any]:
     now = time.monotonic()
     return {
         "uid": view.uid, "desc": view.desc, "name": view.name, "rank": view.rank, "size": view.size,
+        "ranks": view.global_ranks(),
         "backend": view.backend, "issued": a.issued, "completed": a.completed, "p2p_issued": a.p2p_issued,
         "state": view.state() or "open",
         "pending": [{"op": p.op, "seq": p.seq, "age_s": round(now - p.issued, 3)}

@@ -275,7 +275,8 @@ def _from_dump(path: str, rank: int, notes: list[str]) -> dict[str, Any] | None:
                 "frames": [report.wire(f) for f in t.frames[-report.DEPTH_MAX:]]} for t in parsed]
     return {"rank": rank, "ranks": [rank], "world": None, "pid": _int(d.get("pid")), "host": _str(d.get("host"), 255),
             "time": d.get("time") if isinstance(d.get("time"), (int, float)) else None, "devices": [], "where": None,
-            "threads": threads, "groups": [], "cut": [],
+            "threads": threads, "cut": [],
+            "groups": [g for g in d["groups"] if isinstance(g, dict)][:256] if isinstance(d.get("groups"), list) else [],
             "version": d.get("version"), "pg_config": d.get("pg_config"), "pg_status": d.get("pg_status"),
             "entries": d.get("entries"), "reason": _str(d.get("reason")), "job": _str(d.get("job"), 64) or None}
 
