@@ -323,4 +323,9 @@ RUNTIME_DIR: Var[str | None] = Var(
     "Where `nccl-pg run` keeps its job records and `nccl-pg why` looks for them: default "
     "$XDG_RUNTIME_DIR/nccl_pg when that is a folder of this user's, else /tmp/nccl_pg-<uid>/jobs; whatever "
     "TMPDIR says.")
-ALL = (*ALL, JOB_ID, PROGRESS_FILE, RUNTIME_DIR)
+MAX_TIMEOUT: Var[float | None] = Var(
+    "NCCL_PG_MAX_TIMEOUT", parse_seconds_at_least(0.001), None,
+    "No group's operations get a longer timeout than this (seconds), whatever the group asked for. The test harness "
+    "sets it to the test's operation timeout, so that a group made with a default timeout (torch's 30 minutes for "
+    "init_process_group(\"nccl_pg\")) times out, and names its culprit, within the test's deadline.")
+ALL = (*ALL, JOB_ID, PROGRESS_FILE, RUNTIME_DIR, MAX_TIMEOUT)

@@ -117,6 +117,25 @@ def kill(pids: Iterable[int]) -> None:
             os.kill(p, signal.SIGKILL)
 
 
+def tagged(name: str, value: str) -> list[int]:
+    """This user's processes whose environment holds ``name=value`` (read
+    from /proc/<pid>/environ: what they started with, which their children
+    inherit); [] where there is no /proc."""
+    if not os.path.isdir("/proc"):
+        return []
+    want, me, out = f"{name}={value}".encode(), os.getuid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            if os.stat(f"/proc/{entry}").st_uid != me:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if want in f.read(1 << 20).split(b"\0"):
+                    out.append(int(entry))
+    return out
+
+
 def kill_tree(pid: int) -> None:
     """SIGKILL ``pid``'s process group (a rank's session: its members,
     whoever their parent now is) and every descendant of ``pid``, also those

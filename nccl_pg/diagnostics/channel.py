@@ -144,8 +144,12 @@ class Channel:
         views = [v for v in self.views() if v.state() != "destroyed"]
         if not views:
             return
+        by_rank: dict[int, list[GroupView]] = collections.defaultdict(list)  # (thread ranks share a process)
+        for v in views:
+            by_rank[v.global_rank(v.rank)].append(v)
+        about = {r: progress.whereabouts(vs) for r, vs in by_rank.items()}
         self.store.multi_set([answer_key(gen, v.ident, v.rank) for v in views],
-                             [progress.snapshot(v).encode() for v in views])
+                             [progress.snapshot(v, *about[v.global_rank(v.rank)]).encode() for v in views])
         for ident, n in collections.Counter(v.ident for v in views if v.ident in counted).items():
             if self.store.add(count_key(gen, ident), n) == counted[ident]:
                 self.store.set(all_key(gen, ident), b"1")

@@ -7,7 +7,8 @@ and the launcher's autopsy (findings.py) and ``nccl-pg trace`` call
 What decides the class of a rank that never joined the collective its
 group waits in: it ended (``dead``), it answered only through its C-level
 stack or left only that (``stuck_in_c``), it waits in another collective
-(``never_joined``), else it is in its own code (``stuck_in_user_code``).
+(``never_joined``), else, with nothing in flight, it is in its own code
+(``stuck_in_user_code``).
 Every rank issued it and it does not complete: ``slow_link``. Ranks that
 did not answer at all: ``no_answer`` (or ``dead``, ``stuck_in_c``).
 """
@@ -115,10 +116,8 @@ def classify(analysis: Mapping[str, Any], facts: Mapping[int, Facts] | None = No
                     add("never_joined", [r], f"{text}; it {verb} {inside} instead{stale}", where, **at_op)
                 elif f.answered == "c-stack" or (w.get("at") or {}).get("source") == "c":
                     add("stuck_in_c", [r], f"{text}; its C-level stack has it{stale}", where, **at_op)
-                elif where:
+                else:  # nothing in flight: it is in its own code (where, if its stack says)
                     add("stuck_in_user_code", [r], text + stale, where, **at_op)
-                else:
-                    add("never_joined", [r], text + stale, where, **at_op)
         elif kind == "not_completed":
             missing = [r for r in p.get("missing") or [] if isinstance(r, int)]
             if missing or any(r in silent for r in _members(analysis, p.get("group"))):

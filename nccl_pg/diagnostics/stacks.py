@@ -58,7 +58,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from .. import env, process_tree
 from . import dump, frames
@@ -307,7 +307,10 @@ def request(pid: int, signum: int, timeout: float, cap: int) -> Written | None:
     return Written(where, head.split(b"\n", 1)[0].decode("utf-8", "replace"), text.decode("utf-8", "replace"))
 
 
-def request_all(pids: Mapping[int, int], signum: int, timeout: float, cap: int) -> dict[int, Written | None]:
+K = TypeVar("K")
+
+
+def request_all(pids: Mapping[K, int], signum: int, timeout: float, cap: int) -> dict[K, Written | None]:
     """``request`` of several processes at once: {key: what process ``pids[key]`` wrote, or None}."""
     if not pids:
         return {}

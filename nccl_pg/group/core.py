@@ -95,7 +95,7 @@ class GroupCore:
         self._store = store
         self._rank, self._size = rank, size
         self.options = options or Options()
-        self._timeout = self.options.timeout
+        self._timeout = _capped(self.options.timeout)
         self._device = device_id
         self.group_name, self.group_desc, self.uid = group_name, group_desc, uid
         # Read by every Work's wait() (work.WorkGroup): plain attributes, no property calls on the hot path.
@@ -172,7 +172,8 @@ class GroupCore:
 
     def _set_default_timeout(self, timeout: Timeout) -> None:
         """Timeout of operations issued from now on (``options._timeout`` follows, as in torch)."""
-        self._timeout = self.options.timeout = to_seconds(timeout)
+        self.options.timeout = to_seconds(timeout)
+        self._timeout = _capped(self.options.timeout)
 
     @property
     def timeout(self) -> timedelta:
@@ -479,3 +480,9 @@ class GroupCore:
         if owner is not None and owner.here() and comm is not None and getattr(self, "_state", None) is not GroupState.DESTROYED:
             comm.abort()
             comm.destroy()
+
+
+def _capped(timeout: float) -> float:
+    """A group's timeout, at most ``NCCL_PG_MAX_TIMEOUT`` (the test harness's operation timeout)."""
+    cap = env.MAX_TIMEOUT.get()
+    return timeout if cap is None else min(timeout, cap)

@@ -276,7 +276,7 @@ class Work:
     def _where(self) -> str:
         g = self._group
         return (f"process group {g.uid} ({g.group_desc!r}), rank {g.rank()} of {g.size()}: "
-                f"{self.op_type.name} (seq {self._seq})")
+                f"{verdicts.op_name(self.op_type.value)} #{self._seq}")
 
     def _timed_out(self) -> None:
         """Past its deadline: the group's diagnosis finds out who is missing,
@@ -296,7 +296,7 @@ class Work:
         group = self._group
         self._group.diagnose_timeout(diagnosis.Timeout(
             group.diag, self._seq, tuple(self._peers) if self._p2p else None, self._timeout,
-            self._issued_mono + self._timeout, f"{self.op_type.name} seq {self._seq} on group {group.uid}", text,
+            self._issued_mono + self._timeout, self.name(), text,
             finish))
 
     def _mark_started(self) -> None:
