@@ -67,6 +67,7 @@ class Channel:
         self._runner: threading.Thread | None = None
         self._warned: set[bytes] = set()  # malformed hints reported already
         self.closed = False
+        self._rank = -1  # the last global rank seen here (dumps are named after it)
         # in-process stores need no listener: every rank on them is in this process, on this channel
         self.thread = None if isinstance(store, HashStore) else \
             threading.Thread(target=self._listen, name="nccl_pg-signals", daemon=True)
@@ -231,9 +232,12 @@ class Channel:
             return sorted((g for g in self.recent if g < gen), reverse=True)[:LOOKBACK]
 
     def rank(self) -> int:
-        """The global rank this process's dumps for this store are named after."""
+        """The global rank this process's dumps for this store are named after
+        (the last known, when its groups went meanwhile; -1 if never known)."""
         views = sorted(self.views(), key=lambda v: v.uid)
-        return views[0].global_rank(views[0].rank) if views else -1
+        if views:
+            self._rank = views[0].global_rank(views[0].rank)
+        return self._rank
 
     def dump_once(self, about: list[str], reason: str) -> str | None:
         """This rank's dump for an incident, known by any of ``about``

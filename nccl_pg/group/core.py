@@ -465,9 +465,11 @@ class GroupCore:
         warning, unless it is a forked child's copy of its parent's group."""
         comm = self._comm
         if self._state is GroupState.OPEN and comm is not None and self._owner.here():
-            print(f"nccl_pg: warning: {self!r} was not destroyed before exit ({len(self._pending)} operations "
-                  "pending); aborting it. Call destroy_process_group() to flush pending work first.",
-                  file=sys.stderr, flush=True)
+            # Not when the process ends on an exception: its traceback says why, the warning would be noise.
+            if getattr(sys, "last_value", None) is None:
+                print(f"nccl_pg: warning: {self!r} was not destroyed before exit ({len(self._pending)} operations "
+                      "pending); aborting it. Call destroy_process_group() to flush pending work first.",
+                      file=sys.stderr, flush=True)
             self.abort()
             comm.destroy()
 

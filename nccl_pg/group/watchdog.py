@@ -300,6 +300,9 @@ class Watchdog:
         return self.diagnosis.watch(group.diag).raise_signal(reason, answer=False, dump=True)
 
     def write_dump(self, reason: str, rank: int) -> str | None:
+        if rank < 0:  # in no group (never was, or every one went): a dump would name no rank
+            log.debug("nccl_pg: no dump (%s): this process is in no process group", reason)
+            return None
         try:
             path = dump.write(reason, rank, group_view.views())
         except OSError as exc:

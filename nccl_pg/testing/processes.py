@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 from .. import env as _env
 from .. import process_tree
+from ..diagnostics import heartbeat, jobs_folder
 from ..diagnostics import stacks as c_stacks
 from ..store import TCPStoreServer
 from . import devices, verdict
@@ -235,6 +236,15 @@ class RankProcesses:
         got = c_stacks.request_all(running, self._stacks_signal, _STACK_WAIT, _STACK_CAP) if self._stacks_signal else {}
         return {r.rank: got.get(r.rank) for r in ranks}
 
+    def last_ops(self) -> dict[int, str]:
+        """The collective each rank was in, or last completed, by its progress file (heartbeat.py)."""
+        out = {}
+        for r in self._ranks:
+            p = heartbeat.read(os.path.join(self._progress, str(r.rank)))
+            if p is not None and p.describe():
+                out[r.rank] = p.describe()
+        return out
+
     def stop(self, deadline: float) -> None:
         """Tell ranks waiting for a job to leave (their group destroyed), and
         wait for them until ``deadline``."""
@@ -352,6 +362,7 @@ class ProcessRanks:
         __tracebackhide__ = True  # pytest shows the verdict, not the harness's frames
         try:
             outcome = self._ranks.gather(self._deadline, until_exit=True)
+            last_ops = self._ranks.last_ops()
         finally:
             self._ranks.close()
         self._joined = True
@@ -361,6 +372,8 @@ class ProcessRanks:
         if isinstance(result, BaseException):
             if isinstance(result, unittest.SkipTest):
                 self._ranks.remove_dump_dir()
+            else:  # how each rank ended, beside the dumps, for `nccl-pg trace` (as the launcher writes it)
+                jobs_folder.write_endings(self.dump_dir, self._ranks.job, verdict.endings(outcome, last_ops))
             raise result  # a failure keeps the directory it names
         self._ranks.remove_dump_dir()
         return result

@@ -8,12 +8,14 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 import traceback
 import unittest
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..diagnostics import frames, stacks
+from ..diagnostics import frames, jobs_folder, stacks
 from ..diagnostics.printable import safe
 from ..diagnostics.verdicts import format_verdict, who
 from ..errors import Culprit
@@ -209,6 +211,26 @@ def judge(o: Outcome) -> list[Any] | RanksFailed | unittest.SkipTest:
                 _section(o, r, failure.get(r), r in blamed, bool(named) and r in echoes) for r in bad}
     message = "; ".join(lines) + f"\n(output and dumps in {o.dump_dir})\n" + report(failures, blamed)
     return RanksFailed(safe(message), blamed, failures, culprits, o.dump_dir)
+
+
+def endings(o: Outcome, last_ops: Mapping[int, str]) -> list[jobs_folder.Ending]:
+    """How each rank of a failed run ended, in the launcher's form (jobs_folder.py), for `nccl-pg trace`."""
+    out = []
+    answers = {r: m[1] for r, m in o.answers.items() if m[0] != "ok" and isinstance(m[1], Failure)}
+    for r, code in sorted(o.exitcodes.items()):
+        f = answers.get(r)
+        if r in o.stuck:
+            how = "was still running when the harness gave up, and was killed"
+            found = frames.user_frame(main_frames(o.stuck[r]))
+            where = found.where if found else ""
+        else:
+            how = (f"raised {f.summary}" if f is not None and f.summary else
+                   "exited" if code == 0 else _exit(code).replace("exit code", "exited with code", 1))
+            where = f.where.where if f is not None and f.where is not None else ""
+        sig = signal.Signals(-code).name if code is not None and code < 0 else None
+        out.append(jobs_folder.Ending(r, o.pids[r], how[:300], None if code is None or code < 0 else code, sig,
+                                      time.time(), last_ops.get(r, ""), where))
+    return out
 
 
 def _section(o: Outcome, r: int, f: Failure | None, blamed: bool, victim: bool = False) -> str:
