@@ -80,7 +80,8 @@ class Autopsy:
                 return inquiry.inquire(store, f"autopsy by nccl-pg run: {self.reason}", wait, world=self.nproc,
                                        dump=looks == 1, local=self._ranks_here(signum), signum=signum,
                                        dumps_dir=None if folder is None else f"{folder}.answers",
-                                       gone=self._gone, dump_of=self._dump_of, ask=self._listening)
+                                       gone=self._gone, dump_of=self._dump_of, ask=self._listening,
+                                       known=self._local)
 
             if self._listening:
                 inq = findings.ask(look, max(0.0, self.deadline - 1.0 - _MARGIN - time.monotonic()))

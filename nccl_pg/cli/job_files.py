@@ -135,14 +135,14 @@ class JobFiles:
 
     # -- the end ---------------------------------------------------------------
 
-    def ending(self, index: int, pid: int | None, returncode: int, how: str) -> jobs_folder.Ending:
+    def ending(self, index: int, pid: int | None, returncode: int, how: str, stopped: bool) -> jobs_folder.Ending:
         p = self.read(index)
         sig = None
         if returncode < 0:
             with contextlib.suppress(ValueError):
                 sig = signal.Signals(-returncode).name
         return jobs_folder.Ending(index, pid, how, None if returncode < 0 else returncode, sig, time.time(),
-                                  "" if p is None else p.describe())
+                                  "" if p is None else p.describe(), stopped=stopped)
 
     def finish(self, failed: bool, endings: Sequence[jobs_folder.Ending], pids: Callable[[], Sequence[int]]
                ) -> str | None:

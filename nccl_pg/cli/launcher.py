@@ -414,7 +414,7 @@ class _Job:
         return [r for r in self.ranks if r.returncode is None]
 
     def _supervise(self) -> None:
-        while self._live() or self.streams:
+        while self._live() or self.streams or self.stop_after_autopsy is not None:  # an autopsy outlives the ranks
             for key, _ in self.selector.select(self._timeout()):
                 if key.fd == self.wake_r:
                     _drain(self.wake_r)
@@ -458,7 +458,8 @@ class _Job:
                 continue
             returncode = rank.reap()
             if self.files is not None:
-                self.endings.append(self.files.ending(rank.rank, rank.own_pid, returncode, describe(returncode)))
+                self.endings.append(self.files.ending(rank.rank, rank.own_pid, returncode, describe(returncode),
+                                                      stopped=self.exit_code is not None))
             if returncode != 0 and self.exit_code is None and self._replace(rank, returncode):
                 continue
             if returncode != 0 and self.exit_code is None:
@@ -530,7 +531,7 @@ class _Job:
             prefix = self.files.dump_prefix if self.files is not None else None
             self.autopsy = Autopsy(addr, port, secret, self.config.nproc, reason, self.config.autopsy_time,
                                    self.config.report_dir, self._wake, self._gone, self.started_wall, prefix,
-                                   listening, {r.rank: p for r in self._live() if (p := r.find_own_pid())})
+                                   listening, {r.rank: p for r in self.ranks if (p := r.own_pid or r.find_own_pid())})
             self.stop_after_autopsy = (signum, reason)
             return
         live = self._live()

@@ -106,7 +106,7 @@ def classify(analysis: Mapping[str, Any], facts: Mapping[int, Facts] | None = No
                     cur.get("group") != p.get("group") or cur.get("seq") != p.get("seq"))
                 stale = f"; {f.stale}" if f.stale else ""
                 if f.gone:
-                    add("dead", [r], f"{who(r)} {f.gone}" + (f" in {f.last_op}" if f.last_op else "")
+                    add("dead", [r], f"{who(r)} {f.gone}" + (f" {f.last_op}" if f.last_op else "")
                         + f"; it never joined {coll}, which {_ranks(p.get('present', []))} issued{stale}", where,
                         **at_op)
                 elif elsewhere:
@@ -144,7 +144,7 @@ def classify(analysis: Mapping[str, Any], facts: Mapping[int, Facts] | None = No
                     continue
                 f = facts.get(r, Facts())
                 if f.gone:
-                    add("dead", [r], f"{who(r)} {f.gone}" + (f" in {f.last_op}" if f.last_op else "")
+                    add("dead", [r], f"{who(r)} {f.gone}" + (f" {f.last_op}" if f.last_op else "")
                         + "; it left no dump", f.where)
                 elif r in located:
                     add("stuck_in_c", [r], f"{who(r)} left no dump; its C-level stack has it", _at(located[r]))
@@ -165,7 +165,7 @@ def classify(analysis: Mapping[str, Any], facts: Mapping[int, Facts] | None = No
         waits = f"; {waiting_for[r]}, waits for it" if r in waiting_for else ""
         late = f" within {waited:.1f} s" if waited is not None else ""
         if f.gone:
-            add("dead", [r], f"{who(r)} {f.gone}" + (f" in {f.last_op}" if f.last_op else "")
+            add("dead", [r], f"{who(r)} {f.gone}" + (f" {f.last_op}" if f.last_op else "")
                 + f" before it answered{waits}", f.where)
         elif f.answered == "c-stack":
             add("stuck_in_c", [r], f"{who(r)} did not answer{late}: its GIL is held, or it is stuck in C{waits}; its "

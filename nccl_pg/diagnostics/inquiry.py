@@ -152,7 +152,8 @@ def inquire(store: Store, reason: str, timeout: float, cap: int = CAP, world: in
             dump: bool = False, local: Callable[[], Mapping[int, int]] | None = None, signum: int = 0,
             dumps_dir: str | None = None, total_cap: int = TOTAL_CAP, gone: Callable[[], Mapping[int, str]] | None = None,
             dump_of: Callable[[int], str | None] | None = None,
-            straggler_ms: float = trace.stragglers.THRESHOLD_MS, ask: bool = True) -> Inquiry:
+            straggler_ms: float = trace.stragglers.THRESHOLD_MS, ask: bool = True,
+            known: Mapping[int, int] | None = None) -> Inquiry:
     """Ask the job on ``store`` (see the module's docstring). ``world``: its
     size, if known (else as the first process to answer says); ``local``:
     {rank: pid} of its processes on this host, for C-level stacks (sent
@@ -163,7 +164,8 @@ def inquire(store: Store, reason: str, timeout: float, cap: int = CAP, world: in
     in the analysis); ``straggler_ms``: the analysis's straggler threshold
     (``trace.stragglers``, from the recorders' timestamps); ``ask``: False
     when no process listens (the launcher's autopsy of a job whose ranks
-    cannot answer): only the C-level stacks and the dumps speak."""
+    cannot answer): only the C-level stacks and the dumps speak; ``known``:
+    {rank: pid} of ranks of this host, to name a silent (or ended) one."""
     t0 = time.monotonic()
     deadline = t0 + timeout
     notes: list[str] = []
@@ -213,6 +215,8 @@ def inquire(store: Store, reason: str, timeout: float, cap: int = CAP, world: in
     replies = stacks.request_all(asked, signum, STACKS_WAIT, cap)
     for r in silent:
         ranks[r] = Rank(r, [r], None)
+        if known and r in known:
+            ranks[r].pid, ranks[r].host = known[r], socket.gethostname()
         pid = pids.get(r)
         if pid is None:
             continue

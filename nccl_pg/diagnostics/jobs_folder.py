@@ -27,9 +27,10 @@ import json
 import os
 import re
 import shutil
+import socket
 import stat
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from . import dump
@@ -40,8 +41,10 @@ __all__ = ["Ending", "folder", "job_id", "new_id", "prune", "read_endings", "wri
 PREFIX = dump.JOB_FOLDER
 KEEP = 20  # job folders kept per user
 MIN_AGE = 600.0  # seconds since a folder was last written before it may go
-ENDINGS = "nccl_pg_endings.{job}.json"  # no dump prefix in it: torch's analyzer reads only names with the prefix
-_ENDINGS = re.compile(r"nccl_pg_endings\.([A-Za-z0-9._-]{1,64})\.json")
+# No dump prefix in it (torch's analyzer reads names with the prefix), no rank-like number before its suffix
+# (`nccl-pg trace` takes <stem><number>[.json] for a dump).
+ENDINGS = "nccl_pg_job_{job}_endings.json"
+_ENDINGS = re.compile(r"nccl_pg_job_([A-Za-z0-9._-]{1,64})_endings\.json")
 MAX_ENDINGS_BYTES = 4 << 20
 
 
@@ -97,6 +100,8 @@ class Ending:
     time: float
     last_op: str = ""
     where: str = ""  # where it raised, when known ("test.py:25 in step": the test harness knows)
+    stopped: bool = False  # ended by the launcher (or the harness) stopping the job, not on its own
+    host: str = field(default_factory=socket.gethostname)  # where it ran (the writer's host: ranks are local)
 
 
 def write_endings(dump_dir: str, job: str, endings: list[Ending]) -> str | None:
@@ -149,4 +154,6 @@ def _ending(r: Any) -> Ending | None:
     if not isinstance(how, str) or (sig is not None and not isinstance(sig, str)) or not isinstance(last, str) \
             or not isinstance(where, str) or isinstance(t, bool) or not isinstance(t, (int, float)):
         return None
-    return Ending(rank, pid, how[:300], code, None if sig is None else sig[:32], float(t), last[:200], where[:500])
+    host = r["host"] if isinstance(r.get("host"), str) else ""
+    return Ending(rank, pid, how[:300], code, None if sig is None else sig[:32], float(t), last[:200], where[:500],
+                  r.get("stopped") is True, host[:255])

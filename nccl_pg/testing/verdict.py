@@ -229,7 +229,7 @@ def endings(o: Outcome, last_ops: Mapping[int, str]) -> list[jobs_folder.Ending]
             where = f.where.where if f is not None and f.where is not None else ""
         sig = signal.Signals(-code).name if code is not None and code < 0 else None
         out.append(jobs_folder.Ending(r, o.pids[r], how[:300], None if code is None or code < 0 else code, sig,
-                                      time.time(), last_ops.get(r, ""), where))
+                                      time.time(), last_ops.get(r, ""), where, stopped=r in o.stuck))
     return out
 
 

@@ -91,13 +91,13 @@ def facts(inc: Incident, dumps: Mapping[int, Dump], stacks_only: Mapping[int, Du
     for r in sorted(set(dumps) | set(stacks_only) | set(inc.endings)):
         d = dumps.get(r) or stacks_only.get(r)
         e = inc.endings.get(r)
-        f = Facts(who(r, d.host if d else None, (d.pid if d else None) or (e.pid if e else None)),
+        f = Facts(who(r, (d.host if d else None) or (e.host if e else None), (d.pid if d else None) or (e.pid if e else None)),
                   "dump" if r in dumps else "c-stack" if r in stacks_only else None)
         if d is not None:
             at = locate(d)
             if at.get("source") in ("python", "c") and at.get("file"):
                 f.where = f"{at['file']}:{at['line']} in {at['function']}"
-        if e is not None:
+        if e is not None and not e.stopped:  # a rank the launcher stopped did not end on its own
             f.gone, f.last_op = e.how, e.last_op
             f.where = e.where or f.where
             reason = str(d.data.get("reason") or "") if d is not None else ""
