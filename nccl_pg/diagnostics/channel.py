@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from ..store import FileStore, HashStore, Store
 from ..store.base import Unparked
-from . import incidents, progress, report
+from . import dump, incidents, progress, report
 from .group_view import GroupView
 from .incidents import Signal, all_key, answer_key, count_key, signal_key
 
@@ -42,6 +42,8 @@ FILE_PARK = 1.0
 RETRY_CAP = 60.0
 # Earlier incidents kept in mind, for what a silent rank last said.
 LOOKBACK = 3
+# A failure's dump request is not answered by a process that wrote a dump this recently (of the same failure).
+FAILURE_QUIET = 5.0
 # An incident thread with nothing to do for this long ends (the next incident starts another).
 RUNNER_IDLE = 30.0
 
@@ -134,7 +136,10 @@ class Channel:
             return
         if sig.answer:
             self.answer(gen, sig.counted)
-        if sig.dump and sig.origin != self.token and self._dumps():
+        # A failure's request (no claims: not a timeout's) finds this process's own dump of the same failure, just
+        # written, more often than not: one dump, one line.
+        fresh = not sig.claims and dump.written_within(FAILURE_QUIET)
+        if sig.dump and sig.origin != self.token and self._dumps() and not fresh:
             self.dump_once([f"gen {gen}", *sig.claims], f"signalled: {sig.reason}")
         if sig.report:
             self.report(gen, sig.report, sig.reason)

@@ -120,8 +120,9 @@ def classify(analysis: Mapping[str, Any], facts: Mapping[int, Facts] | None = No
                     add("stuck_in_user_code", [r], text + stale, where, **at_op)
         elif kind == "not_completed":
             missing = [r for r in p.get("missing") or [] if isinstance(r, int)]
-            if missing or any(r in silent for r in _members(analysis, p.get("group"))):
-                continue  # the ranks it waits for have their own verdicts
+            unknown = set(silent) | set(analysis.get("ranks_without_dump") or [])
+            if missing or any(r in unknown for r in _members(analysis, p.get("group"))):
+                continue  # the ranks it waits for, or may wait for, have their own verdicts
             if p.get("seq") is None:
                 add("p2p_deadlock", culprits, f"{p.get('message')}")
                 continue

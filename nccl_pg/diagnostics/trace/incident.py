@@ -77,11 +77,16 @@ def pick(folder: Folder, job: str | None = None) -> Incident:
     folder.stacks_only = {r: d for r, d in folder.stacks_only.items() if (d.job or UNKNOWN) == chosen}
     inc = Incident(None if chosen in (None, UNKNOWN) else chosen, notes)
     times = {r: d.time for r, d in folder.dumps.items() if d.time is not None}
-    if times:
-        inc.newest = max(times.values())
-        inc.stale = {r: inc.newest - t for r, t in times.items() if inc.newest - t > STALE_S}
     if inc.job is not None:
         inc.endings = jobs_folder.read_endings(folder.directory).get(inc.job, {})
+    if times:
+        inc.newest = max(times.values())
+        for r, t in times.items():
+            # older than the newest dump, or than its own end when it ended on its own: it went on after dumping
+            e = inc.endings.get(r)
+            ref = max(inc.newest, e.time if e is not None and not e.stopped else 0.0)
+            if ref - t > STALE_S:
+                inc.stale[r] = ref - t
     return inc
 
 
@@ -120,7 +125,7 @@ def settle(report: dict[str, Any], inc: Incident) -> None:
         if p.get("kind") == "not_completed" and ranks and all(r in inc.stale for r in ranks):
             report["notes"].append(f"{p['message']}: it was in flight when {'they' if len(ranks) > 1 else 'it'} "
                                    f"dumped, {min(inc.stale[r] for r in ranks):.1f} s or more before the newest dump "
-                                   "of this job: not known to be stuck")
+                                   "of this job or their own end: not known to be stuck")
             if report.get("first_incomplete") is p:
                 report["first_incomplete"] = None
             continue
