@@ -33,6 +33,7 @@ from ..diagnostics import findings, inquiry, stacks
 from ..diagnostics.printable import safe
 from ..diagnostics.trace import cli as trace_cli
 from ..diagnostics.trace import stragglers
+from ..diagnostics.verdicts import format_verdict
 from ..errors import DistError
 from ..store import PrefixStore, Store, TCPStore
 from ..timeouts import option_seconds
@@ -123,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             result = ask(host, port, secret, world, args, signum)
         except (OSError, DistError, ValueError) as exc:
-            print(f"nccl-pg why: {label}: cannot ask: {exc}", file=sys.stderr)
+            print(safe(f"nccl-pg why: {label}: " + format_verdict("store_unreachable", f"cannot ask: {exc}"),
+                       lines=False), file=sys.stderr)
             status = max(status, EXIT_NO_JOB)
             continue
         if findings.problem(result):

@@ -46,6 +46,14 @@ class Facts:
 STALLS = ("stuck_in_user_code", "never_joined", "slow_link", "stuck_in_c")
 
 
+def victim_of(reason: str) -> str:
+    """Why a rank failed, when its dump's reason says it failed because of another (its operation timed out,
+    failed, or its group was aborted), in words; "" otherwise."""
+    head = reason[:160]
+    return "its operation timed out" if "timeout" in head else "its group was aborted" if "abort" in head else \
+        "its operation failed" if " failed" in head else ""
+
+
 def _ranks(ranks: Sequence[Any]) -> str:
     rs = [str(r) for r in ranks]
     return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(rs)
@@ -105,7 +113,9 @@ def classify(analysis: Mapping[str, Any], facts: Mapping[int, Facts] | None = No
                 elsewhere = bool(cur) and cur.get("state") != "completed" and (
                     cur.get("group") != p.get("group") or cur.get("seq") != p.get("seq"))
                 stale = f"; {f.stale}" if f.stale else ""
-                if f.gone:
+                if f.gone and f.victim:  # it ended on its own failure, later: the state it was in is the cause
+                    stale += f"; it then {f.gone}"
+                if f.gone and not f.victim:
                     add("dead", [r], f"{who(r)} {f.gone}" + (f" {f.last_op}" if f.last_op else "")
                         + f"; it never joined {coll}, which {_ranks(p.get('present', []))} issued{stale}", where,
                         **at_op)
@@ -154,9 +164,9 @@ def classify(analysis: Mapping[str, Any], facts: Mapping[int, Facts] | None = No
         elif kind == "unreadable":
             if not all(r in silent for r in culprits):
                 add("unreadable", culprits, str(p.get("message")))
-    victims = [r for r in silent if r not in named and facts.get(r, Facts()).victim and facts[r].gone]
-    if victims and named:  # they ended because of the culprits named: one line for them all
-        how = sorted({re.sub(r" (in|after) .*$", "", facts[r].gone) for r in victims})
+    victims = [r for r in silent if r not in named and facts.get(r, Facts()).victim]
+    if victims and named:  # they failed because of the culprits named: one line for them all
+        how = sorted({re.sub(r" (in|after) .*$", "", facts[r].gone) or "failed" for r in victims})
         add("victim", victims, f"{_ranks(victims)} then {' or '.join(how)}, each as {facts[victims[0]].victim} "
             f"waiting for {_ranks(sorted(named))}")
     for r in silent:

@@ -278,9 +278,11 @@ class _Incident:
             assert c is not None, "an incident explains only the kinds of operations it claimed"
             if not out.answered:
                 if self.stuck:
-                    return ("could not read the other ranks' progress from the store: it has not answered an "
+                    return ("store unreachable: could not read the other ranks' progress from the store: it has not "
+                            "answered an "
                             "earlier diagnosis either (unreachable or overloaded)"), ()
-                return (f"could not read the other ranks' progress from the store within {self.budget:.2f} s: "
+                return (f"store unreachable: could not read the other ranks' progress from the store within "
+                        f"{self.budget:.2f} s: "
                         "the store did not answer (unreachable or overloaded)"), ()
             if c.key in out.won:
                 if c.view.ident in out.silent:

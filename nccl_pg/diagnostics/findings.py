@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import frames, report, trace, verdicts
-from .classify import STALLS, Facts, classify
+from .classify import STALLS, Facts, classify, victim_of
 from .inquiry import Inquiry, looks, typical_steps
 from .printable import safe
 from .verdicts import Verdict, collective
@@ -38,16 +38,18 @@ def facts(inq: Inquiry) -> dict[int, Facts]:
             t = (inq.answers.get(r) or {}).get("time")
             age = f", written {time.time() - t:.1f} s ago," if isinstance(t, (int, float)) else ""
             stale = f"its debug dump{age} has it" + (f" at {k.at()}" if k.at() else " without a stack")
-        reason = str((inq.answers.get(r) or {}).get("reason") or "")
-        victim = "" if not k.gone else "its operation timed out" if "timeout" in reason[:40] else \
-            "its group was aborted" if "abort" in reason[:40] else ""
+        victim = victim_of(str((inq.answers.get(r) or {}).get("reason") or ""))
         out[r] = Facts(k.who(), k.answered, k.at(), k.gone, "", stale, victim)
     return out
 
 
 def judge(inq: Inquiry) -> list[Verdict]:
-    """The verdicts of one look (``ok`` when there is no problem)."""
-    found = classify(inq.analysis or {}, facts(inq), inq.silent, inq.waited)
+    """The verdicts of one look (``ok`` when there is no problem). Without
+    asking (no listener: the launcher's autopsy of ranks that cannot answer),
+    a rank whose dump is in the analysis is not "silent": nobody asked it."""
+    silent = inq.silent if inq.asked else [r for r in inq.silent if inq.ranks[r].answered != "dump"
+                                           or inq.ranks[r].gone]
+    found = classify(inq.analysis or {}, facts(inq), silent, inq.waited if inq.asked else None)
     if len(found) > MAX_SHOWN:
         rest = len(found) - MAX_SHOWN
         inq.notes.append(f"{rest} more verdicts not listed (see --json)")

@@ -85,6 +85,7 @@ class Inquiry:
     dumps_dir: str | None = None
     answers: dict[int, dict[str, Any]] = field(default_factory=dict)  # the checked reports (and dumps), by rank
     looked_at: float = 0.0  # time.monotonic() of the look
+    asked: bool = True  # the processes were asked (False: no listener; only stacks and dumps)
 
 
 def _int(v: Any) -> int | None:
@@ -256,7 +257,7 @@ def inquire(store: Store, reason: str, timeout: float, cap: int = CAP, world: in
                     os.unlink(os.path.join(folder, n))
                 os.rmdir(folder)
     return Inquiry(gen, world, waited, ranks, silent, analysis, notes, dumps_dir=dumps_dir, answers=answers,
-                   looked_at=t0)
+                   looked_at=t0, asked=ask)
 
 
 def _where(stack: list[frames.Frame]) -> dict[str, Any] | None:

@@ -126,8 +126,8 @@ def explain(view: GroupView, seq: int, answers: Mapping[int, Answer], silent: Se
         if silent:
             parts.append(f"every rank that answered issued it (it has not completed on ranks {stuck})")
         else:
-            parts.append(f"every rank issued it; it has not completed on ranks {stuck}: a rank stopped making "
-                         "progress inside it (hung or frozen process, or a network problem)")
+            parts.append(f"slow or partitioned link: every rank issued it; it has not completed on ranks {stuck}: a rank "
+                         "stopped making progress inside it (hung or frozen process, or a network problem)")
     return "; ".join(parts)
 
 

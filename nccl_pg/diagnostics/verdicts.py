@@ -76,12 +76,13 @@ CATALOGUE: dict[str, VerdictClass] = {c.id: c for c in (
     VerdictClass("dead", "dead", True,
                  "the rank's process ended (an exception, an exit code, a signal: a crash, the OOM killer, "
                  "SIGKILL) while the others still needed it; said with the collective it was last in",
-                 "its own output and exit status first; for SIGKILL, the kernel log (the OOM killer)", _ALL),
+                 "its own output and exit status first; for SIGKILL, the kernel log (the OOM killer)",
+                 ("harness", "autopsy", "trace")),
     VerdictClass("mismatch", "collective mismatch", True,
                  "the ranks of a group issued different collectives at one sequence number, or the same one with "
                  "different dtypes, counts or roots; the odd rank out of the group is named",
                  "the line that issues the collective on the odd rank: a branch on the rank, a shape that depends "
-                 "on the data", ("timeout", "harness", "why", "autopsy", "trace")),
+                 "on the data", ("harness", "autopsy", "trace")),
     VerdictClass("p2p_deadlock", "point-to-point deadlock", True,
                  "a send or recv whose peer posts no matching operation: both sides send first, or both receive, "
                  "or the peer is elsewhere",
@@ -105,22 +106,22 @@ CATALOGUE: dict[str, VerdictClass] = {c.id: c for c in (
     VerdictClass("nan", "NaN found", True,
                  "the NaN check (NCCL_PG_NAN_CHECK) found a NaN in a collective's input; named with the rank, the "
                  "group, the operation and the element",
-                 "where that array was computed on that rank", ("timeout", "harness", "autopsy", "trace")),
+                 "where that array was computed on that rank", ("harness",)),
     VerdictClass("aborted", "aborted on request", True,
                  "a group was aborted (abort(), a peer's error handling, a shrink or revoke): its operations in "
                  "flight fail saying so",
-                 "the first failure before the abort: it is the cause", ("timeout", "harness", "autopsy", "trace")),
+                 "the first failure before the abort: it is the cause", ("harness",)),
     VerdictClass("init_timeout", "init timeout", True,
                  "a group's init (the rendezvous, or making its communicator) did not complete in time: a rank "
                  "never came (not started, another MASTER_ADDR/MASTER_PORT, a WORLD_SIZE too large) or could not "
                  "connect",
                  "start every rank with the same store and world size; the ranks named never arrived",
-                 ("timeout", "harness", "autopsy")),
+                 ("harness",)),
     VerdictClass("no_answer", "no answer", True,
                  "a rank neither answered nor left a C-level stack or a dump: frozen (SIGSTOP, swapped out), dead "
                  "without anyone here knowing, or on another host with its GIL held",
                  "that rank's host: is the process there, and in what state (py-spy dump --pid, /proc/<pid>/status)",
-                 ("timeout", "why", "autopsy", "trace")),
+                 _ALL),
     VerdictClass("in_progress", "in progress", False,
                  "an operation was in flight at the first look and had moved at the second (or is younger than the "
                  "group's usual step many times over): a snapshot of a healthy job",
@@ -383,3 +384,14 @@ def straggler_score(median_ms: float, step_ms: float | None) -> float:
     if not step_ms or step_ms <= 0:
         return 1.0 if median_ms <= 0 else 0.0
     return min(1.0, max(0.0, 1.0 - median_ms / step_ms))
+
+
+def markdown() -> str:
+    """The catalogue as the Markdown tables docs/DIAGNOSIS.md opens with (a test checks that they agree)."""
+    out = ["| class (what every tool prints) | a problem? | cause | what to do next | named by |", "|---|---|---|---|---|"]
+    for c in CATALOGUE.values():
+        out.append(f"| **{c.title}** (`{c.id}`) | {'yes' if c.problem else 'no'} | {c.cause} | {c.next_step} | "
+                   f"{', '.join(c.tools)} |")
+    out += ["", "| NCCL Analyzer verdict | here |", "|---|---|"]
+    out += [f"| `{k}` | {v} |" for k, v in ANALYZER.items()]
+    return "\n".join(out) + "\n"

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 from .. import env as _env
 from .. import process_tree
-from ..diagnostics import heartbeat, jobs_folder
+from ..diagnostics import heartbeat, jobs_folder, trace
 from ..diagnostics import stacks as c_stacks
 from ..store import TCPStoreServer
 from . import devices, verdict
@@ -374,6 +374,11 @@ class ProcessRanks:
                 self._ranks.remove_dump_dir()
             else:  # how each rank ended, beside the dumps, for `nccl-pg trace` (as the launcher writes it)
                 jobs_folder.write_endings(self.dump_dir, self._ranks.job, verdict.endings(outcome, last_ops))
+                if verdict.unexplained(outcome):  # communication errors that name nobody: the dumps may
+                    report = trace.analyze_dir(self.dump_dir, os.path.basename(self._ranks.dump_prefix(self.dump_dir)),
+                                               allow_incomplete_ranks=True)
+                    again = verdict.judge(outcome, report.get("verdicts") or ())
+                    result = again if isinstance(again, BaseException) else result
             raise result  # a failure keeps the directory it names
         self._ranks.remove_dump_dir()
         return result

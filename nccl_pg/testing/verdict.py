@@ -11,7 +11,7 @@ import sys
 import time
 import traceback
 import unittest
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,6 +126,8 @@ def failure_kind(f: Failure | None, code: int | None) -> str:
 def comm_kind(f: Failure | None) -> str:
     """The class of a communication error that names no culprit (its own words say why)."""
     text = f.summary if f is not None else ""
+    if "join the communicator" in text or "rendezvous" in text:
+        return "init_timeout"
     if "every rank issued it" in text:
         return "slow_link"
     if "from the store" in text or "store did not answer" in text:
@@ -135,7 +137,18 @@ def comm_kind(f: Failure | None) -> str:
     return "no_answer"
 
 
-def judge(o: Outcome) -> list[Any] | RanksFailed | unittest.SkipTest:
+def unexplained(o: Outcome) -> bool:
+    """Whether every failure is a communication error that names no culprit (a mismatch, a point-to-point
+    deadlock, a lost link): then the ranks' dumps can tell (``judge``'s ``from_dumps``)."""
+    answers = [m for m in o.answers.values() if m[0] != "ok"]
+    return bool(answers) and not o.stuck and all(m[0] == "comm_error" and isinstance(m[1], Failure)
+                                                 and not m[1].culprits for m in answers)
+
+
+def judge(o: Outcome, from_dumps: Sequence[Mapping[str, Any]] = ()) -> list[Any] | RanksFailed | unittest.SkipTest:
+    """The results, a skip, or RanksFailed; ``from_dumps``: the verdicts of
+    the trace analysis of the run's dumps (diagnostics/classify.py), used
+    when the failures are communication errors that name nobody."""
     n = len(o.pids)
     kind = {r: m[0] for r, m in o.answers.items()}
     failure = {r: m[1] for r, m in o.answers.items() if m[0] != "ok" and isinstance(m[1], Failure)}
@@ -151,7 +164,9 @@ def judge(o: Outcome) -> list[Any] | RanksFailed | unittest.SkipTest:
     if skips and not own:
         return unittest.SkipTest(f"{failure[skips[0]].summary} (rank {skips[0]})")
     comm = [r for r in bad if kind.get(r) == "comm_error"]
-    blamed = sorted(set(own) | set(named)) or sorted(o.stuck) or comm
+    dumped = [v for v in from_dumps if v.get("problem") and v.get("ranks")] if not own and not named else []
+    blamed = sorted(set(own) | set(named)) or sorted(o.stuck) or sorted({r for v in dumped for r in v["ranks"]}) \
+        or comm
     when = f"{o.grace:g} s after the first failure" if o.failed_early else f"at the timeout of {o.timeout:g} s"
 
     culprits, lines = [], []
@@ -189,7 +204,12 @@ def judge(o: Outcome) -> list[Any] | RanksFailed | unittest.SkipTest:
             lines.append(format_verdict(cls, f"{who(r, o.host, o.pids[r])} {reasons[0]}", culprit.where or "")
                          + (f"; still running {when}, killed" if r in o.stuck else ""))
     stuck_only = [r for r in blamed if r not in own and r not in named]
-    if stuck_only and all(r in o.stuck for r in stuck_only):
+    if dumped and not o.stuck:  # the dumps name them: in the trace analysis's words, which are everyone's
+        lines += [str(v["text"]) for v in dumped]
+        kinds = {r: str(v["kind"]) for v in dumped for r in v["ranks"]}
+        culprits = [Culprit(c.rank, c.reason, c.host, c.pid, c.file, c.line, c.function, kind=kinds.get(c.rank, c.kind))
+                    for c in culprits]
+    elif stuck_only and all(r in o.stuck for r in stuck_only):
         at = "; ".join(f"rank {c.rank} at {c.where}" for c in culprits if c.rank in stuck_only and c.where)
         lines.append(format_verdict("stuck_in_user_code", f"ranks {stuck_only} were still running {when} and were "
                                     "killed" + (f" ({at})" if at else "")))

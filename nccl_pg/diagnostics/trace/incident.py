@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import jobs_folder
-from ..classify import Facts
+from ..classify import Facts, victim_of
 from ..verdicts import who
 from .loading import Dump, Folder
 from .whereabouts import locate
@@ -105,9 +105,7 @@ def facts(inc: Incident, dumps: Mapping[int, Dump], stacks_only: Mapping[int, Du
         if e is not None and not e.stopped:  # a rank the launcher stopped did not end on its own
             f.gone, f.last_op = e.how, e.last_op
             f.where = e.where or f.where
-            reason = str(d.data.get("reason") or "") if d is not None else ""
-            f.victim = "its operation timed out" if "timeout" in reason[:40] else \
-                "its group was aborted" if "abort" in reason[:40] else ""
+            f.victim = victim_of(str(d.data.get("reason") or "") if d is not None else "")
         if r in inc.stale:
             f.stale = f"its dump is {inc.stale[r]:.1f} s older than the newest of this job's"
         out[r] = f
