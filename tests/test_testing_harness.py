@@ -314,7 +314,7 @@ def test_run_ranks_names_the_failing_rank_and_exit_code(tmp_path: Path) -> None:
     with pytest.raises(RanksFailed) as caught:
         run_ranks(raise_after_first_collective, 2, args=(1,), dump_dir=tmp_path)
     message = str(caught.value)
-    assert caught.value.ranks == [1] and re.search(r"dead: rank 1 \(\S+, pid \d+\) failed \(exit code 1\)", message)
+    assert caught.value.ranks == [1] and re.search(r"exception: rank 1 \(\S+, pid \d+\) failed \(exit code 1\)", message)
     assert "deliberate failure on rank 1" in caught.value.failures[1]
     assert "ValueError" in message
 
@@ -329,7 +329,7 @@ def test_run_ranks_reports_an_exit_without_traceback(tmp_path: Path) -> None:
 def test_run_ranks_unpicklable_result_is_a_failure(tmp_path: Path) -> None:
     with pytest.raises(RanksFailed) as caught:
         run_ranks(unpicklable_result, 1, dump_dir=tmp_path)
-    assert re.search(r"dead: rank 0 \(\S+, pid \d+\) failed \(exit code 1\)", str(caught.value))
+    assert re.search(r"exception: rank 0 \(\S+, pid \d+\) failed \(exit code 1\)", str(caught.value))
     assert "lock" in caught.value.failures[0]
 
 

@@ -136,7 +136,7 @@ def raise_after_a_collective(rank: int, world_size: int) -> None:
 
 @pytest.mark.timeout(90)
 def test_trace_on_a_failed_runs_folder_places_a_raised_rank_and_reads_old_dumps_as_old(tmp_path: Path) -> None:
-    """A run where rank 1 raises: `nccl-pg trace` on the folder it leaves names rank 1 dead at the line it raised
+    """A run where rank 1 raises: `nccl-pg trace` on the folder it leaves names its exception at the line it raised
     (from how the harness says each rank ended), not at the harness's entry (<string>:1). Made older than the rest
     (as a rank that dumped at another's first failure and went on), the others' dumps read as where they were: their
     all_reduce in flight is a note, not the first collective that did not complete."""
@@ -145,7 +145,7 @@ def test_trace_on_a_failed_runs_folder_places_a_raised_rank_and_reads_old_dumps_
     assert caught.value.ranks == [1]
     res = subprocess.run([sys.executable, "-m", "nccl_pg.cli.main", "trace", str(tmp_path)], capture_output=True,
                          text=True, timeout=60, env=clean_env())
-    raised = rf"dead: rank 1 \(\S+, pid \d+\) raised ValueError: rank 1 broke.*; at {re.escape(str(HERE))}:" \
+    raised = rf"exception: rank 1 \(\S+, pid \d+\) raised ValueError: rank 1 broke.*; at {re.escape(str(HERE))}:" \
              rf"{_line_of('# <- rank 1 raises here')} in raise_after_a_collective"
     assert re.search(raised, res.stdout), res.stdout
     assert "<string>" not in res.stdout, res.stdout

@@ -126,7 +126,7 @@ def test_the_verdict_goes_to_junit_and_github(user_run: tuple[Path, dict[str, ET
     case = cases["test_fail"]
     assert case.find("failure") is not None, output
     props = {p.get("name"): p.get("value") for p in case.iter("property")}
-    assert re.match(r"dead: rank 1 \(\S+, pid \d+\) failed \(exit code 1\): ValueError: rank 1 broke",
+    assert re.match(r"exception: rank 1 \(\S+, pid \d+\) failed \(exit code 1\): ValueError: rank 1 broke",
                     props["nccl_pg.verdict"] or ""), props
     [culprit] = json.loads(props["nccl_pg.culprits"] or "")
     line = next(i for i, t in enumerate(USER_TESTS.splitlines(), 1) if t.endswith("# <- culprit line"))

@@ -312,7 +312,7 @@ def test_import_error_in_a_rank_shows_its_traceback(tmp_path: Path, monkeypatch:
         run_ranks(flaky_module_for_ranks.work, 2, timeout=30, dump_dir=tmp_path / "ranks")
     err = caught.value
     assert err.ranks == [1]
-    assert re.search(r"dead: rank 1 \(\S+, pid \d+\) failed \(exit code 1\): ModuleNotFoundError: No module named "
+    assert re.search(r"exception: rank 1 \(\S+, pid \d+\) failed \(exit code 1\): ModuleNotFoundError: No module named "
                      "'no_such_module_in_rank_1'", str(err)), str(err)
     assert "ranks [0] were waiting for them to start and were killed" in str(err)  # at once, not after a grace
     assert "Traceback" in err.failures[1] and "flaky_module_for_ranks.py" in err.failures[1]

@@ -30,7 +30,7 @@ SUITE = ("never_joined", "mismatch")  # in `make test`; every class in `make ver
 KINDS = list(EXPECTED) if os.environ.get("NCCL_PG_VERDICT_MATRIX") == "all" else list(SUITE)
 _TITLES = "|".join(re.escape(c.title) for c in CATALOGUE.values() if c.problem or c.id == "straggler")
 _LINE = re.compile(rf"(?P<title>{_TITLES}): rank (?P<rank>\d+) \(")
-OP_TIMEOUT = 4.0  # the job's operation timeout: `why` asks well before it
+OP_TIMEOUT = 8.0  # the job's operation timeout: `why` asks well before it, also on a busy machine
 
 
 def named(text: str) -> set[tuple[str, int]]:
@@ -62,7 +62,7 @@ def _launcher_tools(kind: str, folder: Path, tools: tuple[str, ...]) -> dict[str
             extra = ["--stragglers", "--dump"] if kind == "straggler" else []
             why = subprocess.run([sys.executable, "-m", "nccl_pg.cli.main", "why", "--job", str(proc.pid), *extra],
                                  env=env, capture_output=True, text=True, timeout=60)
-            out["why"] = why.stdout
+            out["why"] = why.stdout + why.stderr
             if kind == "straggler":
                 (job_dir / "done").write_text("")
         _, err = proc.communicate(timeout=90)

@@ -116,7 +116,7 @@ def classify(analysis: Mapping[str, Any], facts: Mapping[int, Facts] | None = No
                 if f.gone and f.victim:  # it ended on its own failure, later: the state it was in is the cause
                     stale += f"; it then {f.gone}"
                 if f.gone and not f.victim:
-                    add("dead", [r], f"{who(r)} {f.gone}" + (f" {f.last_op}" if f.last_op else "")
+                    add(_ended(f), [r], f"{who(r)} {f.gone}" + (f" {f.last_op}" if f.last_op else "")
                         + f"; it never joined {coll}, which {_ranks(p.get('present', []))} issued{stale}", where,
                         **at_op)
                 elif elsewhere:
@@ -155,7 +155,7 @@ def classify(analysis: Mapping[str, Any], facts: Mapping[int, Facts] | None = No
                     continue
                 f = facts.get(r, Facts())
                 if f.gone:
-                    add("dead", [r], f"{who(r)} {f.gone}" + (f" {f.last_op}" if f.last_op else "")
+                    add(_ended(f), [r], f"{who(r)} {f.gone}" + (f" {f.last_op}" if f.last_op else "")
                         + "; it left no dump", f.where)
                 elif r in located:
                     add("stuck_in_c", [r], f"{who(r)} left no dump; its C-level stack has it", _at(located[r]))
@@ -165,18 +165,15 @@ def classify(analysis: Mapping[str, Any], facts: Mapping[int, Facts] | None = No
             if not all(r in silent for r in culprits):
                 add("unreadable", culprits, str(p.get("message")))
     victims = [r for r in silent if r not in named and facts.get(r, Facts()).victim]
-    if victims and named:  # they failed because of the culprits named: one line for them all
-        how = sorted({re.sub(r" (in|after) .*$", "", facts[r].gone) or "failed" for r in victims})
-        add("victim", victims, f"{_ranks(victims)} then {' or '.join(how)}, each as {facts[victims[0]].victim} "
-            f"waiting for {_ranks(sorted(named))}")
-    for r in silent:
-        if r in named:
-            continue
+    culprits_ = [r for r in silent if r not in named and r not in victims]
+    if not named and not culprits_:
+        culprits_, victims = culprits_ + victims, []  # nobody else to blame: they are the story
+    for r in culprits_:
         f = facts.get(r, Facts(answered=None))
         waits = f"; {waiting_for[r]}, waits for it" if r in waiting_for else ""
         late = f" within {waited:.1f} s" if waited is not None else ""
         if f.gone:
-            add("dead", [r], f"{who(r)} {f.gone}" + (f" {f.last_op}" if f.last_op else "")
+            add(_ended(f), [r], f"{who(r)} {f.gone}" + (f" {f.last_op}" if f.last_op else "")
                 + f" before it answered{waits}", f.where)
         elif f.answered == "c-stack":
             add("stuck_in_c", [r], f"{who(r)} did not answer{late}: its GIL is held, or it is stuck in C{waits}; its "
@@ -187,7 +184,16 @@ def classify(analysis: Mapping[str, Any], facts: Mapping[int, Facts] | None = No
         else:
             add("no_answer", [r], f"{who(r)} did not answer{late} (dead, frozen, its GIL held, or on another host "
                 f"without its stack){waits}")
+    if victims:  # they failed because of the culprits named: one line for them all
+        how = sorted({re.sub(r" (in|after) .*$", "", facts[r].gone) or "failed" for r in victims})
+        add("victim", victims, f"{_ranks(victims)} then {' or '.join(how)}, each as {facts[victims[0]].victim} "
+            f"waiting for {_ranks(sorted(named))}")
     return out
+
+
+def _ended(f: Facts) -> str:
+    """The class of a rank that ended on its own: it raised (the harness knows), or it died."""
+    return "exception" if f.gone.startswith("raised ") else "dead"
 
 
 def _members(analysis: Mapping[str, Any], group: Any) -> list[int]:

@@ -163,7 +163,10 @@ class _Incident:
         self.claims: dict[tuple[str, str], _Claim] = {}
         for r in sorted(requests, key=lambda r: r.seq):
             if r.key not in self.claims:
-                self.claims[r.key] = _Claim(f"{NS}/claim/{r.view.ident}/{r.key[1]}{r.seq}", r.view, r.seq,
+                # a point-to-point operation is this rank's with its peers: each side claims its own (both sides of a
+                # deadlock blame their peer)
+                mine = f".{r.view.rank}" if r.peers is not None else ""
+                self.claims[r.key] = _Claim(f"{NS}/claim/{r.view.ident}/{r.key[1]}{r.seq}{mine}", r.view, r.seq,
                                             r.peers, r.what)
         self.out = _Outcome()
 
@@ -216,9 +219,11 @@ class _Incident:
                     answers[keys[k]] = a
         silent = {ident: [p for p in sorted(ranks) if (ident, p) not in answers] for ident, ranks in wanted.items()}
         old = self._lookback(gen, [(i, p) for i, ps in silent.items() for p in ps])
+        out.update(answers=answers, silent=silent, waited=waited, old=old)  # enough to explain, if time runs out
         views = {c.view.ident: c.view for c in won}
-        out.update(answers=answers, silent=silent, waited=waited, old=old,
-                   c_stacks=_local_stacks({(i, p): views[i].global_rank(p) for i, ps in silent.items() for p in ps}))
+        quiet = {(i, p): views[i].global_rank(p) for i, ps in silent.items() for p in ps}
+        if quiet and time.monotonic() + C_STACKS_WAIT < self.hard_deadline:
+            out.update(c_stacks=_local_stacks(quiet))
         verdicts = {c.key: (gen, *self._explain(c, c.seq)) for c in won}
         out.update(verdicts=verdicts)
         store.multi_set([f"{k}/verdict" for k in verdicts], [progress.encode_verdict(*v) for v in verdicts.values()])

@@ -236,6 +236,14 @@ def _status_mask(pid: int, field: str) -> int:
     return 0
 
 
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP, a debugger): it would handle a signal only once continued."""
+    try:
+        return process_tree.stat(pid)[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def has_handler(pid: int, signum: int) -> bool:
     """Whether process ``pid`` catches ``signum`` (a signal it does not catch may end it)."""
     try:
@@ -279,7 +287,7 @@ def request(pid: int, signum: int, timeout: float, cap: int) -> Written | None:
     ``timeout`` seconds); None if it has no handler or no stacks file, or
     wrote nothing in time."""
     where = stacks_file(pid)
-    if where is None or not has_handler(pid, signum):
+    if where is None or not has_handler(pid, signum) or _stopped(pid):
         return None
     try:
         head, size = _read_from(where, 0, 512)

@@ -73,6 +73,9 @@ CATALOGUE: dict[str, VerdictClass] = {c.id: c for c in (
                  "or never reached the group's init",
                  "compare the ranks' order of collectives across groups; every rank must issue a group's "
                  "collectives in one order, and must create every group it is in", _ALL),
+    VerdictClass("exception", "exception", True,
+                 "the rank's own code raised (its traceback says what and where); the others then fail waiting for "
+                 "it", "the line named, and the exception", ("harness", "trace")),
     VerdictClass("dead", "dead", True,
                  "the rank's process ended (an exception, an exit code, a signal: a crash, the OOM killer, "
                  "SIGKILL) while the others still needed it; said with the collective it was last in",

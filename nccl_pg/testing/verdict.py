@@ -120,7 +120,7 @@ def failure_kind(f: Failure | None, code: int | None) -> str:
     if text.startswith("DistStoreError") or "rendezvous" in text[:200]:
         return "init_timeout" if "timeout" in text.lower()[:200] or "timed out" in text.lower()[:200] else \
             "store_unreachable"
-    return "dead"
+    return "exception" if f is not None and f.trace else "dead"
 
 
 def comm_kind(f: Failure | None) -> str:
@@ -198,7 +198,8 @@ def judge(o: Outcome, from_dumps: Sequence[Mapping[str, Any]] = ()) -> list[Any]
         if r in own:
             code = o.exitcodes[r]
             sig = f", killed by signal {signal.Signals(-code).name}" if code is not None and code < 0 else ""
-            lines.append(format_verdict(cls, f"{who(r, o.host, o.pids[r])} failed (exit code {code}{sig})"
+            status = " (still running: a warm rank)" if code is None else f" (exit code {code}{sig})"
+            lines.append(format_verdict(cls, f"{who(r, o.host, o.pids[r])} failed{status}"
                                         + (f": {failure[r].summary}" if r in failure else ""), culprit.where or ""))
         elif r in named:
             lines.append(format_verdict(cls, f"{who(r, o.host, o.pids[r])} {reasons[0]}", culprit.where or "")
