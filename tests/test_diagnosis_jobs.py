@@ -224,6 +224,11 @@ def test_what_the_launcher_knew_of_a_killed_rank_and_of_a_mismatch(runs) -> None
     assert re.search(dead, res.stdout), res.stdout
     code, err = m.finish()
     assert code == 1, err
+    # quiet (item 10): one line per dump, no dump named rank -1, no "not destroyed" warning from a rank ending on
+    # an exception
+    for r in range(3):
+        assert err.count(f"[rank{r}]: nccl_pg: rank {r} wrote a debug dump") <= 1, err
+    assert "rank_-1" not in err and "was not destroyed before exit" not in err, err
     assert re.search(r"nccl-pg run:   collective mismatch: rank 1 \(\S+, pid \d+\): all_reduce #2 on group '0' "
                      r"\(default_pg\): input sizes differ between ranks", err), err
     assert "no verdict within" not in err, err
