@@ -146,8 +146,8 @@ def test_two_hanging_jobs_at_once_each_in_its_folder_each_culprit_its_own(runs, 
     they hang, each launcher says so once, from its ranks' progress files (--stall-warning), naming the waiting ranks
     and `nccl-pg why`. Afterwards no dump pipe, progress file or header-only stacks file is left, and torch's
     torchfrtrace reads the folder. A folder holding two jobs' dumps is analyzed one job at a time, saying so."""
-    a = runs("a", "sleep", "--max-time", "7", "--stall-warning", "1.5", "--autopsy-time", "3", CULPRIT="1")
-    b = runs("b", "sleep", "--max-time", "7", "--stall-warning", "1.5", "--autopsy-time", "3", CULPRIT="2")
+    a = runs("a", "sleep", "--max-time", "6", "--stall-warning", "1.5", "--autopsy-time", "3", CULPRIT="1")
+    b = runs("b", "sleep", "--max-time", "6", "--stall-warning", "1.5", "--autopsy-time", "3", CULPRIT="2")
     pids = {"a": a.pids(), "b": b.pids()}
     ends = {"a": a.finish(), "b": b.finish()}
     line = _line("STUCK HERE (sleep)")
