@@ -43,7 +43,7 @@ class Facts:
 
 
 # The classes of a group held up: "stuck" only once it persists (verdicts.stuck).
-STALLS = ("stuck_in_user_code", "never_joined", "slow_link", "stuck_in_c")
+STALLS = ("stuck_in_user_code", "never_joined", "slow_link", "stuck_in_c", "p2p_deadlock")
 
 
 def victim_of(reason: str) -> str:
@@ -147,7 +147,8 @@ def classify(analysis: Mapping[str, Any], facts: Mapping[int, Facts] | None = No
         elif kind == "p2p_unmatched":
             f = facts.get(culprits[0], Facts()) if culprits else Facts()
             add("p2p_deadlock", culprits, f"{who(culprits[0]) if culprits else '?'}: {p.get('message')}",
-                f.where or _at((p.get("where") or [None])[0]))
+                f.where or _at((p.get("where") or [None])[0]), group=p.get("group"), seq=f"p2p {p.get('p2p_seq')}",
+                op=p.get("op"))
         elif kind == "no_dump":
             located = {w.get("rank"): w for w in p.get("where") or ()}
             for r in culprits:

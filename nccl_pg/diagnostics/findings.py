@@ -65,16 +65,15 @@ def _stall_kind(v: Verdict) -> bool:
     return v.kind in STALLS and v.extra.get("group") is not None and v.kind != "stuck_in_c"
 
 
-def _held(found: list[Verdict]) -> dict[str, int | None]:
+def _held(found: list[Verdict]) -> dict[str, Any]:
     """The groups a look finds held up, and at which collective: {group: seq}."""
     return {v.extra["group"]: v.extra.get("seq") for v in found if _stall_kind(v)}
 
 
 def _age(inq: Inquiry, group: str) -> float:
-    """How long the group's oldest collective in flight has been, as its ranks say (0: none in flight, which a
-    snapshot of ranks answering a moment apart can show while they move)."""
-    s = verdicts.stall(looks(inq).get(group, {}))
-    return 0.0 if s is None else s.age_s
+    """How long the group's oldest operation in flight (a collective, or a send or recv) has been, as its ranks
+    say (0: none in flight, which a snapshot of ranks answering a moment apart can show while they move)."""
+    return max((lk.age_s for lk in looks(inq).get(group, {}).values()), default=0.0)
 
 
 def ask(look: Callable[[], Inquiry], budget: float) -> Inquiry:
@@ -124,14 +123,16 @@ def ask(look: Callable[[], Inquiry], budget: float) -> Inquiry:
     return last
 
 
-def _not_stuck(first: Inquiry, last: Inquiry, group: str, seq: int | None, moved: bool, step: float | None
+def _not_stuck(first: Inquiry, last: Inquiry, group: str, seq: Any, moved: bool, step: float | None
                ) -> Verdict:
     """"in progress" (it moved since the first look) or "slow" (held at the same collective, too young to call
     stuck)."""
     v = next((v for v in judge(last) if _stall_kind(v) and v.extra.get("group") == group), None)
     g: dict[str, Any] = next((g for g in (last.analysis or {}).get("groups", []) if g.get("name") == group), {})
-    coll = collective(str((v.extra.get("op") if v else None) or "collective"), seq, group,
-                      verdicts.group_desc(str(g.get("desc") or ""), g.get("ranks") or []))
+    op = str((v.extra.get("op") if v else None) or "collective")
+    desc = verdicts.group_desc(str(g.get("desc") or ""), g.get("ranks") or [])
+    coll = collective(op, seq, group, desc) if not isinstance(seq, str) else \
+        f"a {op} ({seq}) of group {group}" + (f" ({desc})" if desc else "")
     s = verdicts.stall(looks(last).get(group, {}))
     waiting = f" on ranks {', '.join(map(str, s.waiting))} for {s.age_s:.2f} s" if s else ""
     who = f", waiting for {'ranks' if len(v.ranks) > 1 else 'rank'} {', '.join(map(str, v.ranks))}" \
