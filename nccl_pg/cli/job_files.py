@@ -112,21 +112,21 @@ class JobFiles:
         self.next_check = now + CHECK_EVERY
         seen = {i: p for i in live if (p := self.read(i)) is not None}
         limit = self.stall_warning
-        waiting = sorted(i for i, p in seen.items() if p.in_flight and now - p.changed >= limit)
-        if not waiting:
+        if not any(p.in_flight and now - p.changed >= limit for p in seen.values()):
             self.warned = False  # moving (or nobody waits): warn again at the next stall
             return None
         if self.warned:
             return None
         self.warned = True
-        quiet = sorted(i for i, p in seen.items() if not p.in_flight and now - p.changed >= limit)
+        waiting = sorted(i for i, p in seen.items() if p.in_flight)
+        quiet = sorted(i for i, p in seen.items() if not p.in_flight)
         frozen = sorted(i for i, p in seen.items() if now - p.polled >= limit)
         silent = sorted(i for i in live if i not in seen)
         ops = sorted({seen[i].oldest_op for i in waiting if seen[i].oldest_op})
         line = (f"no collective has completed for {limit:g} s: {_ranks(waiting)} wait in "
                 f"{', '.join(ops) or 'an operation'}")
         if quiet:
-            line += f"; {_ranks(quiet)} issued nothing in that time"
+            line += f"; {_ranks(quiet)} {'has' if len(quiet) == 1 else 'have'} nothing in flight"
         if frozen:
             line += f"; {_ranks(frozen)} did not poll in that time (the GIL held, or stuck in C)"
         if silent:

@@ -42,8 +42,9 @@ FILE_PARK = 1.0
 RETRY_CAP = 60.0
 # Earlier incidents kept in mind, for what a silent rank last said.
 LOOKBACK = 3
-# A failure's dump request is not answered by a process that wrote a dump this recently (of the same failure).
-FAILURE_QUIET = 5.0
+# A failure's dump request is not answered by a process that wrote a dump this recently: that failure is most
+# likely a consequence of the first, whose dumps show where everyone was.
+FAILURE_QUIET = 30.0  # as the group layer's own failure dumps (group/core.py _DUMP_QUIET)
 # An incident thread with nothing to do for this long ends (the next incident starts another).
 RUNNER_IDLE = 30.0
 
