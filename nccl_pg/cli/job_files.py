@@ -9,7 +9,7 @@ each rank ended, and the cleaning up after it.
 - Each rank's watchdog keeps ``<job folder>/progress/<n>`` (heartbeat.py).
   Every second the launcher reads them; when some rank has waited in an
   operation that did not complete for ``--stall-warning`` seconds, it
-  prints one line naming the ranks that wait, those that issued nothing,
+  prints one line naming the ranks that wait, those with nothing in flight,
   those whose watchdog stopped polling (their GIL held), and `nccl-pg why`.
   Once, until the job moves again. No store traffic.
 - When the job fails, how each rank ended (pid, exit code or signal, time,
