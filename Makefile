@@ -15,7 +15,7 @@ TEST_EXTRAS = test,test-cu$(CUDA_MAJOR),torch,torchft,docs
 # more than the machine's cores makes timing-sensitive tests slow. 0 runs it in one process.
 TEST_WORKERS ?= 2
 
-.PHONY: install install-test test test-sim test-gpu test-elastic bench demo lint torch-suite check-latest docs
+.PHONY: install install-test test test-sim test-gpu test-elastic bench demo lint torch-suite check-latest docs verdict-matrix
 
 # The CUDA major of this machine's NVIDIA driver (empty without one): 12 for a 12.x driver, else 13.
 DRIVER_CUDA_MAJOR := $(shell nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9]*\).*/\1/p' | head -n 1 | \
@@ -95,6 +95,11 @@ torch-suite: install-test
 docs: install-test
 	$(PYTHON) -m sphinx -E -b html -W --keep-going -q docs/api build/docs/html
 	@echo "docs: the API reference is in build/docs/html/index.html"
+
+# The verdict matrix (issue 32): every failure class of the catalogue through every tool that names it (about two
+# minutes on 2 cores); `make test` runs a selection of it (tests/test_verdict_matrix.py's SUITE).
+verdict-matrix: install-test
+	NCCL_PG_VERDICT_MATRIX=all $(PYTHON) -m pytest -q -n $(TEST_WORKERS) tests/test_verdict_matrix.py
 
 # ruff (SLF001 included: no reaching into another module's private members), then mypy over the package
 # (configured in pyproject.toml); any finding fails. tests/test_layering.py checks the imports (`make test`).

@@ -315,3 +315,35 @@ def validate_all(environ: Mapping[str, str] | None = None) -> None:
     for var in ALL:
         var.get(environ)
     watchdog_timing(environ)
+
+# --- diagnosis of a job (set by `nccl-pg run` and the test harness; docs/DIAGNOSIS.md) ------------------------
+
+
+def parse_job_id(raw: str) -> str:
+    """A job id: letters, digits and ``._-`` (it names a folder), at most 64 characters."""
+    if len(raw) > 64 or not all(c.isalnum() or c in "._-" for c in raw) or raw.startswith("."):
+        raise ValueError("expected at most 64 letters, digits, '.', '_' or '-', not starting with '.'")
+    return raw
+
+
+JOB_ID: Var[str | None] = Var(
+    "NCCL_PG_JOB_ID", parse_job_id, None,
+    "The job this process belongs to (set by `nccl-pg run` and the test harness; else torchelastic's run id, or "
+    "SLURM's job and step): every dump, report and C-level stacks file carries it, and the default dump folder is "
+    "one per job, <tmp>/nccl_pg-<uid>/job-<id>/.")
+PROGRESS_FILE: Var[str | None] = Var(
+    "NCCL_PG_PROGRESS_FILE", parse_str, None,
+    "Set by `nccl-pg run` for each rank: a small file the rank's watchdog keeps its progress in (collectives "
+    "completed, in flight and since when, its last poll), which the launcher reads to say that a job hangs; "
+    "never store traffic.")
+RUNTIME_DIR: Var[str | None] = Var(
+    "NCCL_PG_RUNTIME_DIR", parse_str, None,
+    "Where `nccl-pg run` keeps its job records and `nccl-pg why` looks for them: default "
+    "$XDG_RUNTIME_DIR/nccl_pg when that is a folder of this user's, else /tmp/nccl_pg-<uid>/jobs; whatever "
+    "TMPDIR says.")
+MAX_TIMEOUT: Var[float | None] = Var(
+    "NCCL_PG_MAX_TIMEOUT", parse_seconds_at_least(0.001), None,
+    "No group's operations get a longer timeout than this (seconds), whatever the group asked for. The test harness "
+    "sets it to the test's operation timeout, so that a group made with a default timeout (torch's 30 minutes for "
+    "init_process_group(\"nccl_pg\")) times out, and names its culprit, within the test's deadline.")
+ALL = (*ALL, JOB_ID, PROGRESS_FILE, RUNTIME_DIR, MAX_TIMEOUT)

@@ -32,8 +32,9 @@ class DistError(RuntimeError):
 class Culprit:
     """A rank to blame for a failure: its global ``rank``, ``reason`` (e.g.
     "never issued ALLREDUCE seq 2 on group 0"), and where known its
-    ``host`` and ``pid``, and the source line it was at (``file``, ``line``,
-    ``function``: filled by the test harness from the rank's stack)."""
+    ``host`` and ``pid``, the source line it was at (``file``, ``line``,
+    ``function``: from its answer to the diagnosis, its C-level stack, or
+    the test harness), and its class in the verdict catalogue (``kind``)."""
 
     rank: int
     reason: str
@@ -42,6 +43,7 @@ class Culprit:
     file: str | None = None
     line: int | None = None
     function: str | None = None
+    kind: str = ""  # its class in the verdict catalogue (diagnostics/verdicts.py), e.g. "stuck_in_user_code"
 
     @property
     def where(self) -> str | None:

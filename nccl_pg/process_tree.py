@@ -83,6 +83,16 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def only_child(pid: int) -> int | None:
+    """The one child of ``pid`` (a rank's guard has one: the rank), from /proc; None if it has none or several."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            kids = f.read().split()
+    except OSError:
+        kids = [str(p) for p in descendants(pid) if stat(p)[1:2] == [str(pid)]] if os.path.isdir("/proc") else []
+    return int(kids[0]) if len(kids) == 1 else None
+
+
 def alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie, ended but not reaped, does not)."""
     try:
@@ -105,6 +115,25 @@ def kill(pids: Iterable[int]) -> None:
     for p in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(p, signal.SIGKILL)
+
+
+def tagged(name: str, value: str) -> list[int]:
+    """This user's processes whose environment holds ``name=value`` (read
+    from /proc/<pid>/environ: what they started with, which their children
+    inherit); [] where there is no /proc."""
+    if not os.path.isdir("/proc"):
+        return []
+    want, me, out = f"{name}={value}".encode(), os.getuid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            if os.stat(f"/proc/{entry}").st_uid != me:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if want in f.read(1 << 20).split(b"\0"):
+                    out.append(int(entry))
+    return out
 
 
 def kill_tree(pid: int) -> None:

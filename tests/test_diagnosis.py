@@ -146,7 +146,8 @@ def test_frozen_rank_is_named_as_not_answering(tmp_path, job_server):
         assert "timeout" in msg and f"ranks [2] did not answer within {BUDGET:.2f} s (dead, frozen" in msg, msg
         assert "their last answers, to an earlier diagnosis, are old: rank 2: issued 1, completed 1" in msg, msg
         # the culprit's host and pid, from its earlier answer (issue 24)
-        assert f"culprits: rank 2 is pid {w.procs[2].pid} on {socket.gethostname()}" in msg, msg
+        assert f"verdict: no answer: rank 2 ({socket.gethostname()}, pid {w.procs[2].pid}) did not answer the " \
+               "diagnosis of all_reduce #2 of group 0" in msg, msg
         assert "never issued" not in msg, msg
         assert T <= res[r]["default"]["t1"] - res[r]["default"]["t0"] < T + BOUND, res[r]
 

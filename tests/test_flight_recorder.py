@@ -544,7 +544,7 @@ else:
     assert entries[1]["collective_seq_id"] == 2
     assert entries[1]["state"] == _started_or_scheduled(timing_enabled)
     t1 = _load(str(tmp_path / "trace_1"))
-    assert t1["reason"].startswith("signalled: timeout of ALLREDUCE seq 2")
+    assert t1["reason"].startswith("signalled: timeout of all_reduce #2")
     assert [e["collective_seq_id"] for e in t1["entries"]] == [1]
 
 

@@ -72,8 +72,9 @@ def test_delayed_rank_is_named(jobs: dict[str, Path], capsys: pytest.CaptureFixt
     assert found.clock_offsets_ms == {socket.gethostname(): 0.0}  # one host: one clock, nothing taken out
     code, out = run_trace(jobs["late"], capsys=capsys)
     assert code == 0  # a straggler is not (yet) a problem: the job is consistent
-    assert f"  rank 1 (host {socket.gethostname()}, pid {late.pid}) arrived last at {late.last} of " \
-           f"{late.collectives} collectives (group '0'), {late.median_ms:.1f} ms after the first rank" in out, out
+    assert f"  straggler: rank 1 (host {socket.gethostname()}, pid {late.pid}) arrived last at {late.last} of " \
+           f"{late.collectives} collectives of group '0', {late.median_ms:.1f} ms after the first rank" in out, out
+    assert late.group == "0" and late.straggler and 0.0 <= late.score < 0.5, late  # its group waits for it
 
 
 @pytest.mark.timeout(120)
@@ -83,7 +84,7 @@ def test_job_without_delay_names_nobody(jobs: dict[str, Path], capsys: pytest.Ca
     assert found.collectives == _STEPS + 1 and found.stragglers == [], found.as_dict()
     assert all(r.median_ms < stragglers.THRESHOLD_MS for r in found.ranks.values()), found.as_dict()
     _, out = run_trace(jobs["healthy"], capsys=capsys)
-    assert "  none: no rank is consistently last; most often last: rank " in out, out
+    assert "  none: no rank is consistently last at a group's collectives; most often last: rank " in out, out
 
 
 @pytest.mark.timeout(120)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -313,7 +314,7 @@ def test_run_ranks_names_the_failing_rank_and_exit_code(tmp_path: Path) -> None:
     with pytest.raises(RanksFailed) as caught:
         run_ranks(raise_after_first_collective, 2, args=(1,), dump_dir=tmp_path)
     message = str(caught.value)
-    assert caught.value.ranks == [1] and "rank 1 failed (exit code 1)" in message
+    assert caught.value.ranks == [1] and re.search(r"exception: rank 1 \(\S+, pid \d+\) failed \(exit code 1\)", message)
     assert "deliberate failure on rank 1" in caught.value.failures[1]
     assert "ValueError" in message
 
@@ -321,14 +322,14 @@ def test_run_ranks_names_the_failing_rank_and_exit_code(tmp_path: Path) -> None:
 def test_run_ranks_reports_an_exit_without_traceback(tmp_path: Path) -> None:
     with pytest.raises(RanksFailed) as caught:
         run_ranks(exit_with_code, 2, args=(3,), dump_dir=tmp_path)
-    assert "rank 1 failed (exit code 3)" in str(caught.value)
+    assert re.search(r"dead: rank 1 \(\S+, pid \d+\) failed \(exit code 3\)", str(caught.value))
     assert "without a result or a traceback" in caught.value.failures[1]
 
 
 def test_run_ranks_unpicklable_result_is_a_failure(tmp_path: Path) -> None:
     with pytest.raises(RanksFailed) as caught:
         run_ranks(unpicklable_result, 1, dump_dir=tmp_path)
-    assert "rank 0 failed (exit code 1)" in str(caught.value)
+    assert re.search(r"exception: rank 0 \(\S+, pid \d+\) failed \(exit code 1\)", str(caught.value))
     assert "lock" in caught.value.failures[0]
 
 
@@ -371,7 +372,8 @@ def test_process_ranks_fixture_start_and_signal_a_rank(process_ranks: ProcessRan
     os.kill(rank0, signal.SIGKILL)
     with pytest.raises(RanksFailed) as caught:
         ranks.join()
-    assert "rank 0 failed (exit code -9)" in str(caught.value)
+    assert re.search(r"dead: rank 0 \(\S+, pid \d+\) failed \(exit code -9, killed by signal SIGKILL\)",
+                     str(caught.value))
     assert "SIGKILL" in caught.value.failures[0]
     assert "ranks [1] were still running" in str(caught.value)  # killed by the harness after rank 0 died
     assert all(_gone(p) for p in pids)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -125,7 +126,8 @@ def test_the_verdict_goes_to_junit_and_github(user_run: tuple[Path, dict[str, ET
     case = cases["test_fail"]
     assert case.find("failure") is not None, output
     props = {p.get("name"): p.get("value") for p in case.iter("property")}
-    assert (props["nccl_pg.verdict"] or "").startswith("rank 1 failed (exit code 1): ValueError: rank 1 broke")
+    assert re.match(r"exception: rank 1 \(\S+, pid \d+\) failed \(exit code 1\): ValueError: rank 1 broke",
+                    props["nccl_pg.verdict"] or ""), props
     [culprit] = json.loads(props["nccl_pg.culprits"] or "")
     line = next(i for i, t in enumerate(USER_TESTS.splitlines(), 1) if t.endswith("# <- culprit line"))
     assert (culprit["rank"], culprit["file"], culprit["line"], culprit["function"]) == \

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 import pickle
+import re
 import signal
 import socket
 import subprocess
@@ -166,14 +167,17 @@ def test_sleeping_rank_is_named_alone_with_its_line(tmp_path: Path) -> None:
     assert (culprit.rank, culprit.file, culprit.line, culprit.function) == \
         (1, str(HERE), _line_of("# <- rank 1 sleeps here"), "rank_1_sleeps_in_user_code")
     assert (culprit.host, culprit.pid) == (socket.gethostname(), pids[1])
-    assert "never issued ALLREDUCE seq 2 on group 0" in culprit.reason
+    assert "never joined all_reduce #2 of group 0" in culprit.reason and culprit.kind == "stuck_in_user_code"
     message = str(err)
-    assert message.startswith("rank 1 is to blame: never issued ALLREDUCE seq 2 on group 0"), message
+    assert message.startswith(f"stuck in user code: rank 1 ({socket.gethostname()}, pid {pids[1]}) never joined "
+                              "all_reduce #2 of group 0"), message
     assert f"at {HERE}:{_line_of('# <- rank 1 sleeps here')} in rank_1_sleeps_in_user_code" in message
-    assert "then ranks [0, 2] failed with communication errors" in message
+    assert "failed waiting: ranks 0, 2 then failed with communication errors" in message
     # the victims' own errors print the culprit's host and pid
     for victim in (0, 2):
-        assert f"culprits: rank 1 is pid {pids[1]} on {socket.gethostname()}" in err.failures[victim]
+        assert f"verdict: stuck in user code: rank 1 ({socket.gethostname()}, pid {pids[1]}) never joined all_reduce " \
+               "#2 of group 0" in err.failures[victim]
+        assert "Traceback" not in err.failures[victim]  # a victim's traceback is one line (all of it in its file)
     assert "time.sleep" not in err.failures[1] and "rank_1_sleeps_in_user_code" in err.failures[1]  # its stack
     assert sorted(p.name for p in tmp_path.glob("nccl_pg_trace_rank_*")) == \
         ["nccl_pg_trace_rank_0", "nccl_pg_trace_rank_1", "nccl_pg_trace_rank_2"]
@@ -215,9 +219,10 @@ def test_timeout_error_carries_structured_culprits() -> None:
 
     errors = run_threads(fn, 3, timeout=20, op_timeout=2)
     for err in (errors[0], errors[2]):
-        assert err.culprits == (Culprit(1, "never issued ALLREDUCE seq 2 on group 0", socket.gethostname(),
-                                        os.getpid()),)
-        assert f"culprits: rank 1 is pid {os.getpid()} on {socket.gethostname()}" in str(err)
+        assert err.culprits == (Culprit(1, "never joined all_reduce #2 of group 0", socket.gethostname(),
+                                        os.getpid(), kind="stuck_in_user_code"),)
+        assert f"verdict: stuck in user code: rank 1 ({socket.gethostname()}, pid {os.getpid()}) never joined " \
+               "all_reduce #2 of group 0" in str(err)
 
 
 def test_point_to_point_timeout_names_the_peer() -> None:
@@ -237,9 +242,10 @@ def test_point_to_point_timeout_names_the_peer() -> None:
         raise AssertionError("received from a rank that sent nothing")
 
     err = run_threads(fn, 2, timeout=20, op_timeout=1)[0]
-    assert err.culprits == (Culprit(1, "did not complete its side of RECV seq 1 on group 0", socket.gethostname(),
-                                    os.getpid()),)
-    assert f"culprits: rank 1 is pid {os.getpid()} on {socket.gethostname()}" in str(err)
+    assert err.culprits == (Culprit(1, "did not complete its side of recv #1 of group 0", socket.gethostname(),
+                                    os.getpid(), kind="p2p_deadlock"),)
+    assert f"verdict: point-to-point deadlock: rank 1 ({socket.gethostname()}, pid {os.getpid()}) did not complete " \
+           "its side of recv #1 of group 0" in str(err)
 
 
 def test_thread_ranks_blame_the_rank_a_timeout_names(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -262,7 +268,7 @@ def test_thread_ranks_blame_the_rank_a_timeout_names(monkeypatch: pytest.MonkeyP
     finally:
         release.set()
     assert caught.value.ranks == [1]
-    assert "rank 1 is to blame: it never issued ALLREDUCE seq 2 on group 0" in str(caught.value)
+    assert "stuck in user code: rank 1 never joined all_reduce #2 of group 0" in str(caught.value)
     [culprit] = caught.value.culprits
     assert (culprit.rank, culprit.file, culprit.line) == (1, str(HERE), _line_of("# <- the thread rank waits here"))
 
@@ -306,7 +312,8 @@ def test_import_error_in_a_rank_shows_its_traceback(tmp_path: Path, monkeypatch:
         run_ranks(flaky_module_for_ranks.work, 2, timeout=30, dump_dir=tmp_path / "ranks")
     err = caught.value
     assert err.ranks == [1]
-    assert "rank 1 failed (exit code 1): ModuleNotFoundError: No module named 'no_such_module_in_rank_1'" in str(err)
+    assert re.search(r"exception: rank 1 \(\S+, pid \d+\) failed \(exit code 1\): ModuleNotFoundError: No module named "
+                     "'no_such_module_in_rank_1'", str(err)), str(err)
     assert "ranks [0] were waiting for them to start and were killed" in str(err)  # at once, not after a grace
     assert "Traceback" in err.failures[1] and "flaky_module_for_ranks.py" in err.failures[1]
     assert "without a result or a traceback" not in err.failures[1]

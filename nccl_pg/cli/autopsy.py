@@ -20,10 +20,10 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from .. import env
-from ..diagnostics import dump, inquiry, stacks
+from ..diagnostics import dump, findings, inquiry, stacks
 from ..store import TCPStore
 
 AUTOPSY_TIME = 5.0  # seconds, by default, between the reason to stop and the stop
@@ -33,12 +33,19 @@ _MARGIN = 0.5  # of the autopsy's time, kept for reading the answers and writing
 class Autopsy:
     def __init__(self, addr: str, port: int, secret: str, nproc: int, reason: str, seconds: float,
                  report_dir: str | None, wake: Callable[[], None], gone: Callable[[], dict[int, str]],
-                 started: float) -> None:
+                 started: float, dump_prefix: str | None = None, listening: bool = True,
+                 local: Mapping[int, int] | None = None) -> None:
         """``gone``: how the ranks that ended did ({rank: "exited with code 1"});
-        ``started``: the job's start (wall clock): older dumps are not its own."""
+        ``started``: the job's start (wall clock): older dumps are not its own;
+        ``dump_prefix``: the ranks' (default: this process's); ``listening``:
+        a process group's listener is parked on the store (else nobody is
+        asked: the C-level stacks of ``local``, {rank: pid} of those still
+        running, and the dumps speak)."""
         self.addr, self.port, self.secret, self.nproc = addr, port, secret, nproc
         self.reason, self.seconds, self.report_dir, self._wake = reason, seconds, report_dir, wake
         self._gone, self._started = gone, started
+        self._prefix = dump_prefix or dump.prefix()
+        self._listening, self._local = listening, dict(local or {})
         self.deadline = time.monotonic() + seconds + 1.0  # the thread's own bounds, and a second to spare
         self.lines: list[str] = []
         self._done = threading.Event()
@@ -64,10 +71,22 @@ class Autopsy:
         try:
             folder = self._folder()
             signum = env.STACKS_SIGNAL.get()
-            inq = inquiry.inquire(store, f"autopsy by nccl-pg run: {self.reason}", answers, world=self.nproc,
-                                  dump=True, local=lambda: stacks.find_ranks(self.addr, self.port, signum),
-                                  signum=signum, dumps_dir=None if folder is None else f"{folder}.answers",
-                                  gone=self._gone, dump_of=self._dump_of)
+            looks = 0
+
+            def look() -> inquiry.Inquiry:
+                nonlocal looks
+                looks += 1  # the first look asks for the dumps (fresh ones, before the ranks are stopped)
+                wait = max(0.5, min(answers, self.deadline - 1.0 - _MARGIN - inquiry.STACKS_WAIT - time.monotonic()))
+                return inquiry.inquire(store, f"autopsy by nccl-pg run: {self.reason}", wait, world=self.nproc,
+                                       dump=looks == 1, local=self._ranks_here(signum), signum=signum,
+                                       dumps_dir=None if folder is None else f"{folder}.answers",
+                                       gone=self._gone, dump_of=self._dump_of, ask=self._listening,
+                                       known=self._local)
+
+            if self._listening:
+                inq = findings.ask(look, max(0.0, self.deadline - 1.0 - _MARGIN - time.monotonic()))
+            else:
+                inq = findings.one_look(look())
         finally:
             store.close()
         answered = len(inq.ranks) - len(inq.silent)
@@ -79,10 +98,18 @@ class Autopsy:
             lines += self._write(folder, inq)
         return lines
 
+    def _ranks_here(self, signum: int) -> Callable[[], Mapping[int, int]]:
+        """{rank: pid} of the job's ranks still running, for their C-level stacks: the launcher's own list,
+        else those found by their environment."""
+        def find() -> Mapping[int, int]:
+            alive = {r: p for r, p in self._local.items() if r not in self._gone()}
+            return alive or stacks.find_ranks(self.addr, self.port, signum)
+        return find
+
     def _dump_of(self, rank: int) -> str | None:
         """The debug dump a rank that did not answer wrote during this job (say, at its own timeout)."""
         try:
-            path = f"{dump.prefix()}{rank}"
+            path = f"{self._prefix}{rank}"
             return path if os.stat(path).st_mtime >= self._started else None
         except OSError:
             return None
@@ -90,7 +117,7 @@ class Autopsy:
     def _folder(self) -> str | None:
         """The report's path without its suffix: beside the dumps, unless --report-dir."""
         try:
-            where = self.report_dir or os.path.dirname(dump.prefix()) or "."
+            where = self.report_dir or os.path.dirname(self._prefix) or "."
             os.makedirs(where, mode=0o700, exist_ok=True)
         except OSError:
             return None
@@ -99,8 +126,8 @@ class Autopsy:
 
     def _write(self, stem: str, inq: inquiry.Inquiry) -> list[str]:
         out = []
-        for suffix, text in ((".report.json", json.dumps({"reason": self.reason, **inquiry.to_json(inq)}, indent=1)),
-                             (".report.md", inquiry.to_markdown(inq, f"nccl-pg run autopsy: {self.reason}"))):
+        for suffix, text in ((".report.json", json.dumps({"reason": self.reason, **findings.to_json(inq)}, indent=1)),
+                             (".report.md", findings.to_markdown(inq, f"nccl-pg run autopsy: {self.reason}"))):
             path = stem + suffix
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)

@@ -1,10 +1,11 @@
 """The record `nccl-pg run` keeps of a running job, so that `nccl-pg why`
 with no arguments finds the jobs this user started on this machine.
 
-One file per launcher, ``<tmp>/nccl_pg-<uid>/jobs/run-<pid>.json``, in the
-private directory of the dumps (made 0700 and refused unless it is this
-user's), written 0600 through a temporary file renamed into place, removed
-when the launcher exits. It holds the store's address and secret (which the
+One file per launcher, ``run-<pid>.json``, in this user's runtime folder
+(``folder``: found whatever TMPDIR the launcher, the ranks or `nccl-pg why`
+run with; made 0700 and refused unless it is this user's), written 0600
+through a temporary file renamed into place, removed when the launcher
+exits. It holds the store's address and secret (which the
 ranks also have in their environment), the launcher's pid and start time
 (to tell a record left by a launcher that was killed from a live one: the
 pid may be reused), the number of ranks and the command.
@@ -21,11 +22,13 @@ import contextlib
 import json
 import os
 import stat
+import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .. import process_tree
+from .. import env, process_tree
 from ..diagnostics import dump
 
 MAX_BYTES = 64 * 1024
@@ -48,8 +51,46 @@ class Job:
         return f"{self.host}:{self.port}"
 
 
-def folder() -> str:
-    return dump.own_folder(os.path.join(dump.private_dir(), "jobs"))
+def folder(environ: Mapping[str, str] | None = None) -> str:
+    """Where this user's launchers keep their records, whatever TMPDIR says
+    (a rank, a shell and `nccl-pg why` may each have their own):
+    ``NCCL_PG_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR/nccl_pg`` when that is
+    a folder of this user's, else ``/tmp/nccl_pg-<uid>/jobs``. Made 0700,
+    refused unless this user's."""
+    environ = os.environ if environ is None else environ
+    given = env.RUNTIME_DIR.get(environ)
+    if given is not None:
+        os.makedirs(given, mode=0o700, exist_ok=True)
+        return dump.own_folder(given)
+    xdg = environ.get("XDG_RUNTIME_DIR", "")
+    if xdg and os.path.isabs(xdg):
+        with contextlib.suppress(OSError):
+            st = os.stat(xdg)
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+                return dump.own_folder(os.path.join(xdg, "nccl_pg"))
+    base = dump.own_folder(f"/tmp/nccl_pg-{os.getuid()}")
+    return dump.own_folder(os.path.join(base, "jobs"))
+
+
+def _folders() -> list[str]:
+    """Where records may be: this version's folder, and where earlier ones kept them (``<TMPDIR>/nccl_pg-<uid>/jobs``)."""
+    out = []
+    with contextlib.suppress(OSError):
+        out.append(folder())
+    with contextlib.suppress(OSError):
+        old = os.path.join(dump.private_dir(), "jobs")
+        if os.path.isdir(old) and old not in out:
+            out.append(old)
+    return out
+
+
+def searched() -> list[str]:
+    """The folders ``running`` looks in (for a message that says where)."""
+    out = []
+    with contextlib.suppress(OSError):
+        out.append(folder())
+    out.append(os.path.join(os.path.join(tempfile.gettempdir(), f"nccl_pg-{os.getuid()}"), "jobs"))
+    return list(dict.fromkeys(out))
 
 
 def start_time(pid: int) -> int | None:
@@ -119,13 +160,14 @@ def running() -> tuple[list[Job], list[str]]:
     """The live jobs' records (oldest first), and notes on the files skipped;
     records of launchers that are gone are removed."""
     jobs, notes = [], []
-    try:
-        where = folder()
-        names = sorted(n for n in os.listdir(where) if n.startswith(_PREFIX) and n.endswith(_SUFFIX))
-    except OSError as exc:
-        return [], [f"no job records: {exc}"]
-    for n in names:
-        path = os.path.join(where, n)
+    paths = []
+    for where in _folders():
+        try:
+            paths += [os.path.join(where, n) for n in sorted(os.listdir(where))
+                      if n.startswith(_PREFIX) and n.endswith(_SUFFIX)]
+        except OSError as exc:
+            notes.append(f"no job records in {where}: {exc}")
+    for path in paths:
         try:
             job = read(path)
         except ValueError as exc:

@@ -5,7 +5,10 @@ not take the store down for the others. Each rank runs in its own session, so
 that signalling its process group reaches everything it started. One
 single-threaded loop multiplexes the ranks' output pipes, signals (through a
 wakeup pipe) and deadlines; nothing else signals or reaps the ranks, so there
-are no races between threads over who reaps or kills what.
+are no races between threads over who reaps or kills what. It never blocks on
+its own output: what it prints goes through output.py's sinks (a bounded
+buffer and a writer thread each), so a reader that stops reading cannot stop
+the deadlines or the signals.
 
 Before it stops a job (``--max-time``, the first rank to fail, a signal), it
 asks the ranks why (autopsy.py, on a thread of its own that only talks to
@@ -28,17 +31,18 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import IO, BinaryIO
+from typing import IO
 
-from .. import env
-from ..diagnostics import dump
+from .. import env, process_tree
+from ..diagnostics import dump, jobs_folder
 from ..errors import DistError
 from ..store import TCPStoreServer
 from ..timeouts import option_seconds
-from . import elastic, jobs
+from . import elastic, jobs, output
 from ._rank_guard import CLEANUP_BUDGET, KILL_SIGNAL
 from .autopsy import AUTOPSY_TIME, Autopsy
 from .elastic_stuck import StuckWatch
+from .job_files import STALL_WARNING, JobFiles
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 EXIT_STATUS_HELP = ("exit status: 0 when every rank exits 0; otherwise that of the first rank to fail (128+N for "
@@ -66,6 +70,7 @@ class LaunchConfig:
     autopsy_time: float = AUTOPSY_TIME  # 0: stop without asking the ranks why
     report_dir: str | None = None  # the autopsy's report (default: beside the dumps)
     elastic: elastic.ElasticOptions | None = None  # --elastic: replace a rank that dies or hangs (cli/elastic.py)
+    stall_warning: float = STALL_WARNING  # a line when the job has hung this long (job_files.py); 0: none
 
 
 # --- command line ------------------------------------------------------------
@@ -87,6 +92,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "not ask)")
     parser.add_argument("--report-dir", metavar="DIR",
                         help="where the autopsy's report goes (default: beside the ranks' debug dumps)")
+    parser.add_argument("--stall-warning", type=_seconds_or_zero, default=STALL_WARNING, metavar="S",
+                        help="print one line when some rank has waited S seconds in a collective that does not "
+                             "complete, naming the ranks and `nccl-pg why` (read from each rank's progress file, "
+                             f"never the store; default: {STALL_WARNING:g}; 0: never)")
     parser.add_argument("--no-prefix", dest="prefix", action="store_false",
                         help="let ranks write straight to the terminal instead of prefixing lines with [rankN]:")
     elastic.add_arguments(parser)
@@ -106,7 +115,8 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     return LaunchConfig(nproc=args.nproc, command=command, master_addr=args.master_addr,
                         master_port=args.master_port, grace_period=args.grace_period,
                         max_time=args.max_time, prefix=args.prefix, autopsy_time=args.autopsy_time,
-                        report_dir=args.report_dir, elastic=elastic.options_from_args(args, parser))
+                        report_dir=args.report_dir, elastic=elastic.options_from_args(args, parser),
+                        stall_warning=args.stall_warning)
 
 
 def _seconds_or_zero(raw: str) -> float:
@@ -159,15 +169,23 @@ def _signame(signum: int) -> str:
         return f"signal {signum}"
 
 
+_console: output.Console | None = None  # the running job's outputs (the launcher runs one job per process)
+OUTPUT_FLUSH = 2.0  # seconds, at the end, for the outputs to write out what they hold
+
+
 def _log(message: str) -> None:
-    print(f"nccl-pg run: {message}", file=sys.stderr, flush=True)
+    line = f"nccl-pg run: {message}"
+    if _console is not None:
+        _console.log(line)
+    else:
+        print(line, file=sys.stderr, flush=True)
 
 
 class _LineWriter:
     """Writes a rank's output line by line with a prefix, so that lines of
     different ranks never interleave mid-line."""
 
-    def __init__(self, prefix: bytes, out: BinaryIO) -> None:
+    def __init__(self, prefix: bytes, out: output.Sink) -> None:
         self.prefix = prefix
         self.out = out
         self.partial = b""
@@ -187,8 +205,7 @@ class _LineWriter:
 
     def _write(self, lines: list[bytes]) -> None:
         if lines:
-            self.out.write(b"".join(self.prefix + line + b"\n" for line in lines))
-            self.out.flush()
+            self.out.write(b"".join(self.prefix + line + b"\n" for line in lines), len(lines))
 
 
 class _Stream:
@@ -214,10 +231,22 @@ class _Rank:
     rank: int
     proc: subprocess.Popen[bytes]
     returncode: int | None = None
+    own_pid: int | None = None  # the rank's process, below its guard (what the rank and the verdicts call its pid)
 
     @property
     def pid(self) -> int:
+        """The guard's pid (the launcher's child)."""
         return self.proc.pid
+
+    def find_own_pid(self) -> int | None:
+        """The rank's own pid: its guard's one child (read once, while both run)."""
+        if self.own_pid is None and self.returncode is None:
+            self.own_pid = process_tree.only_child(self.pid)
+        return self.own_pid
+
+    def name(self) -> str:
+        """"rank 1 (pid 4242)": by the rank's own pid once known, as every verdict names it."""
+        return f"rank {self.rank} (pid {self.own_pid or self.pid})"
 
     def signal_group(self, signum: int) -> None:
         """Signal the rank and everything it started (its session's group).
@@ -270,8 +299,20 @@ class _Job:
         self.stuck: StuckWatch | None = None  # --elastic: the hung ranks the others named
         self.stuck_to_stop: list[tuple[int, str]] = []  # (member, why), from the stuck watch's thread
         self.common_env: dict[str, str] = {}  # what every rank's environment holds (a replacement's too)
+        self.console = output.Console()  # the launcher's stdout and stderr (output.py)
+        self.files: JobFiles | None = None  # the job's id, folder, progress files (job_files.py)
+        self.endings: list[jobs_folder.Ending] = []  # how each rank ended, as they are reaped
 
     def run(self) -> int:
+        global _console
+        _console = self.console
+        try:
+            return self._run()
+        finally:
+            _console = None
+            self.console.close(OUTPUT_FLUSH)
+
+    def _run(self) -> int:
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
         old_wakeup = signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
@@ -281,6 +322,10 @@ class _Job:
         server = None
         record = None
         try:
+            try:
+                self.files = JobFiles.start(self.config.stall_warning, os.environ)
+            except OSError as exc:
+                _log(f"warning: no folder for this job's dumps and progress ({exc}); no stall line")
             secret = env.STORE_SECRET.get() or secrets.token_hex(16)
             server = _start_store(self.config, secret)
             if server is None:
@@ -291,6 +336,8 @@ class _Job:
             self._supervise()
         finally:
             self._kill_remaining()
+            if self.files is not None:
+                self._finish_files()
             if record is not None:
                 jobs.remove(record)
             for stream in self.streams.values():  # left open only when leaving on an exception
@@ -308,6 +355,13 @@ class _Job:
             os.close(self.wake_r)
             os.close(self.wake_w)
         return self.exit_code or 0
+
+    def _finish_files(self) -> None:
+        assert self.files is not None
+        failed = self.exit_code not in (None, 0)
+        path = self.files.finish(failed, self.endings, lambda: [r.own_pid or r.pid for r in self.ranks])
+        if path is not None:
+            _log(f"how each rank ended: {path} (nccl-pg trace {os.path.dirname(path)})")
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.pending_signals.append(signum)  # handled by the loop, outside the handler
@@ -360,16 +414,20 @@ class _Job:
                     _log(f"rank {member} (pid {rank.pid}) is stuck: {why}; stopping it, to replace it like a dead one")
                     rank.kill()
 
+    def _job_env(self, index: int) -> dict[str, str]:
+        return {} if self.files is None else self.files.rank_env(index)
+
     def _spawn(self, rank: int, rank_env: dict[str, str]) -> None:
         pipe = subprocess.PIPE if self.config.prefix else None
         command = [sys.executable, "-m", "nccl_pg.cli._rank_guard", str(os.getpid()), *self.config.command]
+        rank_env = {**rank_env, **self._job_env(rank)}
         proc = subprocess.Popen(command, env=rank_env, stdin=subprocess.DEVNULL,
                                 stdout=pipe, stderr=pipe, start_new_session=True)
         self.ranks.append(_Rank(rank, proc))
         if self.config.prefix:
             prefix = f"[rank{rank}]: ".encode()
-            self._watch(proc.stdout, _LineWriter(prefix, sys.stdout.buffer))
-            self._watch(proc.stderr, _LineWriter(prefix, sys.stderr.buffer))
+            self._watch(proc.stdout, _LineWriter(prefix, self.console.out))
+            self._watch(proc.stderr, _LineWriter(prefix, self.console.err))
 
     def _watch(self, pipe: IO[bytes] | None, writer: _LineWriter) -> None:
         assert pipe is not None
@@ -386,7 +444,7 @@ class _Job:
         return [r for r in self.ranks if r.returncode is None]
 
     def _supervise(self) -> None:
-        while self._live() or self.streams:
+        while self._live() or self.streams or self.stop_after_autopsy is not None:  # an autopsy outlives the ranks
             for key, _ in self.selector.select(self._timeout()):
                 if key.fd == self.wake_r:
                     _drain(self.wake_r)
@@ -396,10 +454,24 @@ class _Job:
             self._stop_stuck()
             self._reap()
             self._check_deadlines()
+            self._watch_progress()
+
+    def _watch_progress(self) -> None:
+        """The ranks' own pids (while their guards run), and the line that says the job hangs (job_files.py)."""
+        for r in self._live():
+            r.find_own_pid()
+        if self.files is not None and self.exit_code is None:
+            line = self.files.check([r.rank for r in self._live()])
+            if line is not None:
+                _log(line)
 
     def _timeout(self) -> float | None:
         autopsy = self.autopsy.deadline if self.autopsy is not None and self.stop_after_autopsy else None
-        deadlines = [t for t in (self.max_time_at, self.kill_at, self.hard_kill_at, self.drain_until, autopsy)
+        tick = None
+        if self._live() and (any(r.own_pid is None for r in self._live()) or (
+                self.files is not None and self.files.stall_warning and self.exit_code is None)):
+            tick = time.monotonic() + (0.05 if any(r.own_pid is None for r in self._live()) else 1.0)
+        deadlines = [t for t in (self.max_time_at, self.kill_at, self.hard_kill_at, self.drain_until, autopsy, tick)
                      if t is not None]
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
@@ -414,13 +486,18 @@ class _Job:
     def _reap(self) -> None:
         failed = []
         for rank in self._live():
-            if rank.exited() and rank.reap() != 0 and self.exit_code is None:
+            if not rank.exited():
+                continue
+            returncode = rank.reap()
+            if self.files is not None:
+                self.endings.append(self.files.ending(rank.rank, rank.own_pid, returncode, describe(returncode),
+                                                      stopped=self.exit_code is not None))
+            if returncode != 0 and self.exit_code is None:
                 failed.append(rank)
         if failed and not self._replace(failed):  # (--elastic: all those of one pass together, as a node's)
             first = failed[0]
             assert first.returncode is not None
-            self._stop(signal.SIGTERM, exit_status(first.returncode),
-                       f"rank {first.rank} (pid {first.pid}) {describe(first.returncode)}")
+            self._stop(signal.SIGTERM, exit_status(first.returncode), f"{first.name()} {describe(first.returncode)}")
         if not self._live() and self.streams and self.drain_until is None:
             self.drain_until = time.monotonic() + self.config.grace_period
 
@@ -431,13 +508,13 @@ class _Job:
             return False
         how = {r.rank: describe(r.returncode or 0) for r in dead}
         starts = self.membership.died(how)
-        said = "; ".join(f"rank {r.rank} (pid {r.pid}) {how[r.rank]}" for r in dead)
+        said = "; ".join(f"{r.name()} {how[r.rank]}" for r in dead)
         if starts is None:
             _log(f"{said}; no replacement left (--max-replacements {self.membership.opts.max_replacements})")
             return False
         rank_env = {k: v for k, v in self.common_env.items() if k not in ("RANK", "GROUP_RANK")}
         for r, start in zip(sorted(dead, key=lambda r: r.rank), starts, strict=True):
-            _log(f"rank {r.rank} (pid {r.pid}) {how[r.rank]}; starting rank {start.member} in its place (it comes "
+            _log(f"{r.name()} {how[r.rank]}; starting rank {start.member} in its place (it comes "
                  f"in after configuration {start.env[env.ELASTIC_UUID.name]}; "
                  f"{self.membership.replacements_left} replacement(s) left)")
             self._spawn(start.member, {**rank_env, **start.env})
@@ -450,12 +527,12 @@ class _Job:
             if self.exit_code is None and self._live():
                 self._stop(signal.SIGTERM, EXIT_MAX_TIME, f"--max-time {self.config.max_time:g} s expired")
         if self.stop_after_autopsy is not None and self.autopsy is not None and (
-                self.autopsy.done() or now >= self.autopsy.deadline or not self._live()):
+                self.autopsy.done() or now >= self.autopsy.deadline):
             self._end_autopsy()
         if self.kill_at is not None and now >= self.kill_at:
             self.kill_at = None
             for rank in self._live():
-                _log(f"rank {rank.rank} (pid {rank.pid}) still running after the "
+                _log(f"{rank.name()} still running after the "
                      f"{self.config.grace_period:g} s grace period; sending SIGKILL to it and everything it started")
                 rank.kill()
             self.hard_kill_at = now + GUARD_KILL_WAIT
@@ -479,13 +556,19 @@ class _Job:
         if self.stop_after_autopsy is not None:
             _log(f"{reason} (while the autopsy runs)")
             return
-        # Someone to ask: a process group's listener parks a wait on the store (none does in a job without one).
-        if first and self._live() and self.config.autopsy_time > 0 and self.server is not None and \
-                self.store is not None and self.server.num_waiters > 0:
+        # Someone to ask (a process group's listener parks a wait on the store), or ranks that made a process group
+        # and may have left their dumps and stacks (a job without one has nothing to say).
+        listening = self.server is not None and self.server.num_waiters > 0
+        if first and self.config.autopsy_time > 0 and self.store is not None and (
+                listening or (self.files is not None and self.files.uses_groups())):
             addr, port, secret = self.store
-            _log(f"{reason}; asking the ranks why (at most {self.config.autopsy_time:g} s) before stopping them")
+            how = "asking the ranks why" if listening else "looking for why (no rank can be asked: their dumps and stacks)"
+            _log(f"{reason}; {how} (at most {self.config.autopsy_time:g} s) before stopping them" if self._live()
+                 else f"{reason}; {how} (at most {self.config.autopsy_time:g} s)")
+            prefix = self.files.dump_prefix if self.files is not None else None
             self.autopsy = Autopsy(addr, port, secret, self.config.nproc, reason, self.config.autopsy_time,
-                                   self.config.report_dir, self._wake, self._gone, self.started_wall)
+                                   self.config.report_dir, self._wake, self._gone, self.started_wall, prefix,
+                                   listening, {r.rank: p for r in self.ranks if (p := r.own_pid or r.find_own_pid())})
             self.stop_after_autopsy = (signum, reason)
             return
         live = self._live()
@@ -500,8 +583,10 @@ class _Job:
             self.kill_at = time.monotonic() + self.config.grace_period
 
     def _gone(self) -> dict[int, str]:
-        """How the ranks reaped so far ended (read by the autopsy's thread: a snapshot)."""
-        return {r.rank: describe(r.returncode) for r in list(self.ranks) if r.returncode is not None}
+        """How the ranks reaped so far ended, and where (read by the autopsy's thread: a snapshot)."""
+        where = {e.rank: e.last_op for e in list(self.endings)}
+        return {r.rank: describe(r.returncode) + (f" {where[r.rank]}" if where.get(r.rank) else "")
+                for r in list(self.ranks) if r.returncode is not None}
 
     def _wake(self) -> None:
         """From another thread: make the loop look at its deadlines now."""
@@ -515,8 +600,9 @@ class _Job:
         assert self.autopsy is not None and self.stop_after_autopsy is not None
         signum, reason = self.stop_after_autopsy
         self.stop_after_autopsy = None
-        for line in self.autopsy.lines if self.autopsy.done() else [
-                f"autopsy: no verdict within {self.config.autopsy_time:g} s; stopping the ranks anyway"]:
+        late = (f"autopsy: no verdict within {self.config.autopsy_time:g} s; stopping the ranks anyway" if self._live()
+                else f"autopsy: no verdict within {self.config.autopsy_time:g} s")
+        for line in self.autopsy.lines if self.autopsy.done() else [late]:
             _log(line)
         self._stop(signum, self.exit_code or 0, reason)
 

@@ -29,9 +29,11 @@ import sys
 from collections.abc import Callable, Mapping
 
 from .. import env
-from ..diagnostics import inquiry, stacks
+from ..diagnostics import findings, inquiry, stacks
+from ..diagnostics.printable import safe
 from ..diagnostics.trace import cli as trace_cli
 from ..diagnostics.trace import stragglers
+from ..diagnostics.verdicts import format_verdict
 from ..errors import DistError
 from ..store import PrefixStore, Store, TCPStore
 from ..timeouts import option_seconds
@@ -58,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=launcher.int_arg, metavar="N",
                         help="the number of ranks (default: as the ranks say; needed to name ranks when none answers)")
     parser.add_argument("--timeout", type=option_seconds, default=TIMEOUT, metavar="S",
-                        help=f"seconds to wait for the ranks' answers (default: {TIMEOUT:g})")
+                        help="seconds to wait for the ranks' answers, and for a second look when an operation in "
+                             f"flight is too young to call a hang (default: {TIMEOUT:g})")
     parser.add_argument("--max-bytes", type=launcher.int_arg, default=inquiry.CAP, metavar="N",
                         help=f"the largest answer a rank may give, in bytes (default: {inquiry.CAP})")
     parser.add_argument("--stacks-signal", type=env.parse_signal, default=None, metavar="SIG",
@@ -111,8 +114,9 @@ def run(args: argparse.Namespace) -> int:
     for n in notes:
         print(f"nccl-pg why: {n}", file=sys.stderr)
     if not targets:
-        print("nccl-pg why: no job to ask: none started with `nccl-pg run` by this user on this machine is running; "
-              "give the store with --store HOST:PORT (or MASTER_ADDR and MASTER_PORT)", file=sys.stderr)
+        print("nccl-pg why: no job to ask: none started with `nccl-pg run` by this user on this machine is running "
+              f"(looked for launchers' records in {', '.join(jobs.searched())}); give the store with --store "
+              "HOST:PORT (or MASTER_ADDR and MASTER_PORT)", file=sys.stderr)
         return EXIT_NO_JOB
     signum = env.STACKS_SIGNAL.get() if args.stacks_signal is None else args.stacks_signal
     status, out = EXIT_OK, []
@@ -120,15 +124,16 @@ def run(args: argparse.Namespace) -> int:
         try:
             result = ask(host, port, secret, world, args, signum)
         except (OSError, DistError, ValueError) as exc:
-            print(f"nccl-pg why: {label}: cannot ask: {exc}", file=sys.stderr)
+            print(safe(f"nccl-pg why: {label}: " + format_verdict("store_unreachable", f"cannot ask: {exc}"),
+                       lines=False), file=sys.stderr)
             status = max(status, EXIT_NO_JOB)
             continue
-        if not all(v["kind"] == "ok" for v in result.verdicts):
+        if findings.problem(result):
             status = max(status, EXIT_PROBLEMS)
         if args.json:
-            out.append({"job": label, **inquiry.to_json(result)})
+            out.append({"job": label, **findings.to_json(result)})
         else:
-            print(f"{label}\n{inquiry.format_text(result, args.stragglers)}", flush=True)
+            print(f"{safe(label, lines=False)}\n{findings.format_text(result, args.stragglers)}", flush=True)
     if args.json:
         print(json.dumps(out if len(out) != 1 else out[0], indent=1))
     return status
@@ -138,9 +143,12 @@ def ask(host: str, port: int, secret: str | None, world: int | None, args: argpa
         signum: int) -> inquiry.Inquiry:
     store, close = (_torch_store if args.torch else _store)(host, port, secret, args)
     try:
-        return inquiry.inquire(store, "asked by nccl-pg why", args.timeout, args.max_bytes, world, args.dump,
-                               lambda: stacks.find_ranks(host, port, signum), signum, dumps_dir=args.save,
-                               straggler_ms=args.straggler_ms)
+        def look() -> inquiry.Inquiry:
+            return inquiry.inquire(store, "asked by nccl-pg why", args.timeout, args.max_bytes, world, args.dump,
+                                   lambda: stacks.find_ranks(host, port, signum), signum, dumps_dir=args.save,
+                                   straggler_ms=args.straggler_ms)
+
+        return findings.ask(look, args.timeout)
     finally:
         close()
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from ..store import FileStore, HashStore, Store
 from ..store.base import Unparked
-from . import incidents, progress, report
+from . import dump, incidents, progress, report
 from .group_view import GroupView
 from .incidents import Signal, all_key, answer_key, count_key, signal_key
 
@@ -42,6 +42,9 @@ FILE_PARK = 1.0
 RETRY_CAP = 60.0
 # Earlier incidents kept in mind, for what a silent rank last said.
 LOOKBACK = 3
+# A failure's dump request is not answered by a process that wrote a dump this recently: that failure is most
+# likely a consequence of the first, whose dumps show where everyone was.
+FAILURE_QUIET = 30.0  # as the group layer's own failure dumps (group/core.py _DUMP_QUIET)
 # An incident thread with nothing to do for this long ends (the next incident starts another).
 RUNNER_IDLE = 30.0
 
@@ -59,13 +62,15 @@ class Channel:
         self.latest = 0  # newest incident seen or raised here
         self.recent: collections.deque[int] = collections.deque(maxlen=LOOKBACK + 1)
         # this rank's dumps by what they were for (incident numbers, timed-out operations' claims)
-        self._dumped: collections.OrderedDict[str, str | None] = collections.OrderedDict()
+        self._dumped: collections.OrderedDict[str, tuple[str | None, tuple[tuple[str, tuple[int, int, int]], ...]]] = \
+            collections.OrderedDict()
         self._dumping = threading.Lock()  # held while a dump is written (not the channel's: that one stays quick)
         self._job: Callable[[], None] | None = None  # this store's incident work, queued or running
         self._jobs = threading.Condition(self._lock)
         self._runner: threading.Thread | None = None
         self._warned: set[bytes] = set()  # malformed hints reported already
         self.closed = False
+        self._rank = -1  # the last global rank seen here (dumps are named after it)
         # in-process stores need no listener: every rank on them is in this process, on this channel
         self.thread = None if isinstance(store, HashStore) else \
             threading.Thread(target=self._listen, name="nccl_pg-signals", daemon=True)
@@ -132,7 +137,10 @@ class Channel:
             return
         if sig.answer:
             self.answer(gen, sig.counted)
-        if sig.dump and sig.origin != self.token and self._dumps():
+        # A failure's request (no claims: not a timeout's) finds this process's own dump of the same failure, just
+        # written, more often than not: one dump, one line.
+        fresh = not sig.claims and dump.written_within(FAILURE_QUIET)
+        if sig.dump and sig.origin != self.token and self._dumps() and not fresh:
             self.dump_once([f"gen {gen}", *sig.claims], f"signalled: {sig.reason}")
         if sig.report:
             self.report(gen, sig.report, sig.reason)
@@ -143,8 +151,12 @@ class Channel:
         views = [v for v in self.views() if v.state() != "destroyed"]
         if not views:
             return
+        by_rank: dict[int, list[GroupView]] = collections.defaultdict(list)  # (thread ranks share a process)
+        for v in views:
+            by_rank[v.global_rank(v.rank)].append(v)
+        about = {r: progress.whereabouts(vs) for r, vs in by_rank.items()}
         self.store.multi_set([answer_key(gen, v.ident, v.rank) for v in views],
-                             [progress.snapshot(v).encode() for v in views])
+                             [progress.snapshot(v, *about[v.global_rank(v.rank)]).encode() for v in views])
         for ident, n in collections.Counter(v.ident for v in views if v.ident in counted).items():
             if self.store.add(count_key(gen, ident), n) == counted[ident]:
                 self.store.set(all_key(gen, ident), b"1")
@@ -226,22 +238,44 @@ class Channel:
             return sorted((g for g in self.recent if g < gen), reverse=True)[:LOOKBACK]
 
     def rank(self) -> int:
-        """The global rank this process's dumps for this store are named after."""
+        """The global rank this process's dumps for this store are named after
+        (the last known, when its groups went meanwhile; -1 if never known)."""
         views = sorted(self.views(), key=lambda v: v.uid)
-        return views[0].global_rank(views[0].rank) if views else -1
+        if views:
+            self._rank = views[0].global_rank(views[0].rank)
+        return self._rank
 
     def dump_once(self, about: list[str], reason: str) -> str | None:
         """This rank's dump for an incident, known by any of ``about``
         (its number, the claims of its timed-out operations): written once,
-        whether the signal or this rank's own timeout comes first."""
+        whether the signal or this rank's own timeout comes first, unless
+        this rank moved since (it issued or completed operations after it
+        dumped at the signal): a dump must show where it is when it fails,
+        not where it was when another rank failed."""
         with self._dumping:
+            now = self._progress()
             seen = [a for a in about if a in self._dumped]
-            path = self._dumped[seen[0]] if seen else self._write_dump(reason, self.rank())
+            if seen and not _moved(self._dumped[seen[0]][1], now):
+                path = self._dumped[seen[0]][0]
+            else:
+                path = self._write_dump(reason, self.rank())
             for a in about:
-                self._dumped[a] = path
+                self._dumped[a] = (path, now)
             while len(self._dumped) > 64:
                 self._dumped.popitem(last=False)
             return path
+
+    def _progress(self) -> tuple[tuple[str, tuple[int, int, int]], ...]:
+        """Where this process is on every group of this store (what a dump would show)."""
+        return tuple(sorted((v.ident, v.counts()) for v in self.views()))
+
+
+def _moved(before: tuple[tuple[str, tuple[int, int, int]], ...],
+           now: tuple[tuple[str, tuple[int, int, int]], ...]) -> bool:
+    """Whether a group present at both moments issued or completed something in between (a group that went, by
+    an abort or a destroy, did not move)."""
+    old = dict(before)
+    return any(ident in old and old[ident] != counts for ident, counts in now)
 
 
 def join(threads: list[threading.Thread], timeout: float) -> list[threading.Thread]:

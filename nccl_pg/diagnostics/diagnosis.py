@@ -28,15 +28,17 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import env
 from ..errors import Culprit
 from ..store import Store
-from . import progress
+from . import frames, progress, stacks
 from .channel import PARK, Channel, join
 from .group_view import GroupView
 from .incidents import NS, all_key, answer_key, count_key, present, signal_key
@@ -55,6 +57,33 @@ FINISH_MIN = 0.2
 # Operations of a group that time out within this long after its last diagnosis here are explained by it:
 # a burst of async operations timing out together is one incident.
 REUSE = 1.0
+# A silent rank of this host is asked for its C-level stacks (stacks.py), for at most this long.
+C_STACKS_WAIT = 0.5
+
+
+def _local_stacks(silent: dict[tuple[str, int], int]) -> dict[tuple[str, int], tuple[int, tuple[str, int, str] | None]]:
+    """The silent ranks ({key: global rank}) that run on this host, found by their environment (the job's
+    MASTER_ADDR and MASTER_PORT, their RANK), and where their C-level stacks put them: their GIL is held, or they
+    are stuck in C, so their listener cannot answer."""
+    addr, port, signum = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", ""), env.STACKS_SIGNAL.get()
+    if not silent or not addr or not port.isdigit() or not signum:
+        return {}
+    try:
+        here = stacks.find_ranks(addr, int(port), signum)
+    except OSError:
+        return {}
+    pids = {k: here[g] for k, g in silent.items() if g in here and here[g] != os.getpid()}
+    replies = stacks.request_all(pids, signum, C_STACKS_WAIT, 1 << 20)
+    out: dict[tuple[str, int], tuple[int, tuple[str, int, str] | None]] = {}
+    for k, pid in pids.items():
+        got = replies.get(k)
+        threads = got.threads() if got is not None else []
+        main = next((t for t in threads if t.name == "MainThread"), threads[0] if threads else None)
+        f = frames.user_frame(main.frames) if main is not None else None
+        out[k] = (pid, None if f is None else (f.file, f.line, f.function))
+    return out
+
+
 def budget(timeout: float) -> float:
     return min(BUDGET_CAP, max(BUDGET_MIN, BUDGET_SHARE * timeout))
 
@@ -96,6 +125,8 @@ class _Outcome:
     answers: dict[tuple[str, int], Answer] = field(default_factory=dict)
     silent: dict[str, list[int]] = field(default_factory=dict)
     old: dict[tuple[str, int], Answer] = field(default_factory=dict)
+    # silent ranks of this host, by their C-level stacks: (ident, group rank) -> (pid, where)
+    c_stacks: dict[tuple[str, int], tuple[int, tuple[str, int, str] | None]] = field(default_factory=dict)
     waited: float = 0.0
     # claim key -> (gen, why, culprits)
     verdicts: dict[str, tuple[int, str, tuple[Culprit, ...]]] = field(default_factory=dict)
@@ -132,13 +163,16 @@ class _Incident:
         self.claims: dict[tuple[str, str], _Claim] = {}
         for r in sorted(requests, key=lambda r: r.seq):
             if r.key not in self.claims:
-                self.claims[r.key] = _Claim(f"{NS}/claim/{r.view.ident}/{r.key[1]}{r.seq}", r.view, r.seq,
+                # a point-to-point operation is this rank's with its peers: each side claims its own (both sides of a
+                # deadlock blame their peer)
+                mine = f".{r.view.rank}" if r.peers is not None else ""
+                self.claims[r.key] = _Claim(f"{NS}/claim/{r.view.ident}/{r.key[1]}{r.seq}{mine}", r.view, r.seq,
                                             r.peers, r.what)
         self.out = _Outcome()
 
     @property
     def hard_deadline(self) -> float:
-        return self.start + self.budget + _finish_time(self.budget) + 0.05
+        return self.start + self.budget + _finish_time(self.budget) + C_STACKS_WAIT + 0.05
 
     def run(self) -> None:
         out, store = self.out, self.channel.store
@@ -185,7 +219,11 @@ class _Incident:
                     answers[keys[k]] = a
         silent = {ident: [p for p in sorted(ranks) if (ident, p) not in answers] for ident, ranks in wanted.items()}
         old = self._lookback(gen, [(i, p) for i, ps in silent.items() for p in ps])
-        out.update(answers=answers, silent=silent, waited=waited, old=old)
+        out.update(answers=answers, silent=silent, waited=waited, old=old)  # enough to explain, if time runs out
+        views = {c.view.ident: c.view for c in won}
+        quiet = {(i, p): views[i].global_rank(p) for i, ps in silent.items() for p in ps}
+        if quiet and time.monotonic() + C_STACKS_WAIT < self.hard_deadline:
+            out.update(c_stacks=_local_stacks(quiet))
         verdicts = {c.key: (gen, *self._explain(c, c.seq)) for c in won}
         out.update(verdicts=verdicts)
         store.multi_set([f"{k}/verdict" for k in verdicts], [progress.encode_verdict(*v) for v in verdicts.values()])
@@ -232,7 +270,8 @@ class _Incident:
         else:
             answers[v.rank] = progress.snapshot(v)
             why = progress.explain(v, seq, answers, silent, out.waited, old)
-        found = tuple(progress.culprits(v, c.what, seq, answers, silent, old, c.peers))
+        local = {p: got for (i, p), got in out.c_stacks.items() if i == v.ident}
+        found = tuple(progress.culprits(v, c.what, seq, answers, silent, old, c.peers, local))
         where = progress.describe(found)
         return (f"{why}; {where}" if where else why), found
 
@@ -244,9 +283,11 @@ class _Incident:
             assert c is not None, "an incident explains only the kinds of operations it claimed"
             if not out.answered:
                 if self.stuck:
-                    return ("could not read the other ranks' progress from the store: it has not answered an "
+                    return ("store unreachable: could not read the other ranks' progress from the store: it has not "
+                            "answered an "
                             "earlier diagnosis either (unreachable or overloaded)"), ()
-                return (f"could not read the other ranks' progress from the store within {self.budget:.2f} s: "
+                return (f"store unreachable: could not read the other ranks' progress from the store within "
+                        f"{self.budget:.2f} s: "
                         "the store did not answer (unreachable or overloaded)"), ()
             if c.key in out.won:
                 if c.view.ident in out.silent:

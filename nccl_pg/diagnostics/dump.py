@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import re
 import socket
 import stat
 import sys
@@ -34,7 +35,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
 from .. import env, process_tree
@@ -48,6 +49,7 @@ def _group(view: GroupView) -> dict[str, Any]:
     now = time.monotonic()
     return {
         "uid": view.uid, "desc": view.desc, "name": view.name, "rank": view.rank, "size": view.size,
+        "ranks": view.global_ranks(),
         "backend": view.backend, "issued": a.issued, "completed": a.completed, "p2p_issued": a.p2p_issued,
         "state": view.state() or "open",
         "pending": [{"op": p.op, "seq": p.seq, "age_s": round(now - p.issued, 3)}
@@ -65,7 +67,7 @@ def report(reason: str, rank: int, groups: Sequence[GroupView]) -> dict[str, Any
     """The dump as a dict (the flight recorder's layout plus our keys)."""
     out = flight_recorder.get().dump(groups)
     out.update({"reason": reason, "rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
-                "time": time.time(), "groups": [_group(g) for g in groups], "threads": _threads()})
+                "time": time.time(), "job": job_id(), "groups": [_group(g) for g in groups], "threads": _threads()})
     return out
 
 
@@ -100,10 +102,41 @@ def private_dir() -> str:
     return path
 
 
+JOB_FOLDER = "job-"  # <private dir>/job-<id>: a job's dumps, reports, C-level stacks (jobs_folder.py)
+_UNSAFE_ID = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def job_id(environ: Mapping[str, str] | None = None) -> str | None:
+    """This process's job id: ``NCCL_PG_JOB_ID`` (set by `nccl-pg run` and
+    the test harness), else torchelastic's run id (torchrun; not its default
+    "none") or SLURM's job and step, made safe as a folder name; None
+    without any (a plain env:// launch)."""
+    environ = os.environ if environ is None else environ
+    own = env.JOB_ID.get(environ)
+    if own is not None:
+        return own
+    run = environ.get("TORCHELASTIC_RUN_ID", "")
+    if run and run != "none":
+        return _UNSAFE_ID.sub("_", f"torch-{run}")[:64]
+    if environ.get("SLURM_JOB_ID"):
+        return _UNSAFE_ID.sub("_", f"slurm-{environ['SLURM_JOB_ID']}.{environ.get('SLURM_STEP_ID', '0')}")[:64]
+    return None
+
+
+def job_folder(job: str) -> str:
+    """The job's folder, ``<tmp>/nccl_pg-<uid>/job-<id>`` (made 0700, refused unless this user's)."""
+    return own_folder(os.path.join(private_dir(), JOB_FOLDER + job))
+
+
 def prefix() -> str:
-    """The path prefix of this process's dumps (the rank is appended)."""
+    """The path prefix of this process's dumps (the rank is appended):
+    ``NCCL_PG_DEBUG_INFO_TEMP_FILE``, else in the job's own folder, else in
+    the private folder."""
     configured = env.DUMP_FILE.get()
-    return configured if configured is not None else os.path.join(private_dir(), "nccl_pg_trace_rank_")
+    if configured is not None:
+        return configured
+    job = job_id()
+    return os.path.join(job_folder(job) if job is not None else private_dir(), "nccl_pg_trace_rank_")
 
 
 def path_for(rank: int) -> str:

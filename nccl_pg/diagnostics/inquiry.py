@@ -28,8 +28,12 @@ from ..errors import DistError
 from ..store import Store
 from . import dump, frames, incidents, report, stacks, trace
 from .incidents import Signal
+from .verdicts import Look, collective, typical_step
 
 CAP = 128 * 1024  # bytes of one process's report, by default
+# The most ranks an inquiry expects when the job's size is not known from its launcher or the command line: the
+# size the store claims is untrusted (a forged one must not make the reader allocate for 16 million ranks).
+MAX_WORLD = 1 << 16
 TOTAL_CAP = 64 << 20  # bytes of all reports read, at most
 _BATCH = 8 << 20  # bytes asked for in one multi_get, at most
 STACKS_WAIT = 1.0  # seconds for a silent rank's C-level handler to write its stacks
@@ -79,6 +83,9 @@ class Inquiry:
     notes: list[str]
     verdicts: list[dict[str, Any]] = field(default_factory=list)
     dumps_dir: str | None = None
+    answers: dict[int, dict[str, Any]] = field(default_factory=dict)  # the checked reports (and dumps), by rank
+    looked_at: float = 0.0  # time.monotonic() of the look
+    asked: bool = True  # the processes were asked (False: no listener; only stacks and dumps)
 
 
 def _int(v: Any) -> int | None:
@@ -104,7 +111,7 @@ def checked(raw: bytes, cap: int) -> dict[str, Any] | None:
         return None
     try:
         d = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # the parser's own bound on nesting (a forged report 60,000 deep)
         return None
     if not isinstance(d, dict) or _int(d.get("rank")) is None:
         return None
@@ -127,7 +134,7 @@ def checked(raw: bytes, cap: int) -> dict[str, Any] | None:
         "cut": [_str(c, 256) for c in d.get("cut", []) if isinstance(c, str)] if isinstance(d.get("cut"), list) else [],
         # for the trace tool, which checks these itself
         "version": d.get("version"), "pg_config": d.get("pg_config"), "pg_status": d.get("pg_status"),
-        "entries": d.get("entries"), "reason": _str(d.get("reason")),
+        "entries": d.get("entries"), "reason": _str(d.get("reason")), "job": _str(d.get("job"), 64) or None,
     }
 
 
@@ -137,7 +144,7 @@ def _pending(groups: list[dict[str, Any]]) -> list[str]:
         for p in g.get("pending", []) if isinstance(g.get("pending"), list) else []:
             if isinstance(p, dict):
                 age = p.get("age_s")
-                out.append(f"{_str(p.get('op'), 64)} #{_int(p.get('seq'))} of group {_str(g.get('name'), 64)} for "
+                out.append(collective(_str(p.get("op"), 64), _int(p.get("seq")), _str(g.get("name"), 64)) + " for "
                            + (f"{age:.1f} s" if isinstance(age, (int, float)) else "? s"))
     return out
 
@@ -146,7 +153,8 @@ def inquire(store: Store, reason: str, timeout: float, cap: int = CAP, world: in
             dump: bool = False, local: Callable[[], Mapping[int, int]] | None = None, signum: int = 0,
             dumps_dir: str | None = None, total_cap: int = TOTAL_CAP, gone: Callable[[], Mapping[int, str]] | None = None,
             dump_of: Callable[[int], str | None] | None = None,
-            straggler_ms: float = trace.stragglers.THRESHOLD_MS) -> Inquiry:
+            straggler_ms: float = trace.stragglers.THRESHOLD_MS, ask: bool = True,
+            known: Mapping[int, int] | None = None) -> Inquiry:
     """Ask the job on ``store`` (see the module's docstring). ``world``: its
     size, if known (else as the first process to answer says); ``local``:
     {rank: pid} of its processes on this host, for C-level stacks (sent
@@ -155,25 +163,34 @@ def inquire(store: Store, reason: str, timeout: float, cap: int = CAP, world: in
     ended ({rank: "exited with code 1"}, asked once the answers are in); ``dump_of``: the path of a debug
     dump a silent rank wrote during this job, if any (it joins the answers
     in the analysis); ``straggler_ms``: the analysis's straggler threshold
-    (``trace.stragglers``, from the recorders' timestamps)."""
+    (``trace.stragglers``, from the recorders' timestamps); ``ask``: False
+    when no process listens (the launcher's autopsy of a job whose ranks
+    cannot answer): only the C-level stacks and the dumps speak; ``known``:
+    {rank: pid} of ranks of this host, to name a silent (or ended) one."""
     t0 = time.monotonic()
     deadline = t0 + timeout
     notes: list[str] = []
     cap = max(1024, min(cap, incidents.REPORT_MAX))
-    origin = f"inquiry:{socket.gethostname()}:{os.getpid()}"
-    gen = incidents.raise_signal(store, Signal(reason, origin, answer=False, dump=dump, report=cap),
-                                 incidents.newest(store) + 1)
-    incidents.note_latest(store, gen)
-    try:
-        store.wait([incidents.reports_all_key(gen)], max(deadline - time.monotonic(), 0.001))
-    except DistError:
-        pass  # someone did not answer in time: read what is there
+    gen: int | None = None
+    if ask:
+        origin = f"inquiry:{socket.gethostname()}:{os.getpid()}"
+        gen = incidents.raise_signal(store, Signal(reason, origin, answer=False, dump=dump, report=cap),
+                                     incidents.newest(store) + 1)
+        incidents.note_latest(store, gen)
+        try:
+            store.wait([incidents.reports_all_key(gen)], max(deadline - time.monotonic(), 0.001))
+        except DistError:
+            pass  # someone did not answer in time: read what is there
     waited = time.monotonic() - t0
     read_by = time.monotonic() + max(1.0, timeout / 2)
-    if world is None and store.check([incidents.reports_world_key(gen)]):
+    if gen is not None and world is None and store.check([incidents.reports_world_key(gen)]):
         w = incidents.parse_gen(store.get(incidents.reports_world_key(gen)))
-        world = w if w is not None and 0 < w < 1 << 24 else None
-    answers = _read(store, gen, world, cap, total_cap, read_by, notes)
+        world = w if w is not None and w > 0 else None
+        if world is not None and world > MAX_WORLD:
+            notes.append(f"the store says the job has {world} ranks; asking at most {MAX_WORLD} (give the size: "
+                         "--world-size)")
+            world = MAX_WORLD
+    answers = _read(store, gen, world, cap, total_cap, read_by, notes) if gen is not None else {}
     ranks: dict[int, Rank] = {}
     covered: set[int] = set()
     for r, a in sorted(answers.items()):
@@ -186,10 +203,11 @@ def inquire(store: Store, reason: str, timeout: float, cap: int = CAP, world: in
         ranks[r] = Rank(r, a["ranks"], "store", a["host"], a["pid"], a["devices"], a["where"], _pending(a["groups"]),
                         [frames.Frame(*f) for f in focus], a["cut"])
     expected = set(range(world)) if world else set()
+    bound = world or MAX_WORLD  # a rank a report names beyond the job's size is not one
     for a in answers.values():  # members of the groups they are in
         for g in a["groups"]:
             if isinstance(g.get("ranks"), list):
-                expected.update(r for r in g["ranks"] if _int(r) is not None and 0 <= r < 1 << 24)
+                expected.update(r for r in g["ranks"][:bound] if _int(r) is not None and 0 <= r < bound)
     silent = sorted(expected - covered)
     if world is None and not answers:
         notes.append("no process answered, and the job's size is unknown (give it: --world-size)")
@@ -198,6 +216,8 @@ def inquire(store: Store, reason: str, timeout: float, cap: int = CAP, world: in
     replies = stacks.request_all(asked, signum, STACKS_WAIT, cap)
     for r in silent:
         ranks[r] = Rank(r, [r], None)
+        if known and r in known:
+            ranks[r].pid, ranks[r].host = known[r], socket.gethostname()
         pid = pids.get(r)
         if pid is None:
             continue
@@ -236,9 +256,8 @@ def inquire(store: Store, reason: str, timeout: float, cap: int = CAP, world: in
                 for n in os.listdir(folder):
                     os.unlink(os.path.join(folder, n))
                 os.rmdir(folder)
-    inq = Inquiry(gen, world, waited, ranks, silent, analysis, notes, dumps_dir=dumps_dir)
-    inq.verdicts = verdicts(inq)
-    return inq
+    return Inquiry(gen, world, waited, ranks, silent, analysis, notes, dumps_dir=dumps_dir, answers=answers,
+                   looked_at=t0, asked=ask)
 
 
 def _where(stack: list[frames.Frame]) -> dict[str, Any] | None:
@@ -260,9 +279,11 @@ def _from_dump(path: str, rank: int, notes: list[str]) -> dict[str, Any] | None:
     threads = [{"name": t.name, "ident": None, "main": t.name == "MainThread",
                 "frames": [report.wire(f) for f in t.frames[-report.DEPTH_MAX:]]} for t in parsed]
     return {"rank": rank, "ranks": [rank], "world": None, "pid": _int(d.get("pid")), "host": _str(d.get("host"), 255),
-            "time": None, "devices": [], "where": None, "threads": threads, "groups": [], "cut": [],
+            "time": d.get("time") if isinstance(d.get("time"), (int, float)) else None, "devices": [], "where": None,
+            "threads": threads, "cut": [],
+            "groups": [g for g in d["groups"] if isinstance(g, dict)][:256] if isinstance(d.get("groups"), list) else [],
             "version": d.get("version"), "pg_config": d.get("pg_config"), "pg_status": d.get("pg_status"),
-            "entries": d.get("entries"), "reason": _str(d.get("reason"))}
+            "entries": d.get("entries"), "reason": _str(d.get("reason")), "job": _str(d.get("job"), 64) or None}
 
 
 def _read(store: Store, gen: int, world: int | None, cap: int, total_cap: int, deadline: float,
@@ -282,7 +303,7 @@ def _read(store: Store, gen: int, world: int | None, cap: int, total_cap: int, d
         for k, raw in zip(batch, store.multi_get(batch), strict=True):
             budget -= len(raw)
             a = checked(raw, cap)
-            if a is None:
+            if a is None or not 0 <= a["rank"] < world:
                 notes.append(f"{k}: not a report (or over {cap} bytes): ignored")
                 continue
             out[a["rank"]] = a
@@ -293,7 +314,7 @@ def _analyze(folder: str, answers: Mapping[int, dict[str, Any]], straggler_ms: f
     """The reports as dumps in ``folder`` (0700), and the trace tool's analysis of them."""
     os.makedirs(folder, mode=0o700, exist_ok=True)
     for r, a in answers.items():
-        d = {k: a[k] for k in ("version", "pg_config", "pg_status", "entries", "reason", "pid", "host", "time")
+        d = {k: a[k] for k in ("version", "pg_config", "pg_status", "entries", "reason", "pid", "host", "time", "job")
              if a.get(k) is not None}
         d["rank"] = r
         d["threads"] = {f"{t['name']} ({t['ident']})": frames.format_traceback([frames.Frame(*f) for f in t["frames"]])
@@ -305,151 +326,35 @@ def _analyze(folder: str, answers: Mapping[int, dict[str, Any]], straggler_ms: f
     return trace.analyze_dir(folder, DUMP_PREFIX, allow_incomplete_ranks=True, straggler_ms=straggler_ms)
 
 
-# --- words -----------------------------------------------------------------------------------------
-
-
-def _group(p: Mapping[str, Any], analysis: Mapping[str, Any]) -> str:
-    name = p.get("group")
-    desc = next((g.get("desc") for g in analysis.get("groups", []) if g.get("name") == name), "")
-    return f"group {name}" + (f" ({desc})" if desc else "")
-
-
-def _ranks(ranks: list[Any]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
-
-def verdicts(inq: Inquiry) -> list[dict[str, Any]]:
-    """One entry per problem: {"kind", "ranks", "text"}."""
-    out: list[dict[str, Any]] = []
-    a = inq.analysis or {}
-    ranks = inq.ranks
-
-    def who(r: int) -> str:
-        return ranks[r].who() if r in ranks else f"rank {r}"
-
-    def at(r: int) -> str:
-        where = ranks[r].at() if r in ranks else ""
-        return f"; it is at {where}" if where else ""
-
-    for p in a.get("problems", []):
-        kind, culprits = p.get("kind"), [r for r in p.get("ranks", []) if isinstance(r, int)]
-        if kind == "no_dump" or (kind == "unreadable" and all(r in inq.silent for r in culprits)):
-            continue  # said below, with the silent ranks
-        if kind == "ranks_missing":
-            present = _ranks(p.get("present", []))
-            for w in p.get("where", []):
-                r = w.get("rank")
-                cur = w.get("current") or {}
-                elsewhere = ""
-                if cur and cur.get("state") != "completed" and (cur.get("group") != p.get("group")
-                                                                 or cur.get("seq") != p.get("seq")):
-                    elsewhere = f"; it is in {cur.get('op')} #{cur.get('seq')} of group {cur.get('group')}"
-                out.append({"kind": kind, "ranks": [r], "text":
-                            f"{who(r)} never joined {p.get('op')} #{p.get('seq')} of {_group(p, a)}, which {present} "
-                            f"issued{elsewhere}{at(r)}"})
-        elif kind == "not_completed" and p.get("seq") is not None:
-            missing = p.get("missing") or []
-            members = next((g.get("ranks") or [] for g in a.get("groups", []) if g.get("name") == p.get("group")), [])
-            unknown = [r for r in members if r in inq.silent]
-            text = f"{p.get('op')} #{p.get('seq')} of {_group(p, a)} has not completed on {_ranks(p.get('ranks', []))}"
-            if missing:
-                text += f", waiting for {_ranks(missing)}"
-            elif unknown:
-                text += f"; {_ranks(unknown)} did not answer (see below)"
-            else:
-                text += ": every rank issued it; one stopped making progress inside it (hung or frozen process, or network)"
-            out.append({"kind": kind, "ranks": p.get("ranks", []), "text": text})
-        else:
-            text = str(p.get("message", kind))
-            if len(culprits) == 1:
-                text = f"{who(culprits[0])}: {text}{at(culprits[0])}"
-            out.append({"kind": kind, "ranks": culprits, "text": text})
-    for r in inq.silent:
-        k = ranks.get(r)
-        if k is not None and k.gone:
-            said = f"; its debug dump has it at {k.at()}" if k.answered == "dump" and k.at() else ""
-            out.append({"kind": "gone", "ranks": [r], "text": f"{k.who()} {k.gone} before it answered{said}"})
-        elif k is not None and k.answered == "dump":
-            out.append({"kind": "dump_only", "ranks": [r], "text":
-                        f"{k.who()} did not answer within {inq.waited:.1f} s; its debug dump, written before, has it "
-                        f"at {k.at() or '?'}"})
-        elif k is not None and k.answered == "c-stack":
-            out.append({"kind": "c_stack_only", "ranks": [r], "text":
-                        f"{k.who()} did not answer within {inq.waited:.1f} s (its GIL held, or stuck in C); its "
-                        f"C-level stack says it is at {k.at() or '?'} (from {k.c_stack_path})"})
-        else:
-            out.append({"kind": "silent", "ranks": [r], "text":
-                        f"{who(r)} did not answer within {inq.waited:.1f} s (dead, frozen, its GIL held, or on "
-                        "another host without its stack)"})
-    if not out:
-        n = len([r for r in ranks.values() if r.answered])
-        busy = sum(len(r.pending) for r in ranks.values())
-        out.append({"kind": "ok", "ranks": [], "text":
-                    f"no problem found: {n} process(es) answered; the ranks line up"
-                    + (f" ({busy} operation(s) in flight)" if busy else " (nothing in flight)")})
+def looks(inq: Inquiry) -> dict[str, dict[int, Look]]:
+    """What this look shows of each group, by global rank (``verdicts.Look``:
+    last issued, last completed, the age of its oldest operation in flight),
+    from the ranks' reports."""
+    out: dict[str, dict[int, Look]] = {}
+    for a in inq.answers.values():
+        for g in a["groups"]:
+            name, ranks, me = g.get("name"), g.get("ranks"), _int(g.get("rank"))
+            issued, completed = _int(g.get("issued")), _int(g.get("completed"))
+            if not isinstance(name, str) or not isinstance(ranks, list) or me is None or not 0 <= me < len(ranks) \
+                    or issued is None or completed is None or _int(ranks[me]) is None:
+                continue
+            ages = [p["age_s"] for p in g.get("pending", []) if isinstance(p, dict)
+                    and isinstance(p.get("age_s"), (int, float))] if isinstance(g.get("pending"), list) else []
+            out.setdefault(name, {})[ranks[me]] = Look(issued, completed, float(max(ages, default=0.0)))
     return out
 
 
-def straggler_lines(inq: Inquiry) -> list[str]:
-    """The ranks consistently last at collectives, and by how much (``trace.stragglers``), in words."""
-    found = (inq.analysis or {}).get("stragglers")
-    return list(found["summary"]) if found else ["stragglers: no rank answered with its flight recorder"]
-
-
-def format_text(inq: Inquiry, stragglers: bool = False) -> str:
-    """The verdict lines, every rank, the notes; ``stragglers``: the late ranks too."""
-    lines = [f"nccl-pg why: incident {inq.incident}, "
-             + (f"{len(inq.ranks) - len(inq.silent)} of {inq.world} ranks answered" if inq.world else
-                f"{len(inq.ranks)} answered")
-             + f" in {inq.waited:.2f} s"]
-    lines += [f"  {v['text']}" for v in inq.verdicts]
-    lines.append("ranks:")
-    for _, k in sorted(inq.ranks.items()):
-        how = {"store": "", "c-stack": " [C-level stack only]", "dump": " [its debug dump only]",
-               None: " [no answer]"}[k.answered] + (f" [{k.gone}]" if k.gone else "")
-        where = f" at {k.at()}" if k.at() else ""
-        busy = f"; in {'; '.join(k.pending)}" if k.pending else ""
-        lines.append(f"  {k.who()}{how}{where}{busy}")
-    if stragglers:
-        lines += straggler_lines(inq)
-    lines += [f"note: {n}" for n in inq.notes]
-    return "\n".join(lines)
-
-
-def to_json(inq: Inquiry) -> dict[str, Any]:
-    return {
-        "ok": all(v["kind"] == "ok" for v in inq.verdicts), "incident": inq.incident, "world": inq.world,
-        "waited_s": round(inq.waited, 3), "verdicts": inq.verdicts, "silent": inq.silent,
-        "ranks": {str(r): {"ranks": k.ranks, "answered": k.answered, "host": k.host, "pid": k.pid,
-                           "devices": k.devices, "where": k.where, "pending": k.pending,
-                           "stack": [report.wire(f) for f in k.stack],
-                           "cut": k.cut, "c_stack_file": k.c_stack_path, "dump_file": k.dump_path, "gone": k.gone or None}
-                  for r, k in sorted(inq.ranks.items())},
-        "stragglers": (inq.analysis or {}).get("stragglers"), "analysis": inq.analysis, "notes": inq.notes,
-        "dumps_dir": inq.dumps_dir,
-    }
-
-
-def to_markdown(inq: Inquiry, title: str) -> str:
-    out = [f"# {title}", "", f"Incident {inq.incident}; {len(inq.ranks) - len(inq.silent)} of "
-           f"{inq.world if inq.world else '?'} ranks answered within {inq.waited:.2f} s.", "", "## Verdict", ""]
-    out += [f"- {v['text']}" for v in inq.verdicts]
-    out += ["", "## Ranks", "", "| rank | host | pid | answered | where | in flight |", "|---|---|---|---|---|---|"]
-    for r, k in sorted(inq.ranks.items()):
-        out.append(f"| {r} | {k.host} | {k.pid or ''} | {k.answered or 'no'} | {k.at()} | {'; '.join(k.pending)} |")
-    blamed = sorted({r for v in inq.verdicts if v["kind"] not in ("ok", "not_completed") for r in v["ranks"]})
-    for r in blamed:
-        b = inq.ranks.get(r)
-        if b is None or not b.stack:
-            continue
-        k = b
-        how = {"c-stack": "C-level stack (faulthandler)", "dump": f"stack in its debug dump ({k.dump_reason[:80]})"
-               }.get(k.answered or "", "stack")
-        out += ["", f"## {k.who()}: {how}", "", "```"]
-        out += [line.rstrip("\n") for line in frames.format_traceback(k.stack)]
-        out.append("```")
-    if inq.analysis is not None:
-        out += ["", "## Flight recorders (nccl-pg trace)", "", "```", trace.format_text(inq.analysis), "```"]
-    if inq.notes:
-        out += ["", "## Notes", ""] + [f"- {n}" for n in inq.notes]
-    return "\n".join(out) + "\n"
+def typical_steps(inq: Inquiry) -> dict[str, float | None]:
+    """Each group's usual step (``verdicts.typical_step``), from the issue
+    times of its collectives in one rank's recorder."""
+    times: dict[str, list[float]] = {}
+    for a in inq.answers.values():
+        mine: dict[str, list[float]] = {}
+        for e in a.get("entries") or [] if isinstance(a.get("entries"), list) else []:
+            if isinstance(e, dict) and isinstance(e.get("process_group"), list) and e["process_group"] and \
+                    _int(e.get("time_created_ns")) and not e.get("is_p2p"):
+                mine.setdefault(str(e["process_group"][0]), []).append(e["time_created_ns"] / 1e9)
+        for g, ts in mine.items():
+            if len(ts) > len(times.get(g, [])):
+                times[g] = ts[-64:]
+    return {g: typical_step(ts) for g, ts in times.items()}

@@ -22,7 +22,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from . import flight_recorder, frames
+from . import dump as dump_mod
+from . import flight_recorder, frames, group_view
 from .group_view import GroupView
 
 VERSION = 1
@@ -49,6 +50,23 @@ def stacks() -> list[dict[str, Any]]:
            for i, f in sys._current_frames().items()]  # noqa: SLF001 - the stdlib's one way to them
     out.sort(key=lambda t: (not t["main"], str(t["name"])))
     return out
+
+
+def where_now(views: Sequence[GroupView]) -> frames.Frame | None:
+    """Where the rank of ``views`` is in the user's code: the thread that
+    issued its oldest operation in flight, else (a process of one rank) the
+    main thread, as ``_focus`` chooses for a report. None when it cannot be
+    told: a process that holds several ranks (thread ranks: the main thread
+    and the recorder are not this rank's alone)."""
+    mine = {v.global_rank(v.rank) for v in views}
+    if {v.global_rank(v.rank) for v in group_view.views()} - mine:
+        return None  # the recorder and the threads are shared by ranks that cannot be told apart
+    pending = [e for e in flight_recorder.get().entries() if e.state != "completed" and not e.retired]
+    ident = pending[0].thread_id if pending else threading.main_thread().ident
+    frame = sys._current_frames().get(ident or 0)  # noqa: SLF001 - the stdlib's one way to them
+    if frame is None:
+        return None
+    return frames.user_frame(frames.of_frame(frame, DEPTH_MAX))
 
 
 def _groups(views: Sequence[GroupView]) -> list[dict[str, Any]]:
@@ -90,7 +108,8 @@ def build(views: Sequence[GroupView], cap: int, reason: str) -> bytes:
     devices = sorted({d for v in views if (d := v.device()) is not None})
     report: dict[str, Any] = {
         "v": VERSION, "reason": reason, "rank": ranks[0] if ranks else -1, "ranks": ranks, "world": world,
-        "pid": os.getpid(), "host": socket.gethostname(), "time": time.time(), "devices": devices,
+        "pid": os.getpid(), "host": socket.gethostname(), "time": time.time(), "job": dump_mod.job_id(),
+        "devices": devices,
         "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "where": _where(focus),
         "groups": _groups(views), **dump, "entries": [], "threads": threads, "cut": [],

@@ -58,7 +58,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from .. import env, process_tree
 from . import dump, frames
@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 FOLDER = "c_stacks"  # beside the dumps (see the module's docstring for why a folder)
 _NAME = re.compile(r"rank(\d+)\.(\d+)\.txt")
 _HEADER = re.compile(r"# nccl_pg C-level stacks: rank (?P<rank>\d+), pid (?P<pid>\d+), host (?P<host>\S{1,255}), "
-                     r"main thread (?P<main>0x[0-9a-fA-F]{1,16})\s*")
+                     r"main thread (?P<main>0x[0-9a-fA-F]{1,16})(, job (?P<job>[A-Za-z0-9._-]{1,64}))?\s*")
 MAX_BYTES = 4 << 20  # of a stacks file read back (faulthandler's dumps: about 5-20 kB each)
 # The timer fires this long after the earliest deadline (the diagnosis's budget and reading time are at most 4 s).
 TIMER_MARGIN = 5.0
@@ -83,17 +83,18 @@ def path(dump_dir: str, rank: int, pid: int) -> str:
     return os.path.join(dump_dir, FOLDER, f"rank{rank}.{pid}.txt")
 
 
-def header(rank: int, pid: int, host: str, main: int) -> str:
-    return f"# nccl_pg C-level stacks: rank {rank}, pid {pid}, host {host}, main thread 0x{main:016x}\n"
+def header(rank: int, pid: int, host: str, main: int, job: str | None = None) -> str:
+    return (f"# nccl_pg C-level stacks: rank {rank}, pid {pid}, host {host}, main thread 0x{main:016x}"
+            + (f", job {job}" if job else "") + "\n")
 
 
 def parse_header(line: str) -> dict[str, Any]:
-    """A stacks file's header line: {"rank", "pid", "host", "main"}, or {} if it is not one."""
+    """A stacks file's header line: {"rank", "pid", "host", "main", "job"}, or {} if it is not one."""
     m = _HEADER.fullmatch(line)
     if m is None:
         return {}
     return {"rank": int(m.group("rank")), "pid": int(m.group("pid")), "host": m.group("host"),
-            "main": int(m.group("main"), 16)}
+            "main": int(m.group("main"), 16), "job": m.group("job")}
 
 
 class CStacks:
@@ -124,7 +125,7 @@ class CStacks:
                 os.close(fd)
                 raise OSError(f"{where} is not a regular file of this user's")
             f = os.fdopen(fd, "w")
-            line = header(rank, os.getpid(), socket.gethostname(), threading.main_thread().ident or 0)
+            line = header(rank, os.getpid(), socket.gethostname(), threading.main_thread().ident or 0, dump.job_id())
             f.write(line)
             f.flush()
             self._header = len(line.encode())
@@ -235,6 +236,14 @@ def _status_mask(pid: int, field: str) -> int:
     return 0
 
 
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP, a debugger): it would handle a signal only once continued."""
+    try:
+        return process_tree.stat(pid)[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def has_handler(pid: int, signum: int) -> bool:
     """Whether process ``pid`` catches ``signum`` (a signal it does not catch may end it)."""
     try:
@@ -278,7 +287,7 @@ def request(pid: int, signum: int, timeout: float, cap: int) -> Written | None:
     ``timeout`` seconds); None if it has no handler or no stacks file, or
     wrote nothing in time."""
     where = stacks_file(pid)
-    if where is None or not has_handler(pid, signum):
+    if where is None or not has_handler(pid, signum) or _stopped(pid):
         return None
     try:
         head, size = _read_from(where, 0, 512)
@@ -306,7 +315,10 @@ def request(pid: int, signum: int, timeout: float, cap: int) -> Written | None:
     return Written(where, head.split(b"\n", 1)[0].decode("utf-8", "replace"), text.decode("utf-8", "replace"))
 
 
-def request_all(pids: Mapping[int, int], signum: int, timeout: float, cap: int) -> dict[int, Written | None]:
+K = TypeVar("K")
+
+
+def request_all(pids: Mapping[K, int], signum: int, timeout: float, cap: int) -> dict[K, Written | None]:
     """``request`` of several processes at once: {key: what process ``pids[key]`` wrote, or None}."""
     if not pids:
         return {}

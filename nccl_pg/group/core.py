@@ -97,7 +97,7 @@ class GroupCore:
         self._store = store
         self._rank, self._size = rank, size
         self.options = options or Options()
-        self._timeout = self.options.timeout
+        self._timeout = _capped(self.options.timeout)
         self._device = device_id
         self.group_name, self.group_desc, self.uid = group_name, group_desc, uid
         # Read by every Work's wait() (work.WorkGroup): plain attributes, no property calls on the hot path.
@@ -178,7 +178,8 @@ class GroupCore:
 
     def _set_default_timeout(self, timeout: Timeout) -> None:
         """Timeout of operations issued from now on (``options._timeout`` follows, as in torch)."""
-        self._timeout = self.options.timeout = to_seconds(timeout)
+        self.options.timeout = to_seconds(timeout)
+        self._timeout = _capped(self.options.timeout)
 
     @property
     def timeout(self) -> timedelta:
@@ -504,9 +505,11 @@ class GroupCore:
         warning, unless it is a forked child's copy of its parent's group."""
         comm = self._comm
         if self._state is GroupState.OPEN and comm is not None and self._owner.here():
-            print(f"nccl_pg: warning: {self!r} was not destroyed before exit ({len(self._pending)} operations "
-                  "pending); aborting it. Call destroy_process_group() to flush pending work first.",
-                  file=sys.stderr, flush=True)
+            # Not when the process ends on an exception: its traceback says why, the warning would be noise.
+            if getattr(sys, "last_value", None) is None:
+                print(f"nccl_pg: warning: {self!r} was not destroyed before exit ({len(self._pending)} operations "
+                      "pending); aborting it. Call destroy_process_group() to flush pending work first.",
+                      file=sys.stderr, flush=True)
             self.abort()
             comm.destroy()
 
@@ -519,3 +522,9 @@ class GroupCore:
         if owner is not None and owner.here() and comm is not None and getattr(self, "_state", None) is not GroupState.DESTROYED:
             comm.abort()
             comm.destroy()
+
+
+def _capped(timeout: float) -> float:
+    """A group's timeout, at most ``NCCL_PG_MAX_TIMEOUT`` (the test harness's operation timeout)."""
+    cap = env.MAX_TIMEOUT.get()
+    return timeout if cap is None else min(timeout, cap)

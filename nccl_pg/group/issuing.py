@@ -13,7 +13,7 @@ from typing import Any
 
 from ..coll_config import CollConfig
 from ..comm.base import CallTimeout, Communicator, Event, Stream
-from ..diagnostics import diagnosis
+from ..diagnostics import diagnosis, verdicts
 from ..diagnostics.flight_recorder import Entry
 from ..errors import Culprit, DistBackendError
 from . import watchdog
@@ -155,7 +155,7 @@ class Issuing(GroupCore):
         waiting for peers): explained as a timed-out Work is (diagnosis.py asks every rank where it is, within
         its budget), then the group's error handling applies."""
         text = (f"timeout: process group {self.uid} ({self.group_desc!r}), rank {self._rank} of {self._size}: "
-                f"{op_type.name} (seq {seq}) did not complete its enqueue within its timeout of "
+                f"{verdicts.op_name(op_type.value)} #{seq} did not complete its enqueue within its timeout of "
                 f"{self._timeout:.3f} s ({error})")
         done, said, blamed = threading.Event(), [], []
 
@@ -165,7 +165,8 @@ class Issuing(GroupCore):
             done.set()
 
         self.diagnose_timeout(diagnosis.Timeout(self.diag, seq, peers, self._timeout, time.monotonic(),
-                                                f"{op_type.name} seq {seq} on group {self.uid}", text, finish))
+                                                verdicts.collective(op_type.value, seq, self.group_name), text,
+                                                finish))
         b = diagnosis.budget(self._timeout)
         done.wait(2 * b + diagnosis.FINISH_MIN + _DIAGNOSIS_GRACE)
         err = DistBackendError(said[0] if said else f"{text}; the other ranks could not be asked where they are")

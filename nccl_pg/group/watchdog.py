@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from .. import env
-from ..diagnostics import diagnosis, dump, group_view, stacks
+from ..diagnostics import diagnosis, dump, group_view, heartbeat, stacks
 from . import forks
 
 if TYPE_CHECKING:
@@ -85,6 +85,7 @@ class Watchdog:
         # C-level stack dumps (a signal's handler, a timer at the pending operations' deadline), with the dumps
         self._stacks = stacks.this_process() if self._dump_on_timeout else None
         self._owner = forks.Owner()
+        self._progress_file = _progress_writer()  # under `nccl-pg run`: this rank's progress, for the launcher
         atexit.register(self._at_exit)
         self._start("poller", self._poll_loop)
         self._start("hooks", self._hook_loop)
@@ -163,15 +164,30 @@ class Watchdog:
                 except Exception:
                     log.exception("watchdog: checking %r failed", pg)
             self._check_pipe()
-            self._keep_stacks([w for w in works if id(w) not in done])
+            left = [w for w in works if id(w) not in done]
+            self._keep_stacks(left)
+            if self._progress_file is not None:
+                self._note_progress(works, done, left)
             # The loop variables would keep the last Work, and through it its group, alive until the next poll
             # that has one: a group its user dropped (``del pg``) must be freed now.
-            groups = works = w = pg = backend = None  # type: ignore[assignment]
+            groups = works = left = w = pg = backend = None  # type: ignore[assignment]
             with self._cond:
                 self._pending = [w for w in self._pending if id(w) not in done]
                 self._heartbeat = time.monotonic()
                 self._progress.notify_all()
                 self._cond.wait(self._interval)
+
+    def _note_progress(self, works: list[Work], done: set[int], left: list[Work]) -> None:
+        """This poll in the progress file (heartbeat.py): what completed, what is in flight since when."""
+        assert self._progress_file is not None
+        oldest = min(left, key=lambda w: w.issued_at, default=None)
+        finished = [w for w in works if id(w) in done and w.is_success()]
+        last = max(finished, key=lambda w: w.issued_at, default=None)
+        try:
+            self._progress_file.update(len(finished), len(left), None if oldest is None else oldest.issued_at,
+                                  "" if oldest is None else oldest.name(), "" if last is None else last.name())
+        except Exception:  # the file is only a help to the launcher: never the poller's end
+            log.debug("watchdog: progress file update failed", exc_info=True)
 
     # --- hook runner ---------------------------------------------------------------------
 
@@ -284,6 +300,9 @@ class Watchdog:
         return self.diagnosis.watch(group.diag).raise_signal(reason, answer=False, dump=True)
 
     def write_dump(self, reason: str, rank: int) -> str | None:
+        if rank < 0:  # in no group (never was, or every one went): a dump would name no rank
+            log.debug("nccl_pg: no dump (%s): this process is in no process group", reason)
+            return None
         try:
             path = dump.write(reason, rank, group_view.views())
         except OSError as exc:
@@ -308,6 +327,22 @@ class Watchdog:
                       file=sys.stderr, flush=True)
                 self.ending()
                 os.kill(os.getpid(), signal.SIGABRT)
+
+
+def _progress_writer() -> heartbeat.Writer | None:
+    """The progress file `nccl-pg run` asked for (NCCL_PG_PROGRESS_FILE), unless another live process of
+    this job keeps it already (a child of the rank that made a group of its own)."""
+    path = env.PROGRESS_FILE.get()
+    if path is None:
+        return None
+    held = heartbeat.read(path)
+    if held is not None and held.pid != os.getpid() and os.path.exists(f"/proc/{held.pid}"):
+        return None
+    try:
+        return heartbeat.Writer(path)
+    except OSError as exc:
+        log.warning("nccl_pg: no progress file for the launcher: %s", exc)
+        return None
 
 
 def _own_fifo(st: os.stat_result) -> bool:

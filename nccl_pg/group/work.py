@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..diagnostics import diagnosis
+from ..diagnostics import diagnosis, verdicts
 from ..errors import Culprit, DistBackendError, NanError
 from ..timeouts import Timeout, to_seconds
 
@@ -281,7 +281,7 @@ class Work:
     def _where(self) -> str:
         g = self._group
         return (f"process group {g.uid} ({g.group_desc!r}), rank {g.rank()} of {g.size()}: "
-                f"{self.op_type.name} (seq {self._seq})")
+                f"{verdicts.op_name(self.op_type.value)} #{self._seq}")
 
     def _timed_out(self) -> None:
         """Past its deadline: the group's diagnosis finds out who is missing,
@@ -301,7 +301,7 @@ class Work:
         group = self._group
         self._group.diagnose_timeout(diagnosis.Timeout(
             group.diag, self._seq, tuple(self._peers) if self._p2p else None, self._timeout,
-            self._issued_mono + self._timeout, f"{self.op_type.name} seq {self._seq} on group {group.uid}", text,
+            self._issued_mono + self._timeout, self.name(), text,
             finish))
 
     def _mark_started(self) -> None:
@@ -368,6 +368,11 @@ class Work:
     def issued_at(self) -> float:
         """When it was issued (``time.monotonic()``)."""
         return self._issued_mono
+
+    def name(self) -> str:
+        """The operation as every tool names it: "all_reduce #2 of group 0" (a
+        point-to-point operation by its own count: "send #3 of group 0")."""
+        return verdicts.collective(self.op_type.value, self._seq, self._group.group_name)
 
     @property
     def deadline(self) -> float:

@@ -6,6 +6,7 @@ where it is, what it printed) is verdict.py's."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import multiprocessing.connection
 import multiprocessing.spawn
 import os
@@ -24,11 +25,12 @@ from typing import Any, TypeVar
 
 from .. import env as _env
 from .. import process_tree
+from ..diagnostics import heartbeat, jobs_folder, trace
 from ..diagnostics import stacks as c_stacks
 from ..store import TCPStoreServer
 from . import devices, verdict
 from .failures import DEFAULT_TIMEOUT, default_op_timeout
-from .rank_main import Job, Start
+from .rank_main import Job, Start, importing_main
 
 T = TypeVar("T")
 
@@ -82,6 +84,13 @@ class RankProcesses:
                  warm: bool = False) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        main = importing_main()
+        if main is not None:
+            raise RuntimeError(
+                f"run_ranks (or process_ranks, ProcessRanks) was called while a rank imported {main}: the script "
+                "calls it at module level. Each rank imports the main module to find the function it runs (as "
+                "multiprocessing's spawn does), so every rank would start ranks again. Put the call under "
+                "`if __name__ == \"__main__\":`.")
         self.world_size, self.backend, self.timeout = world_size, backend, timeout
         self.op_timeout = default_op_timeout(timeout) if op_timeout is None else op_timeout
         # the ranks' C-level stack signal (diagnostics/stacks.py), as their environment sets it (0: none)
@@ -97,6 +106,13 @@ class RankProcesses:
         self._closed = False
         self._ranks: list[_Rank] = []
         self._server = TCPStoreServer("127.0.0.1", 0, idle_timeout=0).start()
+        # Every rank's: torch's env:// rendezvous (a free port for its TCPStore, rank 0's), the job's id (its dumps'
+        # and stacks' tag, and how its processes are found at the end), the operation timeout any group gets at most
+        # (a torch group made with torch's default, 30 minutes, too), the progress file of each rank's watchdog.
+        self.job = f"test-{os.getpid()}-{next(_runs)}"
+        self._job_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), _env.JOB_ID.name: self.job,
+                         _env.MAX_TIMEOUT.name: repr(self.op_timeout)}
+        self._progress = os.path.join(self.dump_dir, "progress")
         try:
             for rank in range(world_size):
                 self._ranks.append(self._start(rank, env or {}, warm))
@@ -109,8 +125,10 @@ class RankProcesses:
         ours, theirs = socket.socketpair()
         code = (f"import sys; sys.path.insert(0, {_ROOT!r}); from nccl_pg.testing.rank_main import main; "
                 f"main({theirs.fileno()}, {os.getpid()})")
+        os.makedirs(self._progress, mode=0o700, exist_ok=True)
         full_env = {**os.environ, **devices.rank_env(rank, self.world_size, self.gpus), "PYTHONUNBUFFERED": "1",
-                    "NCCL_PG_DEBUG_INFO_TEMP_FILE": self.dump_prefix(self.dump_dir), **env}
+                    "NCCL_PG_DEBUG_INFO_TEMP_FILE": self.dump_prefix(self.dump_dir), **self._job_env,
+                    _env.PROGRESS_FILE.name: os.path.join(self._progress, str(rank)), **env}
         with open(output, "ab") as out:
             proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=out,
                                     stderr=subprocess.STDOUT, env=full_env, pass_fds=[theirs.fileno()],
@@ -218,6 +236,15 @@ class RankProcesses:
         got = c_stacks.request_all(running, self._stacks_signal, _STACK_WAIT, _STACK_CAP) if self._stacks_signal else {}
         return {r.rank: got.get(r.rank) for r in ranks}
 
+    def last_ops(self) -> dict[int, str]:
+        """The collective each rank was in, or last completed, by its progress file (heartbeat.py)."""
+        out = {}
+        for r in self._ranks:
+            p = heartbeat.read(os.path.join(self._progress, str(r.rank)))
+            if p is not None and p.describe():
+                out[r.rank] = p.describe()
+        return out
+
     def stop(self, deadline: float) -> None:
         """Tell ranks waiting for a job to leave (their group destroyed), and
         wait for them until ``deadline``."""
@@ -239,6 +266,11 @@ class RankProcesses:
         self._closed = True
         for r in self._ranks:
             process_tree.kill_tree(r.proc.pid)  # also a rank that ended: its children may not have
+        if any(self._exited(r) and (r.exitcode or 0) < 0 for r in self._ranks) or \
+                any(not self._exited(r) for r in self._ranks):
+            # a rank that died by a signal left its descendants to init (it could not end them): found by the job's
+            # id, which they inherited with the rank's environment
+            process_tree.kill(process_tree.tagged(_env.JOB_ID.name, self.job))
         for r in self._ranks:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 r.exitcode = r.proc.wait(_REAP_GRACE) if r.exitcode is None else r.exitcode
@@ -250,11 +282,22 @@ class RankProcesses:
         self._server.stop()
         for folder in self._dump_dirs:
             _remove_pipes(folder)
+        shutil.rmtree(self._progress, ignore_errors=True)
 
     def remove_dump_dir(self) -> None:
         """Remove the dump directory made for these ranks (not one given)."""
         if self._own_dir:
             shutil.rmtree(self.dump_dir, ignore_errors=True)
+
+
+_runs = itertools.count()
+
+
+def _free_port() -> int:
+    """A port free now on the loopback interface (for torch's TCPStore, which rank 0 will host)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _remove_pipes(folder: str) -> None:
@@ -319,6 +362,7 @@ class ProcessRanks:
         __tracebackhide__ = True  # pytest shows the verdict, not the harness's frames
         try:
             outcome = self._ranks.gather(self._deadline, until_exit=True)
+            last_ops = self._ranks.last_ops()
         finally:
             self._ranks.close()
         self._joined = True
@@ -328,6 +372,13 @@ class ProcessRanks:
         if isinstance(result, BaseException):
             if isinstance(result, unittest.SkipTest):
                 self._ranks.remove_dump_dir()
+            else:  # how each rank ended, beside the dumps, for `nccl-pg trace` (as the launcher writes it)
+                jobs_folder.write_endings(self.dump_dir, self._ranks.job, verdict.endings(outcome, last_ops))
+                if verdict.unexplained(outcome):  # communication errors that name nobody: the dumps may
+                    report = trace.analyze_dir(self.dump_dir, os.path.basename(self._ranks.dump_prefix(self.dump_dir)),
+                                               allow_incomplete_ranks=True)
+                    again = verdict.judge(outcome, report.get("verdicts") or ())
+                    result = again if isinstance(again, BaseException) else result
             raise result  # a failure keeps the directory it names
         self._ranks.remove_dump_dir()
         return result

@@ -44,6 +44,14 @@ ENTRY = os.path.abspath(__file__)
 _READY, _GO = "nccl_pg/testing/ready", "nccl_pg/testing/go"
 _END_WITHIN = 1.0  # seconds to end a job's descendants
 _started = threading.Event()  # every rank is up: the test may have started on some
+_importing_main: str | None = None  # the main module's path while a rank imports it (spawn's prepare)
+
+
+def importing_main() -> str | None:
+    """The test's main module, while this process (a rank) imports it: a
+    ``run_ranks`` called then is one at a script's module level, which every
+    rank would call again, without end."""
+    return _importing_main
 
 
 @dataclass(frozen=True)
@@ -171,7 +179,13 @@ def main(fd: int, parent: int) -> None:
         start = conn.recv()
         assert isinstance(start, Start), start
         stacks.this_process().open(start.rank)  # the library's, which its watchdog then keeps (its timer)
-        multiprocessing.spawn.prepare(start.preparation)
+        global _importing_main
+        _importing_main = str(start.preparation.get("init_main_from_path") or start.preparation.get(
+            "init_main_from_name") or "the main module")
+        try:
+            multiprocessing.spawn.prepare(start.preparation)
+        finally:
+            _importing_main = None
         code = _serve(conn, start)
     except BaseException as exc:  # noqa: BLE001 - an import error, a lost harness: reported if it can be
         kind, report = failure(exc)

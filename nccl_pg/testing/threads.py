@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ..diagnostics import frames
+from ..diagnostics.verdicts import format_verdict
 from ..distributed import destroy_process_group, init_process_group, is_initialized
 from ..distributed.world import World, set_thread_world
 from ..errors import Culprit, DistBackendError, DistError
@@ -178,8 +179,8 @@ def _run_thread_ranks(call: Callable[[int], T], world_size: int, backend: str, t
         causes = [r for r, o in enumerate(outcomes) if o.error is not None and not o.consequence]
         named = _named(outcomes)
         blamed = sorted(set(causes) | set(named) | set(stuck))
-        said = "".join(f"rank {r} is to blame: it {c.reason} (named by the timeout diagnosis on ranks {by}); "
-                       for r, (c, by) in named.items())
+        said = "".join(format_verdict(c.kind or "never_joined", f"rank {r} {c.reason} (named by the timeout diagnosis "
+                                      f"on ranks {by})") + "; " for r, (c, by) in named.items())
         raise RanksFailed(f"{said}ranks {sorted(stuck)} were still running {when} (their stacks, and any rank's "
                           f"error, follow)\n{report(failures, blamed)}", blamed, failures,
                           _culprits(blamed, outcomes, named, threads, exited, seen))

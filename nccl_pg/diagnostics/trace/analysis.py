@@ -11,8 +11,9 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..classify import classify
+from . import incident, rules, stragglers, whereabouts
 from . import report as _report
-from . import rules, stragglers, whereabouts
 from .loading import Dump, Folder, Limits, load_dir, outcome
 from .rules import Group, Op, describe, fmt_ranks
 
@@ -435,10 +436,18 @@ def analyze_dir(directory: str, prefix: str | None = None, allow_incomplete_rank
     return analyze_folder(load_dir(directory, prefix, limits), allow_incomplete_ranks, **options)
 
 
-def analyze_folder(folder: Folder, allow_incomplete_ranks: bool = False, **options: Any) -> dict[str, Any]:
-    """``analyze`` on a folder read (``loading.load_dir``)."""
+def analyze_folder(folder: Folder, allow_incomplete_ranks: bool = False, job: str | None = None,
+                   **options: Any) -> dict[str, Any]:
+    """``analyze`` on a folder read (``loading.load_dir``): the dumps of one
+    job (``incident.pick``: ``job``, else the newest), with what is known of
+    how its ranks ended; ``verdicts``: the catalogue's (classify.py)."""
+    inc = incident.pick(folder, job)
     report = analyze(folder.dumps, allow_incomplete_ranks, folder.unreadable, stacks_only=folder.stacks_only,
                      **options)
-    report["dir"], report["prefix"] = folder.directory, folder.prefix
-    report["notes"][:0] = folder.notes
+    report["dir"], report["prefix"], report["job"] = folder.directory, folder.prefix, inc.job
+    report["notes"][:0] = folder.notes + inc.notes
+    incident.settle(report, inc)
+    report["verdict"] = _report.verdict(report["problems"], len(folder.dumps), report["first_incomplete"])
+    report["verdicts"] = [v.as_dict() for v in classify(report, incident.facts(inc, folder.dumps,
+                                                                                folder.stacks_only))]
     return report

@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from ..printable import safe
 from . import stragglers
 from .analysis import analyze_folder
 from .loading import Limits, load_dir
@@ -27,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-j", "--json", action="store_true", help="print the report as JSON instead of words")
     parser.add_argument("--chrome-trace", metavar="OUT.json", default=None,
                         help="also write a Chrome trace-event timeline (one process per rank) for Perfetto")
+    parser.add_argument("--job", default=None, metavar="ID",
+                        help="of the jobs whose dumps the folder holds, analyze this one (default: the newest)")
     parser.add_argument("--allow-incomplete-ranks", action="store_true",
                         help="ranks without a dump are a note, not a problem")
     parser.add_argument("--ranks", type=int, nargs="+", metavar="R", default=None,
@@ -73,13 +76,13 @@ def run(args: argparse.Namespace) -> int:
         for p in folder.unreadable:
             print(f"  {p['message']}", file=sys.stderr)
         return EXIT_NO_DUMPS
-    report = analyze_folder(folder, args.allow_incomplete_ranks, stacks=args.stacks, ranks=args.ranks,
+    report = analyze_folder(folder, args.allow_incomplete_ranks, args.job, stacks=args.stacks, ranks=args.ranks,
                             groups=args.groups, straggler_ms=args.straggler_ms)
     if args.chrome_trace:
         with open(args.chrome_trace, "w") as f:
             json.dump(chrome_trace(folder.dumps), f)
     try:
-        print(json.dumps(report, indent=1, default=str) if args.json else format_text(report))
+        print(json.dumps(report, indent=1, default=str) if args.json else safe(format_text(report)))
         if args.chrome_trace and not args.json:
             print(f"timeline: {args.chrome_trace} (open it in https://ui.perfetto.dev or chrome://tracing)")
         sys.stdout.flush()

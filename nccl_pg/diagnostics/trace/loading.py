@@ -42,6 +42,13 @@ class Dump:
     c_threads: list[Thread] = field(default_factory=list)  # faulthandler's stacks (c_stacks_path), if any
     c_stacks_path: str | None = None
     notes: list[str] = field(default_factory=list)
+    job: str | None = None  # the job it belongs to (NCCL_PG_JOB_ID; none in torch's dumps)
+
+    @property
+    def time(self) -> float | None:
+        """When it was written (wall clock), if it says."""
+        t = self.data.get("time")
+        return float(t) if isinstance(t, (int, float)) else None
 
 
 @dataclass
@@ -187,8 +194,10 @@ def check(rank: int, path: str, data: dict[str, Any], values_built: int) -> Dump
              "reason": data.get("reason") if isinstance(data.get("reason"), str) else None,
              "time": c.number(data.get("time"), "time"),
              "pg_config": c.pg_config(data.get("pg_config"))}
+    job = data.get("job")
     return Dump(r, path, plain, entries, host=c.opt_str(data.get("host"), "host"),
-                pid=c.opt_int(data.get("pid"), "pid"), threads=c.threads(data.get("threads")))
+                pid=c.opt_int(data.get("pid"), "pid"), threads=c.threads(data.get("threads")),
+                job=job[:64] if isinstance(job, str) else None)
 
 
 def _attach_stacks(d: Dump, paths: list[str]) -> None:
@@ -217,6 +226,7 @@ def read_stacks(d: Dump, path: str) -> None:
     about = written.about
     d.host = d.host if d.host is not None else about.get("host")
     d.pid = d.pid if d.pid is not None else about.get("pid")
+    d.job = d.job if d.job is not None else about.get("job")
 
 
 def load_stacks_only(directory: str, dumps: Mapping[int, Dump]) -> dict[int, Dump]:

@@ -7,6 +7,7 @@ import collections
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..verdicts import group_desc
 from .stragglers import MIN_COLLECTIVES
 
 _WHY = {"no_dump": "no dump", "ranks_missing": "missing from {op} #{seq} on group {group!r}",
@@ -58,7 +59,8 @@ def _whereabouts(w: Mapping[str, Any] | None) -> str:
 def format_text(report: Mapping[str, Any]) -> str:
     """The report in plain words."""
     lines = [f"nccl-pg trace: {len(report['ranks'])} dump(s) in {report.get('dir', '?')} "
-             f"(prefix {report.get('prefix', '')!r}), ranks {_span(report['ranks'])}"
+             f"(prefix {report.get('prefix', '')!r}"
+             + (f", job {report['job']}" if report.get("job") else "") + f"), ranks {_span(report['ranks'])}"
              + (f" of {_span(report['expected_ranks'])} expected" if report["ranks_without_dump"] else "")]
     filters = report.get("filters") or {}
     shown = [f"{k} {v}" for k, v in filters.items() if v is not None]
@@ -67,7 +69,7 @@ def format_text(report: Mapping[str, Any]) -> str:
     for g in report["groups"]:
         last = g.get("last_collective_seq") or {}
         tail = ", ".join(f"{r}:{s}" for r, s in last.items())
-        lines.append(f"  group {g['name']!r} ({g['desc'] or '?'}): ranks {g['ranks']}"
+        lines.append(f"  group {g['name']!r} ({group_desc(g['desc'], g['ranks']) or '?'}): ranks {g['ranks']}"
                      + (f"; last collective per rank {tail}" if tail else ""))
     problems = report["problems"]
     if not problems and shown:
@@ -89,6 +91,10 @@ def format_text(report: Mapping[str, Any]) -> str:
         lines += straggling.get("summary") or []
     for n in report["notes"]:
         lines.append(f"  note: {n}")
+    shown_verdicts = [v for v in report.get("verdicts") or () if v.get("problem") or v.get("kind") == "victim"]
+    if shown_verdicts:
+        lines.append("verdicts:")
+        lines += [f"  {v['text']}" for v in shown_verdicts]
     if problems:
         lines.append(f"verdict: {report['verdict']}")
     return "\n".join(lines)

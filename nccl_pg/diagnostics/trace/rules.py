@@ -10,6 +10,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..verdicts import group_desc
+
 # Collectives whose inputs (or outputs) may legitimately differ between ranks.
 ROOTED_IN = {"gather"}  # outputs only on the root
 ROOTED_OUT = {"scatter"}  # inputs only on the root
@@ -76,7 +78,8 @@ def fmt_ranks(ranks: Iterable[int]) -> str:
 
 
 def describe(g: Group, kind: str, seq: int) -> str:
-    return f"{kind} #{seq} on group {g.name!r} ({g.desc})" if g.desc else f"{kind} #{seq} on group {g.name!r}"
+    desc = group_desc(g.desc, g.members)
+    return f"{kind} #{seq} on group {g.name!r} ({desc})" if desc else f"{kind} #{seq} on group {g.name!r}"
 
 
 def skip_hint(ops: dict[int, dict[int, Op]], seq: int, major: tuple[str, ...],

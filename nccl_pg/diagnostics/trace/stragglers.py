@@ -27,10 +27,14 @@ minus the first rank's arrival, measured one of two ways:
   reported. Where no completion times allow that, the hosts' clocks are
   taken as synchronized (NTP), and a note says so.
 
-A rank is named a straggler when it is last at ``MIN_SHARE`` or more of at
-least ``MIN_COLLECTIVES`` collectives and its median lateness is at least
-``threshold_ms`` (default ``THRESHOLD_MS``): ranks of a healthy job are
-last in turn and by little.
+Per group: a rank is named a straggler when it is last at ``MIN_SHARE``
+or more of at least ``MIN_COLLECTIVES`` of one group's collectives and its
+median lateness there is at least ``threshold_ms`` (default
+``THRESHOLD_MS``): ranks of a healthy job are last in turn and by little.
+Counting over every group at once would dilute it: a rank late at the world
+group's collectives is on time at a pair subgroup's issued right after
+them. Each rank's score in each group (``verdicts.StragglerScore``) says how
+much of that group's step goes to waiting for it.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..verdicts import StragglerScore, format_verdict, straggler_score, typical_step
 from .loading import Dump, outcome
 
 THRESHOLD_MS = 5.0
@@ -49,58 +54,38 @@ MIN_COLLECTIVES = 5
 
 
 @dataclass
-class RankLateness:
-    rank: int
-    host: str | None
-    pid: int | None
-    collectives: int  # compared collectives it took part in
-    last: int  # of which it arrived last
-    median_ms: float  # lateness behind the first arrival
-    max_ms: float
-    margin_ms: float  # when last: median lead over the next-latest rank
-    groups: list[str] = field(default_factory=list)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "host": self.host, "pid": self.pid, "collectives": self.collectives, "last": self.last,
-                "median_ms": round(self.median_ms, 3), "max_ms": round(self.max_ms, 3),
-                "margin_ms": round(self.margin_ms, 3), "groups": self.groups}
-
-
-@dataclass
 class Stragglers:
-    stragglers: list[RankLateness]  # latest first
-    ranks: dict[int, RankLateness]
+    stragglers: list[StragglerScore]  # named: the worst score first
+    ranks: dict[int, StragglerScore]  # each rank's worst group
     collectives: int  # collectives compared
     method: str  # "gpu events", "issue times" or both, or "none"
     threshold_ms: float
     clock_offsets_ms: dict[str, float]  # host -> offset from the first rank's host
     notes: list[str] = field(default_factory=list)
+    scores: list[StragglerScore] = field(default_factory=list)  # every rank in every group
 
     def as_dict(self) -> dict[str, Any]:
         return {"stragglers": [r.as_dict() for r in self.stragglers],
                 "ranks": {str(r): v.as_dict() for r, v in sorted(self.ranks.items())},
+                "scores": [s.as_dict() for s in self.scores],
                 "collectives": self.collectives, "method": self.method, "threshold_ms": self.threshold_ms,
                 "clock_offsets_ms": {h: round(v, 3) for h, v in self.clock_offsets_ms.items()},
                 "notes": self.notes}
 
     def text(self) -> list[str]:
-        """The report in words: one line per straggler, or why there is none."""
+        """The report in words: one line per straggler (the catalogue's words), or why there is none."""
         if not self.collectives:
             return ["stragglers: no collective completed on two ranks or more with times to compare"]
-        head = (f"stragglers ({self.collectives} collectives compared, by {self.method}; named when last at "
-                f"{MIN_SHARE:.0%} or more and {self.threshold_ms:g} ms or more late, median):")
+        head = (f"stragglers ({self.collectives} collectives compared per group, by {self.method}; named when last "
+                f"at {MIN_SHARE:.0%} or more of a group's collectives (at least {MIN_COLLECTIVES}) and "
+                f"{self.threshold_ms:g} ms or more late, median):")
         lines = [head]
-        for s in self.stragglers:
-            who = ", ".join(p for p in (f"host {s.host}" if s.host else "", f"pid {s.pid}" if s.pid else "") if p)
-            lines.append(f"  rank {s.rank}{f' ({who})' if who else ''} arrived last at {s.last} of {s.collectives} collectives "
-                         f"(group {', '.join(map(repr, s.groups))}), {s.median_ms:.1f} ms after the first rank "
-                         f"(median; at most {s.max_ms:.1f} ms), {s.margin_ms:.1f} ms after the next-latest")
+        lines += [f"  {format_verdict('straggler', s.text())}" for s in self.stragglers]
         if not self.stragglers:
-            worst = max(self.ranks.values(), key=lambda r: (r.last / max(r.collectives, 1), r.median_ms),
-                        default=None)
-            detail = (f"; most often last: rank {worst.rank}, at {worst.last} of {worst.collectives}, "
-                      f"{worst.median_ms:.1f} ms late (median)" if worst is not None else "")
-            lines.append(f"  none: no rank is consistently last{detail}")
+            worst = max(self.scores, key=lambda r: (r.last / max(r.collectives, 1), r.median_ms), default=None)
+            detail = (f"; most often last: rank {worst.rank} in group {worst.group!r}, at {worst.last} of "
+                      f"{worst.collectives}, {worst.median_ms:.1f} ms late (median)" if worst is not None else "")
+            lines.append(f"  none: no rank is consistently last at a group's collectives{detail}")
         if any(self.clock_offsets_ms.values()):
             lines.append("  clock offsets taken out: " + ", ".join(
                 f"{h} {v:+.1f} ms" for h, v in sorted(self.clock_offsets_ms.items())))
@@ -118,44 +103,56 @@ class _Arrival:
 
 
 def find(dumps: Mapping[int, Dump], threshold_ms: float = THRESHOLD_MS) -> Stragglers:
-    """The late ranks of the collectives that ``dumps`` hold completed on two
-    ranks or more. ``dumps`` are checked dumps: ``trace.load``'s (files), or
+    """The late ranks of each group's collectives that ``dumps`` hold
+    completed on two ranks or more, scored per group (a rank late at one
+    group's collectives is found whatever the other groups do). ``dumps``
+    are checked dumps: ``trace.load``'s (files), or
     ``trace.loading.load_bytes``'s (e.g. ranks' answers through the store)."""
     matched = _matched(dumps)
     domains = {r: (d.host or f"rank {r}") for r, d in dumps.items()}
     notes: list[str] = []
     offsets = _offsets(matched, domains, min(dumps, default=0), notes)
-    late: dict[int, list[float]] = collections.defaultdict(list)
-    margins: dict[int, list[float]] = collections.defaultdict(list)
-    last: collections.Counter[int] = collections.Counter()
-    groups: dict[int, set[str]] = collections.defaultdict(set)
+    late: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
+    margins: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
+    last: collections.Counter[tuple[str, int]] = collections.Counter()
+    firsts: dict[str, list[float]] = collections.defaultdict(list)  # per group: its first arrivals (ms)
     methods: set[str] = set()
     for (group, _seq), arrivals in matched.items():
+        at = {a.rank: a.created_ns / 1e6 - offsets.get(a.domain, 0.0) for a in arrivals}
+        firsts[group].append(min(at.values()))
         if all(a.duration_ms is not None and a.duration_ms > 0 for a in arrivals):
             methods.add("gpu events")
             longest = max(a.duration_ms or 0.0 for a in arrivals)
             lateness = {a.rank: longest - (a.duration_ms or 0.0) for a in arrivals}
         else:
             methods.add("issue times")
-            at = {a.rank: a.created_ns / 1e6 - offsets.get(a.domain, 0.0) for a in arrivals}
             first = min(at.values())
             lateness = {r: t - first for r, t in at.items()}
         order = sorted(lateness, key=lambda r: lateness[r])
         latest, runner_up = order[-1], order[-2]
-        last[latest] += 1
-        groups[latest].add(group)
-        margins[latest].append(lateness[latest] - lateness[runner_up])
-        for r, v in lateness.items():
-            late[r].append(v)
-    ranks = {r: RankLateness(r, dumps[r].host, dumps[r].pid, len(v), last[r], statistics.median(v), max(v),
-                             statistics.median(margins[r]) if margins[r] else 0.0, sorted(groups[r]))
-             for r, v in late.items()}
-    named = [s for s in ranks.values() if s.collectives >= MIN_COLLECTIVES
-             and s.last >= MIN_SHARE * s.collectives and s.median_ms >= threshold_ms]
-    named.sort(key=lambda s: -s.median_ms)
+        last[(group, latest)] += 1
+        margins[(group, latest)].append(lateness[latest] - lateness[runner_up])
+        for r, x in lateness.items():
+            late[(group, r)].append(x)
+    steps = {g: typical_step([t / 1e3 for t in ts]) for g, ts in firsts.items()}
+    scores = []
+    for (group, r), v in sorted(late.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        median = statistics.median(v)
+        step = steps.get(group)
+        step_ms = None if step is None else step * 1e3
+        named = len(v) >= MIN_COLLECTIVES and last[(group, r)] >= MIN_SHARE * len(v) and median >= threshold_ms
+        scores.append(StragglerScore(r, group, len(v), last[(group, r)], median, max(v),
+                                     statistics.median(margins[(group, r)]) if margins[(group, r)] else 0.0, step_ms,
+                                     straggler_score(median, step_ms), named, dumps[r].host, dumps[r].pid))
+    named_ = sorted((s for s in scores if s.straggler), key=lambda s: (s.score, -s.median_ms))
+    worst: dict[int, StragglerScore] = {}
+    for s in scores:
+        if s.rank not in worst or (s.straggler, -s.score, s.median_ms) > (worst[s.rank].straggler,
+                                                                          -worst[s.rank].score, worst[s.rank].median_ms):
+            worst[s.rank] = s
     method = " and ".join(sorted(methods)) or "none"
     host_offsets = {d: v for d, v in offsets.items() if not d.startswith("rank ")}
-    return Stragglers(named, ranks, len(matched), method, threshold_ms, host_offsets, notes)
+    return Stragglers(named_, worst, len(matched), method, threshold_ms, host_offsets, notes, scores)
 
 
 def _matched(dumps: Mapping[int, Dump]) -> dict[tuple[str, int], list[_Arrival]]:

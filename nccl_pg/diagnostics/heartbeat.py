@@ -1,0 +1,121 @@
+"""A rank's progress, kept in a small file its launcher reads: how `nccl-pg
+run` knows that a job hangs without asking anyone (no store traffic, no
+signal), and how each rank ended.
+
+`nccl-pg run` gives each rank ``NCCL_PG_PROGRESS_FILE``. The rank's
+watchdog poller (one per process, group/watchdog.py) keeps the file at each
+poll through a shared mapping (``Writer.update``: a few bytes written in
+place, no system call): when it last polled, how many operations it has
+seen complete, when its progress last changed (an operation issued or
+completed), how many are in flight, since when the oldest, and that one's
+and the last completed one's names. The launcher reads it (``read``) every
+second and at each rank's end. Nothing is written when the variable is not
+set, and nothing per operation: the poller's own cadence.
+
+The clock is CLOCK_MONOTONIC (``time.monotonic_ns``), the same for every
+process of a host. A file is this user's regular file (0600), opened
+without following links; a reader checks its magic and its pid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import stat
+import struct
+import time
+from dataclasses import dataclass
+
+MAGIC = b"NPGP"
+_NAME = 48  # bytes of an operation's name
+_LAYOUT = struct.Struct(f"<4sIQQQIQ{_NAME}s{_NAME}s")
+SIZE = _LAYOUT.size
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One read of a rank's file (times: time.monotonic(), seconds)."""
+
+    pid: int
+    polled: float  # the watchdog's last poll
+    completed: int  # operations seen complete
+    changed: float  # last issue or completion
+    in_flight: int
+    oldest: float  # issue time of the oldest in flight (0: none)
+    oldest_op: str  # "all_reduce #2 of group 0"
+    last_op: str  # the last completed
+
+    def describe(self) -> str:
+        """Where the rank was, for how it ended: "in all_reduce #5 of group 0", "after ...", or ""."""
+        if self.in_flight and self.oldest_op:
+            return f"in {self.oldest_op}"
+        return f"after {self.last_op}" if self.last_op else ""
+
+
+def _text(raw: bytes) -> str:
+    return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
+
+
+def read(path: str) -> Progress | None:
+    """The file's content, or None (missing, not this user's regular file, not ours)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            return None
+        raw = os.read(fd, SIZE)
+    finally:
+        os.close(fd)
+    if len(raw) < SIZE:
+        return None
+    magic, pid, polled, completed, changed, in_flight, oldest, oldest_op, last_op = _LAYOUT.unpack(raw)
+    if magic != MAGIC:
+        return None
+    return Progress(pid, polled / 1e9, completed, changed / 1e9, in_flight, oldest / 1e9, _text(oldest_op),
+                    _text(last_op))
+
+
+class Writer:
+    """This process's side: the file mapped, updated by the watchdog's poller."""
+
+    def __init__(self, path: str) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                raise OSError(f"{path} is not a regular file of this user's")
+            os.ftruncate(fd, SIZE)
+            self._map = mmap.mmap(fd, SIZE)
+        finally:
+            os.close(fd)
+        self.path = path
+        self.pid = os.getpid()
+        self.completed = 0
+        self._changed = time.monotonic_ns()
+        self._last_op = b""
+        self._state: tuple[int, int, int] = (0, 0, 0)  # completed, in flight, oldest: what changed means
+
+    def update(self, completed_now: int, in_flight: int, oldest: float | None, oldest_op: str,
+               last_op: str) -> None:
+        """One poll: ``completed_now`` operations completed since the last,
+        ``in_flight`` still are (the oldest issued at ``oldest``, monotonic
+        seconds, named ``oldest_op``); ``last_op``: the last completed ("" if
+        none this poll)."""
+        now = time.monotonic_ns()
+        self.completed += completed_now
+        oldest_ns = 0 if oldest is None else int(oldest * 1e9)
+        state = (self.completed, in_flight, oldest_ns)
+        if state != self._state:
+            self._changed, self._state = now, state
+        if last_op:
+            self._last_op = last_op.encode()[:_NAME]
+        self._map[:SIZE] = _LAYOUT.pack(MAGIC, self.pid, now, self.completed, self._changed, in_flight, oldest_ns,
+                                        oldest_op.encode()[:_NAME], self._last_op)
+
+    def close(self) -> None:
+        with contextlib.suppress(ValueError, OSError):
+            self._map.close()
