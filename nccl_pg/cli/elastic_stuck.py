@@ -7,8 +7,11 @@ blame (``DistBackendError.culprits``: those that never issued it or did not
 answer); ``Elastic.recover`` publishes them as a report in the job's store
 (records.py, ``stuck/<n>``). Each launcher keeps one wait parked on the next
 report (no polling), and acts on those of its own ranks that ``named_stuck``
-names. ``named_stuck`` is the one rule: swap it for another (issue 32's
-"stuck only when it persists") and nothing else changes.
+names. ``named_stuck`` is the one rule, and it is the diagnosis's: an
+operation that timed out has, by then, made no progress for its whole
+timeout, far past ``verdicts.stuck_after`` (the age from which ``why``
+calls a stall stuck), and its culprits are the ranks the diagnosis names
+to every tool (diagnostics/verdicts.py: never joined, no answer).
 """
 
 from __future__ import annotations
