@@ -81,6 +81,7 @@ class Watchdog:
         self._dump_on_timeout = env.DUMP_ON_TIMEOUT.get()
         self._pipe: tuple[int, int, str] | None = None  # (rank, fd, path) of the dump pipe
         self._pipe_refused: int | None = None  # the rank whose pipe could not be made or was not ours
+        self._dumped: set[str] = set()  # the dump files this process wrote: one line each, however often rewritten
         self.diagnosis = diagnosis.Diagnosis(group_view.views, self.write_dump, lambda: self._dump_on_timeout)
         # C-level stack dumps (a signal's handler, a timer at the pending operations' deadline), with the dumps
         self._stacks = stacks.this_process() if self._dump_on_timeout else None
@@ -308,7 +309,11 @@ class Watchdog:
         except OSError as exc:
             log.error("nccl_pg: could not write the debug dump: %s", exc)
             return None
-        log.warning("nccl_pg: rank %d wrote a debug dump to %s (%s)", rank, path, reason)
+        if path in self._dumped:  # (a signalled dump brought up to date by the rank's own failure: issue 32)
+            log.info("nccl_pg: rank %d rewrote its debug dump %s (%s)", rank, path, reason)
+        else:
+            self._dumped.add(path)
+            log.warning("nccl_pg: rank %d wrote a debug dump to %s (%s)", rank, path, reason)
         return path
 
     # --- monitor --------------------------------------------------------------------------
