@@ -26,6 +26,7 @@ from ..group.work import WorkInfo
 from ..reduce_op import ReduceOp
 from ..store import PrefixStore
 from ..timeouts import Timeout, to_seconds
+from .as_torch import ours_behind
 from .sparse import all_reduce_sparse
 from .store import TorchStore
 from .tensors import as_array, device_type
@@ -60,7 +61,8 @@ class ProcessGroupTorch(tdist.ProcessGroup):
                  global_ranks: Sequence[int] = (), options: Options | None = None) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # a constructor torch has; its stub lists another
         seconds = to_seconds(timeout)
-        self._npg_store = TorchStore(store, seconds)
+        # our own store, where torch was given one of ours (as_torch_store); else our interface over torch's
+        self._npg_store = ours_behind(store) or TorchStore(store, seconds)
         self._npg_options = Options(timeout=seconds, is_high_priority_stream=bool(
             options and options.is_high_priority_stream), config=options.config if options else Options().config)
         self._npg_name = group_name
