@@ -64,6 +64,8 @@ class ProcessGroupTorch(tdist.ProcessGroup):
         self._npg_completer = Completer(f"nccl_pg-torch-{group_name}")
         self._npg_hooks: list[Callable[[WorkInfo], None]] = []
         self._npg_monitored_barriers = 0
+        if not torch.cuda.is_available():  # a CPU job: its group connects now, as Gloo's (Backend.connects_at_creation)
+            self._group("cpu").connect_now()
 
     def __repr__(self) -> str:
         return f"ProcessGroupTorch(name={self._npg_name!r}, rank={self.rank()}, size={self.size()})"
@@ -346,6 +348,35 @@ class ProcessGroupTorch(tdist.ProcessGroup):
             raise mapped from exc
         so_far.extend(results)
         return self._end_coalescing(device)
+
+    # --- eager connection -------------------------------------------------------------------------
+
+    def eager_connect(self, device: torch.device | str | None = None) -> None:
+        """Connect this group for ``device``'s tensors now (default: CPU) and wait until every rank has
+        joined, as Gloo's groups do at creation: a rank that never comes fails this call after the group's
+        timeout (torch.distributed.DistBackendError naming it), not the first collective."""
+        dev = torch.device("cpu" if device is None else device)
+        try:
+            self._group(dev.type, dev if dev.type == "cuda" else None).eager_init()
+        except BaseException as exc:
+            mapped = to_torch(exc)
+            if mapped is exc:
+                raise
+            raise mapped from exc
+
+    def eager_connect_single_device(self, device: torch.device) -> None:
+        """torch's name: ``init_process_group(..., device_id=device)`` calls it (through ``_get_backend``)."""
+        self.eager_connect(device)
+
+    @property
+    def supports_splitting(self) -> bool:
+        """What torch asks before ``eager_connect_single_device`` (for a ``device_id``)."""
+        return True
+
+    def _get_backend(self, device: torch.device) -> ProcessGroupTorch:  # type: ignore[override]
+        """torch asks a group for its backend of a device (``device_id``, torchft's abort): this group is its
+        own, for CPU and CUDA tensors alike."""
+        return self
 
     # --- state and teardown ---------------------------------------------------------------------
 

@@ -46,6 +46,18 @@ class ProcessGroupNcclPg(ProcessGroupWrapper):
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return "torchft-nccl_pg"
 
+    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
+                  quorum_id: int | None = None, group_rank: int | None = None, group_world_size: int | None = None,
+                  global_ranks: list[int] | None = None) -> None:
+        """torchft's configure, and the group is usable when it returns (its docstring's promise): it connects
+        now (CPU), so a replica that never comes fails here after the timeout, as with Gloo, not at the first
+        collective."""
+        super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size,
+                          global_ranks)
+        pg = self._pg
+        if isinstance(pg, ProcessGroupTorch):
+            pg.eager_connect()
+
     def errored(self) -> Exception | None:
         pg = self._pg
         error = pg.comm_error() if isinstance(pg, ProcessGroupTorch) else None
