@@ -20,6 +20,10 @@ primitive for launchers that decide membership themselves).
 
     from nccl_pg.torch.torchft import ProcessGroupNcclPg
     manager = torchft.Manager(pg=ProcessGroupNcclPg(timeout=timedelta(seconds=30)), ...)
+
+``configure()`` connects the new group before it returns (a replica that
+never comes fails it after the timeout, as with Gloo). ``ProcessGroupBabyNcclPg``
+runs each quorum's group in a subprocess, as torchft's ``ProcessGroupBabyGloo``.
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from torchft.process_group import ProcessGroupWrapper
+from torchft.process_group import ProcessGroupBaby, ProcessGroupWrapper
 
 from .process_group import ProcessGroupTorch
+
+_BABY_TIMEOUT = timedelta(seconds=60)  # the subprocess group's, as torchft's Baby groups' default
 
 
 class ProcessGroupNcclPg(ProcessGroupWrapper):
@@ -77,3 +83,23 @@ class ProcessGroupNcclPg(ProcessGroupWrapper):
         if isinstance(pg, ProcessGroupTorch):
             pg.abort()
             pg.shutdown()
+
+
+class ProcessGroupBabyNcclPg(ProcessGroupBaby):
+    """torchft's subprocess-backed group (its ``ProcessGroupBaby``, as
+    ``ProcessGroupBabyGloo``) on nccl_pg: each quorum's group lives in a
+    spawned subprocess, so a group stuck in a collective is killed with that
+    process (``shutdown()``/the next ``configure()``) without killing the
+    trainer. CPU tensors travel through shared memory, CUDA tensors as they
+    are (torchft's mechanism). The group connects before ``configure()``
+    returns: a replica that never comes fails it after the timeout."""
+
+    @classmethod
+    def _create_pg(cls, store: Any, rank: int, world_size: int) -> ProcessGroupTorch:
+        # (a classmethod, run in the subprocess: torchft passes no timeout here; its own wait is ``timeout``)
+        pg = ProcessGroupTorch(store, rank, world_size, _BABY_TIMEOUT, group_name="torchft_baby")
+        pg.eager_connect()
+        return pg
+
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        return "torchft-baby-nccl_pg"

@@ -170,7 +170,7 @@ class Links:
         in what it sent us (``pending``: our receives from it); else it died."""
         return self._last_words(peer, pending) or PeerLostError(
             f"{self.name}: lost the connection to rank {peer} ({why}) with no goodbye: rank {peer} exited or "
-            f"crashed", peer, f"exited or crashed (its connection to rank {self.rank} ended: {why})")
+            f"crashed (Connection closed by peer, in Gloo's words)", peer, f"exited or crashed (its connection to rank {self.rank} ended: {why})")
 
     def _last_words(self, peer: int, pending: deque[Incoming] | None) -> PeerLostError | None:
         """Read on (skipping data: the mesh is broken) from where our
