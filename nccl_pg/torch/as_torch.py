@@ -67,7 +67,17 @@ class TorchStoreOf(TorchBaseStore):
             return
         self.store.set(key, value)
 
+    def _limit(self) -> float:
+        """The deadline torch set (``set_timeout``, also through its PrefixStore, writes torch's field)."""
+        return float(self.timeout.total_seconds())
+
+    def _wait_if_torch_says_otherwise(self, keys: Sequence[str]) -> None:
+        limit = self._limit()
+        if limit != self.store.timeout:  # our get waits its store's timeout; torch's says another
+            self.store.wait(keys, limit)
+
     def get(self, key: str) -> bytes:
+        self._wait_if_torch_says_otherwise([key])
         return self.store.get(key)
 
     def add(self, key: str, value: int) -> int:
@@ -80,7 +90,7 @@ class TorchStoreOf(TorchBaseStore):
         return self.store.check(keys)
 
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
-        self.store.wait(keys, timeout)
+        self.store.wait(keys, self._limit() if timeout is None else timeout)
 
     def delete_key(self, key: str) -> bool:
         return self.store.delete_key(key)
@@ -96,6 +106,7 @@ class TorchStoreOf(TorchBaseStore):
         self.store.append(key, value)
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        self._wait_if_torch_says_otherwise(keys)
         return self.store.multi_get(keys)
 
     def multi_set(self, keys: Sequence[str], values: Sequence[Any]) -> None:
