@@ -198,3 +198,13 @@ def test_torch_init_on_an_nccl_pg_store(tmp_path: Path, backend: str) -> None:
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert all(o.strip().endswith("OK") for o in outs), outs
+
+
+def test_nccl_pg_torch_imported_before_torch() -> None:
+    """``import nccl_pg.torch...`` as a process's first import (a spawned subprocess unpickling torchft's
+    ProcessGroupBabyNcclPg does so): torch, imported by it, runs our entry point on a half-imported module,
+    which must leave the registration to the module's end rather than fail."""
+    code = ("import nccl_pg.torch.torchft\nimport torch.distributed as d\n"
+            "assert 'NCCL_PG' in d.Backend._plugins\nprint('registered')\n")
+    res = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout == "registered\n", res.stderr[-3000:]

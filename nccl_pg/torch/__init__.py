@@ -9,12 +9,25 @@ See docs/TORCH.md.
 
 from __future__ import annotations
 
-import functools
-import warnings
-from collections.abc import Callable
-from typing import Any
 
-import torch.distributed as tdist
+def _autoload() -> None:
+    """The ``torch.backends`` entry point: runs at ``import torch``. Defined before this module imports
+    torch: when this module is what imports torch first, torch's autoload finds it half imported, and the
+    registration at its end does the work."""
+    done = globals().get("register")
+    if done is not None:
+        import torch.distributed  # noqa: PLC0415
+
+        if torch.distributed.is_available():
+            done()
+
+
+import functools  # noqa: E402
+import warnings  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch.distributed as tdist  # noqa: E402
 
 BACKEND_NAME = "nccl_pg"
 
@@ -60,12 +73,6 @@ def register() -> None:
     if not getattr(tdist.monitored_barrier, "_nccl_pg", False):
         tdist.monitored_barrier = tdist.distributed_c10d.monitored_barrier = _monitored_barrier(
             tdist.distributed_c10d.monitored_barrier)
-
-
-def _autoload() -> None:
-    """The ``torch.backends`` entry point: runs at ``import torch``."""
-    if tdist.is_available():
-        register()
 
 
 register()

@@ -69,7 +69,7 @@ class TorchStoreOf(TorchBaseStore):
 
     def _limit(self) -> float:
         """The deadline torch set (``set_timeout``, also through its PrefixStore, writes torch's field)."""
-        return float(self.timeout.total_seconds())
+        return float(self.timeout.total_seconds())  # type: ignore[attr-defined]  # (torch's stub omits it)
 
     def _wait_if_torch_says_otherwise(self, keys: Sequence[str]) -> None:
         limit = self._limit()
