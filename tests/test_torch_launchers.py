@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from harness.procs import clean_env
+from test_why import TORCH_JOB
 
 pytest.importorskip("torch", reason="the torchrun and torch-script tests need PyTorch (pip install torch)")
 
@@ -128,29 +129,13 @@ def test_torch_script_under_nccl_pg_run(tmp_path: Path) -> None:
     assert "Traceback" not in out and "frame #" not in out, out[-6000:]
 
 
-WHY_JOB = '''\
-import os, pathlib, time
-import torch, torch.distributed as dist
-
-def eval_step():
-    time.sleep(1000)  # STUCK HERE
-
-dist.init_process_group("nccl_pg")
-x = torch.ones(2)
-dist.all_reduce(x)
-work = dist.all_reduce(x, async_op=True) if dist.get_rank() != 1 else None
-pathlib.Path(os.environ["TEST_DIR"], f"ready.{dist.get_rank()}").write_text(str(os.getpid()))
-if work is None:
-    eval_step()
-work.wait()
-'''
 
 
 def test_why_finds_a_torch_job_under_nccl_pg_run(tmp_path: Path) -> None:
     """A torch job on the "nccl_pg" backend under `nccl-pg run`: `nccl-pg why` finds it from the launcher's
     record, without --torch, and names rank 1 (its groups live in torch's namespace of the store)."""
     script = tmp_path / "job.py"
-    script.write_text(WHY_JOB)
+    script.write_text(TORCH_JOB)  # (test_why's torch job: rank 1 stuck in eval_step)
     env = clean_env({"TEST_DIR": str(tmp_path), "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"})
     run = subprocess.Popen([sys.executable, "-m", "nccl_pg.cli.main", "run", "--nproc", "2", "--autopsy-time", "0",
                             str(script)], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,

@@ -222,15 +222,8 @@ class ServerIO(TorchRequests):
         if conn.phase == TORCH:
             self._torch_readable(conn)
             return
-        want = (P.HELLO_SIZE if conn.phase == HELLO else _PROOF_FRAME) - len(conn.inbuf)
-        try:
-            chunk = conn.sock.recv(want)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            chunk = b""
-        if not chunk:
-            self._close(conn)
+        chunk = self._receive(conn, (P.HELLO_SIZE if conn.phase == HELLO else _PROOF_FRAME) - len(conn.inbuf))
+        if chunk is None:
             return
         inbuf = conn.inbuf
         inbuf += chunk

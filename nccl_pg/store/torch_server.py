@@ -106,18 +106,25 @@ class TorchRequests(ServerRequests):
         if len(conn.out) > OUT_LIMIT:  # back-pressure: read nothing until the client reads its answers
             self._set_events(conn, OUT)
             return
-        try:
-            chunk = conn.sock.recv(_RECV_SIZE)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            chunk = b""
-        if not chunk:
-            self._close(conn)
+        chunk = self._receive(conn, _RECV_SIZE)
+        if chunk is None:
             return
         conn.last_active = self._now
         conn.inbuf += chunk
         self._torch_serve(conn)
+
+    def _receive(self, conn: Conn, n: int) -> bytes | None:
+        """Up to ``n`` bytes from ``conn``; None when there are none yet, or it ended (then it is closed)."""
+        try:
+            chunk = conn.sock.recv(n)
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._close(conn)
+            return None
+        return chunk
 
     def _torch_flushed(self, conn: Conn) -> None:
         """Answers went out: go on with requests held back, and read again."""
