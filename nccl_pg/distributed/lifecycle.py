@@ -59,7 +59,12 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     w.default_pg, w.groups, w.group_count, w.local_sync_counts = pg, {pg: list(range(world_size))}, 1, {}
     w.eager = device_id is not None
     if w.eager:
-        pg.eager_init()
+        try:
+            pg.eager_init()
+        except BaseException:  # (as torch: a group that could not be created is not the default one)
+            pg.shutdown(0)
+            w.default_pg, w.groups, w.eager = None, {}, False
+            raise
     else:
         pg.connect_now()  # where the backend connects at creation, as Gloo (the host backend)
     if env.DEBUG.get() != "off":
