@@ -156,29 +156,31 @@ def test_why_finds_a_torch_job_under_nccl_pg_run(tmp_path: Path) -> None:
     assert data["ranks"]["1"]["where"]["func"] == "eval_step", data["ranks"]["1"]
 
 
-@pytest.mark.parametrize("backend", ["gloo", "nccl_pg"])
-def test_torch_init_on_an_nccl_pg_store(tmp_path: Path, backend: str) -> None:
-    """``init_process_group(backend, store=as_torch_store(nccl_pg.TCPStore(...)))`` in two processes: the
-    usual ``store=`` pattern with our store (torch wraps it in its PrefixStores; subgroups too)."""
+def test_torch_init_on_an_nccl_pg_store(tmp_path: Path) -> None:
+    """``init_process_group(backend, store=as_torch_store(nccl_pg.TCPStore(...)))`` in two processes, with
+    Gloo and then with "nccl_pg": the usual ``store=`` pattern with our store (torch wraps it in its
+    PrefixStores; subgroups too)."""
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent('''\
         import sys
         import torch, torch.distributed as dist
         import nccl_pg
         from nccl_pg.torch import as_torch_store
-        rank, port, backend = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+        rank, port = int(sys.argv[1]), int(sys.argv[2])
         store = nccl_pg.TCPStore("127.0.0.1", port, world_size=2, is_master=rank == 0, timeout=60)
-        dist.init_process_group(backend, store=as_torch_store(store), rank=rank, world_size=2)
-        t = torch.full((2,), rank + 1.0)
-        dist.all_reduce(t)
-        dist.all_reduce(t, group=dist.new_group([0, 1]))
-        assert (t == 6).all(), t
-        dist.destroy_process_group()
+        for backend in ("gloo", "nccl_pg"):
+            dist.init_process_group(backend, store=as_torch_store(nccl_pg.PrefixStore(backend, store)), rank=rank,
+                                    world_size=2)
+            t = torch.full((2,), rank + 1.0)
+            dist.all_reduce(t)
+            dist.all_reduce(t, group=dist.new_group([0, 1]))
+            assert (t == 6).all(), (backend, t)
+            dist.destroy_process_group()
         print("OK", flush=True)
         '''))
     port = _free_port()
     env = clean_env({"OMP_NUM_THREADS": "1"})
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port), backend], env=env,
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
