@@ -298,8 +298,9 @@ class GroupCore:
         lo, hi = sorted((self._rank, peer))
         cfg = self._comm_config()
         cfg = replace(cfg, blocking=False, comm_name=f"{cfg.comm_name}:p2p{lo}-{hi}")
-        comm = self._creating = self._backend.create(PrefixStore(f"{self.group_name}/p2p/{lo}-{hi}", self._store),
-                                                     2, int(self._rank == hi), cfg, self._device)
+        comm = self._backend.create(PrefixStore(f"{self.group_name}/p2p/{lo}-{hi}", self._store), 2,
+                                    int(self._rank == hi), cfg, self._device)
+        self._pairs.creating.append(comm)  # within abort()'s reach while it comes up
         try:
             if self._abort_requested:
                 comm.abort()
@@ -311,6 +312,8 @@ class GroupCore:
                                        f"{lo} and {hi} of process group {self.uid} ({self.group_desc!r}) within "
                                        f"{self._timeout:.3f} s ({exc})") from exc
             raise
+        finally:
+            self._pairs.creating.remove(comm)
         return comm, comm.new_stream(self.options.is_high_priority_stream)
 
     def _start_init(self) -> Communicator:

@@ -36,19 +36,26 @@ class Pairs:
         self._create = create
         self._lock = threading.Lock()
         self._by_peer: dict[int, tuple[Communicator, Stream]] = {}
+        self._making: dict[int, threading.Lock] = {}
+        self.creating: list[Communicator] = []  # inits in progress (within abort()'s reach)
 
     def get(self, peer: int) -> tuple[Communicator, Stream]:
         found = self._by_peer.get(peer)
-        if found is None:
-            with self._lock:
-                found = self._by_peer.get(peer)
-                if found is None:
-                    found = self._by_peer[peer] = self._create(peer)
+        if found is not None:
+            return found
+        with self._lock:  # (held briefly: abort() takes it)
+            making = self._making.setdefault(peer, threading.Lock())
+        with making:  # one creation per peer; others, and abort(), go on meanwhile
+            found = self._by_peer.get(peer)
+            if found is None:
+                found = self._create(peer)
+                with self._lock:
+                    self._by_peer[peer] = found
         return found
 
     def comms(self) -> list[Communicator]:
         with self._lock:
-            return [c for c, _ in self._by_peer.values()]
+            return [c for c, _ in self._by_peer.values()] + list(self.creating)
 
     def async_error(self) -> BaseException | None:
         """The first pair's failure, in the group's ranks."""
