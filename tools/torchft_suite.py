@@ -6,7 +6,8 @@ The test files that use torchft's ``ProcessGroupGloo``/``ProcessGroupBabyGloo``
 tools/torchft_on_nccl_pg.py, which puts ``ProcessGroupNcclPg`` and
 ``ProcessGroupBabyNcclPg`` in their place. Each run is a pytest process of its
 own (``--timeout`` per test); a run that dies (a signal, "terminate called")
-is reported as a crash with its test. Printed: the counts per configuration,
+is reported as a crash with its test, as is one where nccl_pg's exit hook
+found threads still inside a store's call (what made such runs abort). Printed: the counts per configuration,
 the tests that pass on one and not on the other (with the other's reason),
 and the crashes. Exit status 1 when a test passes with Gloo and not with
 nccl_pg outside the listed exceptions (``EXPECTED``, each with its reason),
@@ -80,8 +81,10 @@ def run(backend: str, files: list[str], keyword: str | None, timeout: float, wor
                     break
             tests[name] = (outcome, detail)
     crash = None
-    if proc.returncode < 0 or "terminate called" in out or proc.returncode not in (0, 1, 5):
+    left = "still in a store call at exit" in out  # nccl_pg's exit hook found threads inside a store's call
+    if proc.returncode < 0 or "terminate called" in out or proc.returncode not in (0, 1, 5) or left:
         crash = f"exit status {proc.returncode}" + ("; terminate called (SIGABRT)" if "terminate called" in out else "")
+        crash += "; threads still inside torch's store at exit (what aborts a process)" if left else ""
         crash += f"; last output: {out.strip()[-600:]}"
     return {"tests": tests, "crash": crash}
 
