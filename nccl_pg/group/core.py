@@ -112,7 +112,7 @@ class GroupCore:
         self._abort_requested = False  # set by abort() without the lock, for an init in progress to see
         self._stream: Stream | None = None
         self._live: tuple[Communicator, Stream] | None = None  # both, once set up: _ready's path without the lock
-        self._pairs = Pairs(rank, self._create_pair)  # point-to-point before the communicator exists (pairs.py)
+        self._pairs = Pairs(rank)  # point-to-point before the communicator exists (pairs.py)
         self._split_from = split_from  # lazy: split this parent's communicator at first use
         self._seq = 0
         self._seq_p2p = 0
@@ -288,7 +288,7 @@ class GroupCore:
         if (self._comm is not None or self._size <= 2 or self._state is not OPEN
                 or self._backend.connects_at_creation):
             return None
-        return self._pairs.get(peer)
+        return self._pairs.get(peer, self._create_pair)
 
     def _rank_in(self, comm: Communicator, peer: int) -> int:
         """``peer``'s rank in ``comm``: the group's communicator, or a pair's (its lower rank is 0)."""

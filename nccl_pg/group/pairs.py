@@ -29,17 +29,19 @@ from ..errors import DistBackendError
 
 
 class Pairs:
-    """The pair communicators of one group, by peer (group rank); ``create(peer)`` makes one (blocking)."""
+    """The pair communicators of one group, by peer (group rank)."""
 
-    def __init__(self, rank: int, create: Callable[[int], tuple[Communicator, Stream]]) -> None:
+    def __init__(self, rank: int) -> None:
         self._rank = rank
-        self._create = create
         self._lock = threading.Lock()
         self._by_peer: dict[int, tuple[Communicator, Stream]] = {}
         self._making: dict[int, threading.Lock] = {}
         self.creating: list[Communicator] = []  # inits in progress (within abort()'s reach)
 
-    def get(self, peer: int) -> tuple[Communicator, Stream]:
+    def get(self, peer: int, create: Callable[[int], tuple[Communicator, Stream]]) -> tuple[Communicator, Stream]:
+        """``peer``'s pair communicator and its stream, made by ``create(peer)`` (blocking) the first time.
+        (The group passes ``create`` each time: held here, a bound method would make a cycle that keeps a
+        dropped group, its threads and sockets, until the garbage collector runs.)"""
         found = self._by_peer.get(peer)
         if found is not None:
             return found
@@ -48,7 +50,7 @@ class Pairs:
         with making:  # one creation per peer; others, and abort(), go on meanwhile
             found = self._by_peer.get(peer)
             if found is None:
-                found = self._create(peer)
+                found = create(peer)
                 with self._lock:
                     self._by_peer[peer] = found
         return found
@@ -59,6 +61,8 @@ class Pairs:
 
     def async_error(self) -> BaseException | None:
         """The first pair's failure, in the group's ranks."""
+        if not self._by_peer:  # (every Work asks: no lock when there are no pairs, as almost always)
+            return None
         with self._lock:
             pairs = [(peer, c) for peer, (c, _) in self._by_peer.items()]
         for peer, comm in pairs:

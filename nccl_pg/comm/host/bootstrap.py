@@ -89,8 +89,8 @@ class Bootstrapping:
             with self._lock:
                 self._builder = builder
             try:
-                if self._error is not None:
-                    raise self._error
+                if self._error is not None:  # aborted meanwhile: the build ends at once, closing what the builder holds
+                    builder.cancel()
                 socks = builder.build(boot.lower, deadline, self.config.timeout)
             finally:
                 with self._lock:
