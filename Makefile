@@ -15,7 +15,7 @@ TEST_EXTRAS = test,test-cu$(CUDA_MAJOR),torch,torchft,docs
 # more than the machine's cores makes timing-sensitive tests slow. 0 runs it in one process.
 TEST_WORKERS ?= 2
 
-.PHONY: install install-test test test-sim test-gpu test-elastic bench demo lint torch-suite check-latest docs verdict-matrix
+.PHONY: install install-test test test-sim test-gpu test-elastic bench demo lint torch-suite torchft-suite check-latest docs verdict-matrix
 
 # The CUDA major of this machine's NVIDIA driver (empty without one): 12 for a 12.x driver, else 13.
 DRIVER_CUDA_MAJOR := $(shell nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9]*\).*/\1/p' | head -n 1 | \
@@ -100,6 +100,16 @@ docs: install-test
 # minutes on 2 cores); `make test` runs a selection of it (tests/test_verdict_matrix.py's SUITE).
 verdict-matrix: install-test
 	NCCL_PG_VERDICT_MATRIX=all $(PYTHON) -m pytest -q -n $(TEST_WORKERS) tests/test_verdict_matrix.py
+
+# torchft's own tests (shipped in its wheel) with its Gloo groups and with nccl_pg's adapter in their place,
+# compared (tools/torchft_suite.py; exits 1 if a test passes on Gloo and not on nccl_pg outside its listed
+# exceptions, or if a run crashed); then the exit-crash check of issue 31: the process-group tests on nccl_pg,
+# TORCHFT_REPEAT times. Result in docs/TORCH.md. `make test` runs a selection (tests/test_torchft_suite.py).
+TORCHFT_REPEAT ?= 20
+torchft-suite: install-test
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(PYTHON) tools/torchft_suite.py
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(PYTHON) tools/torchft_suite.py --backends nccl_pg \
+		--files process_group_test.py -k "not Baby and not baby" --repeat $(TORCHFT_REPEAT)
 
 # ruff (SLF001 included: no reaching into another module's private members), then mypy over the package
 # (configured in pyproject.toml); any finding fails. tests/test_layering.py checks the imports (`make test`).

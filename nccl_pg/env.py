@@ -112,6 +112,11 @@ USE_AGENT_STORE: Var[bool] = Var(
     "NCCL_PG_USE_AGENT_STORE", parse_bool, False,
     "Set by `nccl-pg run`: the launcher hosts the TCPStore, so rank 0 connects as a client.",
     aliases=("TORCHELASTIC_USE_AGENT_STORE",))
+STORE_PROTOCOL: Var[str] = Var(
+    "NCCL_PG_STORE_PROTOCOL", parse_choice("auto", "nccl_pg", "torch"), "auto",
+    "Wire protocol of env:// and tcp:// rendezvous: nccl_pg (ours, authenticated), torch (a client of a torch "
+    "TCPStore server: every rank connects, none hosts), or auto: torch under torchrun's agent store "
+    "(TORCHELASTIC_USE_AGENT_STORE without NCCL_PG_USE_AGENT_STORE), else nccl_pg.")
 
 # --- host backend ----------------------------------------------------------
 HOST_ADDR: Var[str | None] = Var(
@@ -274,6 +279,7 @@ OBJECT_MAX_BYTES: Var[int] = Var(
     "peer raises DistBackendError before anything is allocated.")
 
 ALL: tuple[Var, ...] = (STORE_SECRET, STORE_TIMEOUT, STORE_MAX_VALUE_SIZE, STORE_IDLE_TIMEOUT, USE_AGENT_STORE,
+                        STORE_PROTOCOL,
                         HOST_ADDR, HOST_BROADCAST, RANKS_PER_ROOT, NCCL_OPS, POOL_RELEASE_THRESHOLD,
                         USE_COMM_NONBLOCKING, ENABLE_TIMING, LAUNCH_MARKS, WATCHDOG_INTERVAL, DEBUG,
                         ASYNC_ERROR_HANDLING, BLOCKING_WAIT, HEARTBEAT_TIMEOUT, ENABLE_MONITORING,

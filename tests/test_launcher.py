@@ -126,7 +126,8 @@ def test_ranks_get_env_args_and_a_listening_store(tmp_path: Path, start, monkeyp
     write_job(tmp_path, '''
         import json, socket
         keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                "MASTER_PORT", "NCCL_PG_USE_AGENT_STORE", "NCCL_PG_STORE_SECRET", "PYTHONUNBUFFERED"]
+                "MASTER_PORT", "NCCL_PG_USE_AGENT_STORE", "NCCL_PG_STORE_SECRET", "PYTHONUNBUFFERED",
+                "TORCHELASTIC_USE_AGENT_STORE"]
         socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), timeout=10).close()
         print(json.dumps({"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv[1:]}))
     ''')
@@ -140,6 +141,7 @@ def test_ranks_get_env_args_and_a_listening_store(tmp_path: Path, start, monkeyp
         assert (e["RANK"], e["LOCAL_RANK"]) == (str(rank), str(rank))
         assert (e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"], e["GROUP_RANK"]) == ("3", "3", "0")
         assert (e["NCCL_PG_USE_AGENT_STORE"], e["PYTHONUNBUFFERED"]) == ("1", "1")
+        assert e["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # torch's env:// uses the launcher's store (issue 31)
     assert {i["env"]["MASTER_ADDR"] for i in seen.values()} == {"127.0.0.1"}
     ports = {i["env"]["MASTER_PORT"] for i in seen.values()}
     assert len(ports) == 1 and int(ports.pop()) > 0

@@ -192,3 +192,63 @@ def test_a_backend_without_wildcard_receive_refuses_it_at_the_call():
         assert pg._seq_p2p == 0
     finally:
         pg.shutdown()
+
+
+def _p2p_first(r: Rank) -> None:
+    """Three ranks whose first operation is a send 0 -> 1 while rank 2 is elsewhere: rank 2 joins nothing
+    until rank 1 says it received (a communicator for all three would wait for it, forever), so the pair's
+    communicator must be theirs alone (issue 31, item 3). Then a collective on the group's communicator
+    (after the pair's work), and point-to-point on it."""
+    r.init(timeout=20)
+    store, me = r.store(), r.rank
+    if me == 0:
+        dist.send(r.full(4, 7.0), 1)
+        dist.send(r.full(4, 8.0), 1)  # the same pair's communicator again
+    elif me == 1:
+        a, b = r.full(4, 0.0), r.full(4, 0.0)
+        dist.recv(a, 0)
+        dist.recv(b, 0)
+        assert (r.host(a) == 7).all() and (r.host(b) == 8).all()
+        store.set("received", b"1")
+    else:
+        store.wait(["received"])
+    x = r.full(2, me + 1.0)
+    dist.all_reduce(x)
+    assert (r.host(x) == 6).all()
+    if me == 0:
+        dist.send(r.full(2, 3.0), 2)
+    elif me == 2:
+        y = r.full(2, 0.0)
+        dist.recv(y, 0)
+        assert (r.host(y) == 3).all()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", ["host", pytest.param("simnccl", marks=pytest.mark.simnccl)])
+def test_point_to_point_first_needs_only_the_pair(tmp_path, backend):
+    run_world(_p2p_first, 3, tmp_path, backend=backend, timeout=40)
+
+
+def _pair_peer_missing(r: Rank) -> None:
+    """NCCL (a communicator per pair, as ProcessGroupNCCL's): rank 0 sends to rank 1, which does not come
+    before the group's timeout: the send fails, naming rank 1 as the one that never joined; rank 2 is not
+    involved. (The host backend connects every rank at the group's creation, as Gloo, so nothing waits for
+    a pair there.)"""
+    r.init(timeout=2)
+    store = r.store()
+    if r.rank == 0:
+        with pytest.raises(DistBackendError, match=r"timeout: rank 1 never joined the point-to-point communicator "
+                                                   r"of ranks 0 and 1"):
+            dist.send(r.full(2, 1.0), 1)
+        store.set("failed", b"1")
+    else:  # then ranks 1 and 2 use a pair of their own, unharmed
+        store.wait(["failed"])
+        buf = r.full(2, 5.0 if r.rank == 1 else 0.0)
+        (dist.send if r.rank == 1 else dist.recv)(buf, 3 - r.rank)
+        assert (r.host(buf) == 5).all()
+    dist.destroy_process_group()
+
+
+@pytest.mark.simnccl
+def test_a_pair_whose_peer_never_comes_names_it(tmp_path):
+    run_world(_pair_peer_missing, 3, tmp_path, backend="simnccl", timeout=40)

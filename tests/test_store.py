@@ -51,7 +51,7 @@ def parse_timeout(exc: DistStoreError) -> tuple[float, str]:
     msg = str(exc)
     assert "timeout" in msg, msg
     waited = re.search(r"waited (\d+(?:\.\d+)?) s", msg)
-    missing = re.search(r"still missing: (.*)$", msg)
+    missing = re.search(r"still missing: (\[.*?\])\. wait timeout after \d+ms, keys: ", msg)
     assert waited and missing, msg
     return float(waited.group(1)), missing.group(1)
 

@@ -2,7 +2,8 @@
 backend (issue 17), each checked through torch's API as a torch user calls
 it: all_gather_coalesced's layout, receives posted before sends on every
 rank, monitored_barrier, receiving from any source, sparse all_reduce and
-DDP with sparse gradients, and timeout messages torch's tests match.
+DDP with sparse gradients, and timeout messages torch's tests match; and
+every call form of torch's ProcessGroup methods (issue 31).
 """
 
 from __future__ import annotations
@@ -241,3 +242,111 @@ def _s_wait_timeout(r: Rank) -> str:
 def test_wait_timeout_message_matches_torchs_tests(tmp_path):
     message = run_world(_s_wait_timeout, 2, tmp_path, timeout=60)[0]
     assert re.search(" (Timed out|closed|timeout) ", message) and "Timed out waiting 300ms" in message, message
+
+
+def _s_every_form(r: Rank) -> None:
+    init(r)
+    pg = tdist.group.WORLD
+    me, n = r.rank, r.world_size
+    total = n * (n + 1) / 2
+
+    def full(v: float, size: int = 2) -> torch.Tensor:
+        return torch.full((size,), float(v))
+
+    # allreduce: torch's form, a bare ReduceOp (torchft's wrapper), its RedOpType constant, a bare tensor
+    for call in (lambda t: pg.allreduce([t], tdist.AllreduceOptions()),
+                 lambda t: pg.allreduce([t], tdist.ReduceOp(tdist.ReduceOp.SUM)),
+                 lambda t: pg.allreduce([t], tdist.ReduceOp.SUM),
+                 lambda t: pg.allreduce([t], op=tdist.ReduceOp.SUM, timeout=timedelta(seconds=30)),
+                 lambda t: pg.allreduce(t, tdist.ReduceOp.SUM),
+                 lambda t: pg.allreduce(tensor=t)):
+        t = full(me + 1)
+        call(t).wait()
+        assert (t == total).all(), t
+    t = full(me + 1)
+    pg.allreduce([t], tdist.ReduceOp.MAX).wait()
+    assert (t == n).all()
+    with pytest.raises(ValueError, match="BAND is not supported"):
+        pg.allreduce([full(1)], tdist.ReduceOp.BAND)
+    # broadcast and reduce: options, a bare root (and op), keywords
+    for call in (lambda t: pg.broadcast([t], tdist.BroadcastOptions()), lambda t: pg.broadcast(t, 0),
+                 lambda t: pg.broadcast(tensor=t, root=0, timeout=timedelta(seconds=30))):
+        t = full(me + 7)
+        call(t).wait()
+        assert (t == 7).all()
+    opts = tdist.ReduceOptions()
+    opts.rootRank, opts.reduceOp = 1, tdist.ReduceOp.MAX
+    for call in (lambda t: pg.reduce([t], opts), lambda t: pg.reduce(t, 1, tdist.ReduceOp.MAX),
+                 lambda t: pg.reduce(tensor=t, root=1, op=tdist.ReduceOp.MAX)):
+        t = full(me + 1)
+        call(t).wait()
+        assert me != 1 or (t == n).all()
+    # allgather: lists per device, or one list and a bare input
+    outs = [[full(-1) for _ in range(n)]]
+    pg.allgather(outs, [full(me)]).wait()
+    assert [o[0].item() for o in outs[0]] == list(range(n))
+    flat = [full(-1) for _ in range(n)]
+    pg.allgather(flat, full(me), timedelta(seconds=30)).wait()
+    assert [o[0].item() for o in flat] == list(range(n))
+    # gather and scatter at root 1
+    opts_g = tdist.GatherOptions()
+    opts_g.rootRank = 1
+    got = [[full(-1) for _ in range(n)]] if me == 1 else []
+    pg.gather(got, [full(me)], opts_g).wait()
+    assert me != 1 or [g[0].item() for g in got[0]] == list(range(n))
+    got_flat = [full(-1) for _ in range(n)] if me == 1 else []
+    pg.gather(got_flat, full(me), 1).wait()
+    assert me != 1 or [g[0].item() for g in got_flat] == list(range(n))
+    opts_s = tdist.ScatterOptions()
+    opts_s.rootRank = 1
+    out = full(-1)
+    pg.scatter([out], [[full(10 + i) for i in range(n)]] if me == 1 else [], opts_s).wait()
+    assert out[0].item() == 10 + me
+    out = full(-1)
+    pg.scatter(out, [full(20 + i) for i in range(n)] if me == 1 else [], 1).wait()
+    assert out[0].item() == 20 + me
+    # reduce_scatter: lists per device with options, or a bare output, a list and an op
+    out = full(-1)
+    pg.reduce_scatter([out], [[full(me + i) for i in range(n)]], tdist.ReduceScatterOptions()).wait()
+    assert out[0].item() == sum(k + me for k in range(n))
+    out = full(-1)
+    pg.reduce_scatter(out, [full(1) for _ in range(n)], tdist.ReduceOp.SUM).wait()
+    assert out[0].item() == n
+    # all_to_all_single / alltoall_base (options or timeout, keywords), alltoall
+    inp, res = torch.arange(n, dtype=torch.float32) + 10 * me, torch.empty(n)
+    pg.all_to_all_single(res, inp, [], []).wait()
+    assert res.tolist() == [10.0 * k + me for k in range(n)]
+    res = torch.empty(n)
+    pg.alltoall_base(output=res, input=inp, output_split_sizes=[1] * n, input_split_sizes=[1] * n,
+                     timeout=timedelta(seconds=30)).wait()
+    assert res.tolist() == [10.0 * k + me for k in range(n)]
+    outs2 = [full(-1) for _ in range(n)]
+    pg.alltoall(outs2, [full(10 * me + k) for k in range(n)]).wait()
+    assert [o[0].item() for o in outs2] == [10.0 * k + me for k in range(n)]
+    outs2 = [full(-1) for _ in range(n)]
+    pg.alltoall(output=outs2, input=[full(10 * me + k) for k in range(n)], timeout=timedelta(seconds=30)).wait()
+    assert [o[0].item() for o in outs2] == [10.0 * k + me for k in range(n)]
+    # the *_single / *_coalesced ones under their torch names, positional and by torch's keywords
+    big = torch.empty(2 * n)
+    pg._allgather_base(big, full(me)).wait()
+    assert big.tolist() == [float(k) for k in range(n) for _ in range(2)]
+    small = full(-1)
+    pg._reduce_scatter_base(outputTensor=small, inputTensor=torch.ones(2 * n), opts=None).wait()
+    assert (small == n).all()
+    # point-to-point by torch's parameter names, and barriers in both forms
+    if me == 0:
+        pg.send(tensors=[full(5)], dstRank=1, tag=0).wait()
+    elif me == 1:
+        t = full(-1)
+        pg.recv(tensors=[t], srcRank=0, tag=0).wait()
+        assert (t == 5).all()
+    pg.barrier(tdist.BarrierOptions()).wait()
+    pg.barrier(timeout=timedelta(seconds=30)).wait()
+    pg.barrier(timedelta(seconds=30)).wait()
+    tdist.destroy_process_group()
+
+
+def test_every_call_form_through_a_group(tmp_path) -> None:
+    """Every form of torch 2.13's ProcessGroup methods (tests/test_torch_call_forms.py checks that each
+    overload of its stub binds), through a group, with values checked (issue 31, item 4)."""
+    run_world(_s_every_form, 2, tmp_path, timeout=60)

@@ -71,6 +71,7 @@ class LaunchConfig:
     report_dir: str | None = None  # the autopsy's report (default: beside the dumps)
     elastic: elastic.ElasticOptions | None = None  # --elastic: replace a rank that dies or hangs (cli/elastic.py)
     stall_warning: float = STALL_WARNING  # a line when the job has hung this long (job_files.py); 0: none
+    torch_clients: str | None = "loopback"  # whom the store serves torch's own clients (None: nobody)
 
 
 # --- command line ------------------------------------------------------------
@@ -98,6 +99,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"never the store; default: {STALL_WARNING:g}; 0: never)")
     parser.add_argument("--no-prefix", dest="prefix", action="store_false",
                         help="let ranks write straight to the terminal instead of prefixing lines with [rankN]:")
+    parser.add_argument("--torch-clients", choices=("loopback", "any", "off"), default="loopback",
+                        help="serve torch.distributed's own TCPStore clients too (torch code's env://, as torchrun's "
+                             "agent store; unauthenticated, docs/SECURITY.md): from this machine's loopback "
+                             "addresses (default), from anywhere, or not at all")
     elastic.add_arguments(parser)
     parser.add_argument("-m", dest="module", action="store_true",
                         help="run TARGET as a module, as `python -m TARGET`")
@@ -116,7 +121,8 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
                         master_port=args.master_port, grace_period=args.grace_period,
                         max_time=args.max_time, prefix=args.prefix, autopsy_time=args.autopsy_time,
                         report_dir=args.report_dir, elastic=elastic.options_from_args(args, parser),
-                        stall_warning=args.stall_warning)
+                        stall_warning=args.stall_warning,
+                        torch_clients=None if args.torch_clients == "off" else args.torch_clients)
 
 
 def _seconds_or_zero(raw: str) -> float:
@@ -381,6 +387,8 @@ class _Job:
             env.STORE_SECRET.name: secret,
             "PYTHONUNBUFFERED": "1",
         }
+        if cfg.torch_clients:  # torch's env:// connects to the launcher's store, as to torchrun's agent's
+            common["TORCHELASTIC_USE_AGENT_STORE"] = "True"
         if cfg.elastic:
             self._spawn_elastic(cfg.elastic, common, port, secret)
             return
@@ -632,7 +640,8 @@ def _record(config: LaunchConfig, port: int, secret: str) -> str | None:
 
 def _start_store(config: LaunchConfig, secret: str) -> TCPStoreServer | None:
     try:
-        server = TCPStoreServer(config.master_addr, config.master_port, secret=secret)
+        server = TCPStoreServer(config.master_addr, config.master_port, secret=secret,
+                                torch_clients=config.torch_clients)
         server.start()
     except (OSError, DistError) as exc:
         _log(f"cannot start the rendezvous store: {exc}")  # exc names the address

@@ -159,10 +159,27 @@ def _store(host: str, port: int, secret: str | None, args: argparse.Namespace) -
                           connect_timeout=min(args.timeout, 10.0))
     except DistError as exc:
         raise DistError(f"{exc} (a torch.distributed store? then add --torch)") from None
-    return (PrefixStore(args.prefix, client) if args.prefix else client), client.close
+    prefix = args.prefix
+    if prefix is None and not client.check([_LATEST]):  # torch code's groups (nccl-pg run serves torch's clients)
+        prefix = _namespace(client.list_keys(), host, port, required=False)
+    return (PrefixStore(prefix, client) if prefix else client), client.close
 
 
 _LATEST = "nccl_pg/diag/latest"
+
+
+def _namespace(keys: list[str], host: str, port: int, required: bool = True) -> str | None:
+    """The namespace of the default group's nccl_pg groups: the shortest of those that hold an incident hint,
+    which every listener leaves (torch's PrefixStore puts "/" between its prefix and a key)."""
+    spaces = sorted({k[:-len(_LATEST) - 1] for k in keys if k.endswith("/" + _LATEST)}, key=len)
+    if not spaces:
+        if required:
+            raise ValueError(f"no nccl_pg group has left its incident hint ({_LATEST}) in the store at {host}:{port}")
+        return None
+    if len(spaces) > 1:
+        print(f"nccl-pg why: asking the groups under {spaces[0]!r}; others: {', '.join(map(repr, spaces[1:]))} "
+              "(--prefix)", file=sys.stderr)
+    return spaces[0]
 
 
 def _torch_store(host: str, port: int, secret: str | None, args: argparse.Namespace) -> tuple[Store,
@@ -177,15 +194,6 @@ def _torch_store(host: str, port: int, secret: str | None, args: argparse.Namesp
 
     client = tdist.TCPStore(host, port, is_master=False, wait_for_workers=False,  # type: ignore[attr-defined]  # (not in torch's stubs)
                             timeout=timedelta(seconds=args.timeout + 5.0))
-    prefix = args.prefix
-    if prefix is None:
-        # torch's PrefixStore puts "/" between its prefix and a key
-        spaces = sorted({k[:-len(_LATEST) - 1] for k in client.list_keys() if k.endswith("/" + _LATEST)}, key=len)
-        if not spaces:
-            raise ValueError(f"no nccl_pg group has left its incident hint ({_LATEST}) in the store at {host}:{port}")
-        prefix = spaces[0]
-        if len(spaces) > 1:
-            print(f"nccl-pg why: asking the groups under {prefix!r}; others: {', '.join(map(repr, spaces[1:]))} "
-                  "(--prefix)", file=sys.stderr)
+    prefix = args.prefix if args.prefix is not None else _namespace(client.list_keys(), host, port)
     torch_store = tdist.PrefixStore(prefix, client) if prefix else client  # type: ignore[attr-defined]
     return TorchStore(torch_store, args.timeout + 5.0), lambda: None

@@ -415,6 +415,12 @@ class Backend(ABC):
     arrays it works on. One instance per backend kind ("host", "nccl")."""
 
     name: str
+    # Whether a group starts its communicator's init when it is created (nonblocking; its first operation waits
+    # for it), as Gloo connects at creation: then every rank of the group takes part at once, whatever it does
+    # next, so point-to-point between some ranks works from the first operation (receives from any source
+    # included). Otherwise the init waits for the first operation, and a standalone send or receive before it
+    # gets a communicator of its pair, as ProcessGroupNCCL does (group/pairs.py).
+    connects_at_creation: bool = False
 
     @abstractmethod
     def create(self, store: Any, nranks: int, rank: int, config: CommConfig, device: Any = None) -> Communicator:

@@ -113,7 +113,8 @@ class Channel:
             except Exception as exc:
                 if time.monotonic() - t0 < park / 2 and not self.closed:  # not the park running out: it failed
                     log.debug("nccl_pg: signal listener on %r: %s; retrying in %.0f s", self.store, exc, retry)
-                    time.sleep(retry)
+                    with self._lock:  # close() wakes it: at exit it must end, not sleep past the join
+                        self._jobs.wait_for(lambda: self.closed, retry)
                     retry = min(retry * 2, RETRY_CAP)
                 continue
             retry = 1.0

@@ -60,7 +60,14 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     w.default_pg, w.groups, w.group_count, w.local_sync_counts = pg, {pg: list(range(world_size))}, 1, {}
     w.eager = device_id is not None
     if w.eager:
-        pg.eager_init()
+        try:
+            pg.eager_init()
+        except BaseException:  # (as torch: a group that could not be created is not the default one)
+            pg.shutdown(0)
+            w.default_pg, w.groups, w.eager = None, {}, False
+            raise
+    else:
+        pg.connect_now()  # where the backend connects at creation, as Gloo (the host backend)
     if env.DEBUG.get() != "off":
         log.info("rank %d: initialized the default group (%s, %d ranks, timeout %.0f s)", rank, name,
                  world_size, limit)
@@ -203,6 +210,7 @@ def new_group(ranks: Sequence[int] | None = None, timeout: Timeout | None = None
                       device_id=parent.bound_device_id, group_name=name, group_desc=group_desc or "undefined",
                       uid=uid, global_ranks=members, split_from=parent if lazy_split else None, comm=child)
     w.groups[pg] = members
+    pg.connect_now()
     return pg
 
 

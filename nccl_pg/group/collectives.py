@@ -362,14 +362,14 @@ class Collectives(Issuing):
     def send(self, tensor: ArrayArg, dst: int, tag: int = 0) -> Work | None:
         t = self._moved(self._flat(_one(tensor), "send tensor"))
         dst = self._peer(dst, "send dst")
-        return self._issue(OpType.SEND, [tensor], lambda c, s: c.send(t, dst, s),
+        return self._issue(OpType.SEND, [tensor], lambda c, s: c.send(t, self._rank_in(c, dst), s),
                            name=f"nccl:send {self._rank}->{dst}", peer=dst, check=[("tensor", _one(tensor))] if self._nan is not None else None,
                            buf=t)
 
     def recv(self, tensor: ArrayArg, src: int, tag: int = 0) -> Work | None:
         t = self._moved(self._flat(_one(tensor), "recv tensor", output=True))
         src = self._peer(src, "recv src")
-        return self._issue(OpType.RECV, [tensor], lambda c, s: c.recv(t, src, s),
+        return self._issue(OpType.RECV, [tensor], lambda c, s: c.recv(t, self._rank_in(c, src), s),
                            name=f"nccl:recv {self._rank}<-{src}", peer=src, buf=t)
 
     def recv_anysource(self, tensor: ArrayArg, tag: int = 0) -> Work:

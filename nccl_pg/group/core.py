@@ -33,6 +33,7 @@ from ..timeouts import Timeout, to_seconds
 from . import forks, nan_check, watchdog
 from .nan_check import NanCheck, Pending
 from .options import Options
+from .pairs import Pairs
 from .replays import ReplayWatch
 from .work import Work, WorkInfo
 
@@ -109,9 +110,11 @@ class GroupCore:
         self._lock = threading.RLock()
         self._comm: Communicator | None = None
         self._creating: Communicator | None = None  # an init in progress, for abort() to reach
+        self._started: Communicator | None = None  # an init started at creation, not yet used (connect_now)
         self._abort_requested = False  # set by abort() without the lock, for an init in progress to see
         self._stream: Stream | None = None
         self._live: tuple[Communicator, Stream] | None = None  # both, once set up: _ready's path without the lock
+        self._pairs = Pairs(rank)  # point-to-point before the communicator exists (pairs.py)
         self._split_from = split_from  # lazy: split this parent's communicator at first use
         self._seq = 0
         self._seq_p2p = 0
@@ -273,12 +276,11 @@ class GroupCore:
                 child = parent._split_comm(parent._comm, 0, self._rank, self._comm_config())
                 assert child is not None
                 return child
-        store = PrefixStore(f"{self.group_name}/comm", self._store)
         cfg = self._comm_config()
         # Always started nonblocking (then waited for in blocking mode), so that abort() reaches an init stuck on
         # a missing peer; the init's own deadline fails it first, with the message naming the missing ranks.
-        comm = self._creating = self._backend.create(store, self._size, self._rank, replace(cfg, blocking=False),
-                                                     self._device)
+        comm, self._started = self._started or self._start_init(), None
+        self._creating = comm
         if self._abort_requested:  # abort() ran before _creating was set: it could not reach this comm
             comm.abort()
         if cfg.blocking:
@@ -310,12 +312,62 @@ class GroupCore:
                 f"them and every instantiation (e.g. del graph), then {what} again and capture them anew on the new "
                 "group; or abort the group first (NCCL's abort waits until they are destroyed)")
 
+    def _pair(self, peer: int) -> tuple[Communicator, Stream] | None:
+        """The communicator for a standalone send or receive with ``peer``, when it is not the group's: one
+        of the pair (pairs.py), before the group's exists, in a group of more than two, on a backend that
+        does not connect groups at their creation."""
+        if (self._comm is not None or self._size <= 2 or self._state is not OPEN
+                or self._backend.connects_at_creation):
+            return None
+        return self._pairs.get(peer, self._create_pair)
+
+    def _rank_in(self, comm: Communicator, peer: int) -> int:
+        """``peer``'s rank in ``comm``: the group's communicator, or a pair's (its lower rank is 0)."""
+        return peer if comm is self._comm else int(peer > self._rank)
+
+    def _create_pair(self, peer: int) -> tuple[Communicator, Stream]:
+        lo, hi = sorted((self._rank, peer))
+        cfg = self._comm_config()
+        cfg = replace(cfg, blocking=False, comm_name=f"{cfg.comm_name}:p2p{lo}-{hi}")
+        comm = self._backend.create(PrefixStore(f"{self.group_name}/p2p/{lo}-{hi}", self._store), 2,
+                                    int(self._rank == hi), cfg, self._device)
+        self._pairs.creating.append(comm)  # within abort()'s reach while it comes up
+        try:
+            if self._abort_requested:
+                comm.abort()
+            comm.wait_ready(cfg.timeout + WAIT_READY_GRACE)  # (its operations would wait for it: NCCL's must)
+        except BaseException as exc:
+            comm.destroy()
+            if "timeout" in str(exc).lower():
+                raise DistBackendError(f"timeout: rank {peer} never joined the point-to-point communicator of ranks "
+                                       f"{lo} and {hi} of process group {self.uid} ({self.group_desc!r}) within "
+                                       f"{self._timeout:.3f} s ({exc})") from exc
+            raise
+        finally:
+            self._pairs.creating.remove(comm)
+        return comm, comm.new_stream(self.options.is_high_priority_stream)
+
+    def _start_init(self) -> Communicator:
+        cfg = self._comm_config()
+        return self._backend.create(PrefixStore(f"{self.group_name}/comm", self._store), self._size, self._rank,
+                                    replace(cfg, blocking=False), self._device)
+
+    def connect_now(self) -> None:
+        """Start the communicator's init now, without waiting for it (its first operation does), where the
+        backend connects groups at their creation (``Backend.connects_at_creation``, as Gloo): every rank of
+        the group then takes part at once, whatever it does next."""
+        with self._lock:
+            if (self._backend.connects_at_creation and self._comm is None and self._started is None
+                    and self._split_from is None and self._state is GroupState.OPEN):
+                self._started = self._creating = self._start_init()
+
     def _set_comm(self, comm: Communicator) -> None:
         # The same on every rank ("Every rank must provide a non-NULL event or every rank must provide NULL",
         # nccl.h): the same NCCL and the same NCCL_PG_LAUNCH_MARKS everywhere (the fingerprint check compares it)
         self._launch_marks = comm.supports_launch_marks and env.LAUNCH_MARKS.get()
         self._comm = comm
         self._stream = stream = comm.new_stream(self.options.is_high_priority_stream)
+        self._pairs.join(stream)  # the group's work waits for what the pairs still run
         if self._device is not None and not self._nonblocking:
             comm.wait_ready(self._timeout)
         self._live = comm, stream
@@ -347,7 +399,7 @@ class GroupCore:
 
     def comm_error(self) -> BaseException | None:
         comm = self._comm
-        return None if comm is None else comm.async_error()
+        return (None if comm is None else comm.async_error()) or self._pairs.async_error()
 
     @property
     def comm_backend(self) -> Backend:
@@ -402,10 +454,10 @@ class GroupCore:
         watchdog.get().diagnosis.submit(timeout)
 
     def check_comm(self) -> None:
-        """Watchdog: act on a communicator broken while nothing was pending,
-        and on a replayed collective past its timeout (replays.py)."""
-        comm = self._comm
-        if comm is None or self._state is not GroupState.OPEN:
+        """Watchdog: act on a communicator broken while nothing was pending
+        (the group's or a pair's), and on a replayed collective past its
+        timeout (replays.py)."""
+        if self._state is not GroupState.OPEN:
             return
         if self._replays:  # polled after an error too: a destroyed graph's entries go
             for stuck in self._replays.poll():
@@ -413,7 +465,7 @@ class GroupCore:
                                                     f"{self._rank} of {self._size}: {stuck.describe()}"))
         if self._error_handled:
             return
-        error = comm.async_error()
+        error = self.comm_error()
         if error is not None and not isinstance(error, CallTimeout):  # the issuing caller explains a CallTimeout
             self._handle_error(DistBackendError(f"process group {self.uid} ({self.group_desc!r}) on rank "
                                                f"{self._rank}: communicator error: {error}"))
@@ -439,8 +491,10 @@ class GroupCore:
         log.error("nccl_pg: %s", error)
         if env.DUMP_ON_TIMEOUT.get() and "debug dump:" not in str(error):  # a timeout has written its dump
             self._dump_for_error(error)
-        if mode in (1, 2) and comm is not None:
-            comm.abort()
+        if mode in (1, 2):
+            if comm is not None:
+                comm.abort()
+            self._pairs.abort()
         if mode in (1, 3):
             print(f"nccl_pg: rank {self._global_rank_of(self._rank)}: {error}; ending the process "
                   f"(NCCL_PG_ASYNC_ERROR_HANDLING={mode})", file=sys.stderr, flush=True)
@@ -477,6 +531,7 @@ class GroupCore:
             comm = self._comm
         if comm is not None:
             comm.abort()
+        self._pairs.abort()
 
     def shutdown(self, timeout: Timeout | None = None) -> None:
         """Flush pending operations (bounded by ``timeout``, default the group
@@ -487,14 +542,22 @@ class GroupCore:
             comm = self._comm
             if self._state is GroupState.DESTROYED and (comm is None or comm.state is CommState.DESTROYED):
                 return  # (a communicator that refused to go, its CUDA graphs alive, is destroyed again)
-        if comm is not None and self._state is GroupState.OPEN and not self._wait_for_pending_works(limit):
+        if (comm is not None or self._pairs.comms()) and self._state is GroupState.OPEN and \
+                not self._wait_for_pending_works(limit):
             warnings.warn(f"{self!r}: pending operations did not finish within {limit:.1f} s at shutdown; "
                           "aborting them", RuntimeWarning, stacklevel=2)
-            comm.abort()
+            if comm is not None:
+                comm.abort()
+            self._pairs.abort()
             watchdog.get().drain(self, lambda: list(self._pending), _ABORTED_DRAIN)
         with self._lock:
             self._state = GroupState.DESTROYED
+            started, self._started = self._started, None
         watchdog.get().diagnosis.release(self.diag)  # the store's listener ends with its last group
+        self._pairs.destroy()
+        if started is not None:  # started at creation, never used
+            started.abort()
+            started.destroy()
         if comm is not None:
             if comm.state is CommState.INITIALIZING:
                 comm.abort()  # a nonblocking init still waiting for peers would hold destroy up
@@ -502,24 +565,35 @@ class GroupCore:
 
     def close_left_open(self) -> None:
         """At exit: abort it if it was never destroyed (bounded), with a
-        warning, unless it is a forked child's copy of its parent's group."""
-        comm = self._comm
-        if self._state is GroupState.OPEN and comm is not None and self._owner.here():
+        warning if it was used, unless it is a forked child's copy of its
+        parent's group."""
+        comms = self._held()
+        if self._state is GroupState.OPEN and comms and self._owner.here():
             # Not when the process ends on an exception: its traceback says why, the warning would be noise.
-            if getattr(sys, "last_value", None) is None:
+            if (self._comm is not None or self._pairs.comms()) and getattr(sys, "last_value", None) is None:
                 print(f"nccl_pg: warning: {self!r} was not destroyed before exit ({len(self._pending)} operations "
                       "pending); aborting it. Call destroy_process_group() to flush pending work first.",
                       file=sys.stderr, flush=True)
             self.abort()
-            comm.destroy()
+            for comm in comms:
+                comm.destroy()
+
+    def _held(self) -> list[Communicator]:
+        """Every communicator this group holds: its own, one started at its creation, its pairs'."""
+        return [c for c in (self._comm, self._started) if c is not None] + self._pairs.comms()
 
     def __del__(self) -> None:
-        # Dropped without destroy: free the communicator's threads and sockets
+        # Dropped without destroy: free the communicators' threads and sockets
         # now rather than at exit (never blocks: abort first). Not in a forked
         # child: the sockets are the parent's too.
         owner = getattr(self, "_owner", None)
-        comm = getattr(self, "_comm", None)
-        if owner is not None and owner.here() and comm is not None and getattr(self, "_state", None) is not GroupState.DESTROYED:
+        if owner is None or not owner.here() or getattr(self, "_state", None) is GroupState.DESTROYED:
+            return
+        try:
+            comms = self._held()
+        except AttributeError:  # (a constructor that failed half-way)
+            return
+        for comm in comms:
             comm.abort()
             comm.destroy()
 

@@ -64,10 +64,13 @@ class Issuing(GroupCore):
         lane = p2p and self._coalescing is None
         live = self._live  # _ready() inline: every operation comes here
         if live is None or self._state is not OPEN:
-            live = self._ready(join=False)  # creates the communicator, or raises: the group is closed
+            # before the communicator exists, a standalone send or receive goes to the pair's (pairs.py)
+            pair = self._pair(peer) if lane and peer is not None and peer != ANY_SOURCE else None
+            live = pair or self._ready(join=False)  # creates the communicator, or raises: the group is closed
         comm, stream = live
         if lane:
-            stream = comm.p2p_stream(stream, None if peer == ANY_SOURCE else peer, op_type is OpType.SEND, buf)
+            stream = comm.p2p_stream(stream, None if peer is None or peer == ANY_SOURCE else self._rank_in(comm, peer),
+                                     op_type is OpType.SEND, buf)
         else:
             comm.join_p2p(stream)
             if isinstance(fingerprint, Fingerprint) and self._coalescing is None and not stream.capturing:

@@ -106,6 +106,7 @@ class ProcessGroup(Suspension, Collectives):
             if self._state is GroupState.OPEN:
                 self._state, self._close_reason = GroupState.REVOKED, "revoke_process_group()"
             comm = self._comm
+        self._pairs.abort()  # (pair communicators cannot be revoked; a shrink makes no use of them)
         if comm is None:
             return
         if comm.supports_revoke and comm.state is not CommState.INITIALIZING:

@@ -55,9 +55,11 @@ def to_bytes(value: object, key: str) -> bytes:
 
 
 def timeout_error(where: str, keys: Sequence[str], missing: Sequence[str], waited: float) -> DistStoreError:
+    """A wait's timeout, in our words, then torch's TCPStore's (for those who grep logs for them)."""
     shown = list(missing) if missing else list(keys)
     return DistStoreError(
-        f"timeout: waited {waited:.2f} s in {where} for key(s) {list(keys)!r}; still missing: {shown!r}"
+        f"timeout: waited {waited:.2f} s in {where} for key(s) {list(keys)!r}; still missing: {shown!r}. "
+        f"wait timeout after {waited * 1000:.0f}ms, keys: {', '.join(keys)}"
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..timeouts import Timeout
-from .base import Store, Value, check_key, check_keys
+from .base import Store, Value, check_key, check_keys, check_multi_set, to_bytes
 
 
 class PrefixStore(Store):
@@ -50,8 +50,10 @@ class PrefixStore(Store):
     def _ks(self, keys: Sequence[str]) -> list[str]:
         return [self._k(k) for k in check_keys(keys)]
 
+    # Values reach the store below as bytes, as torch's PrefixStore hands them on (a user's Store sees bytes).
+
     def set(self, key: str, value: Value) -> None:
-        self.underlying_store.set(self._k(key), value)
+        self.underlying_store.set(self._k(key), to_bytes(value, key))
 
     def get(self, key: str) -> bytes:
         return self.underlying_store.get(self._k(key))
@@ -60,7 +62,7 @@ class PrefixStore(Store):
         return self.underlying_store.add(self._k(key), amount)
 
     def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:
-        return self.underlying_store.compare_set(self._k(key), expected, desired)
+        return self.underlying_store.compare_set(self._k(key), to_bytes(expected, key), to_bytes(desired, key))
 
     def wait(self, keys: Sequence[str], timeout: Timeout | None = None) -> None:
         self.underlying_store.wait(self._ks(keys), timeout)
@@ -84,13 +86,14 @@ class PrefixStore(Store):
         return self.underlying_store.multi_get(self._ks(keys))
 
     def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
-        self.underlying_store.multi_set(self._ks(keys), values)
+        ks, vs = check_multi_set(keys, values)
+        self.underlying_store.multi_set(self._ks(ks), vs)
 
     def append(self, key: str, value: Value) -> None:
-        self.underlying_store.append(self._k(key), value)
+        self.underlying_store.append(self._k(key), to_bytes(value, key))
 
     def queue_push(self, key: str, value: Value) -> None:
-        self.underlying_store.queue_push(self._k(key), value)
+        self.underlying_store.queue_push(self._k(key), to_bytes(value, key))
 
     def queue_pop(self, key: str, block: bool = True) -> bytes:
         return self.underlying_store.queue_pop(self._k(key), block)

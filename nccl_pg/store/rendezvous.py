@@ -1,6 +1,10 @@
 """Init methods: turn ``tcp://``, ``file://``, ``etcd://`` or ``env://`` into
 a store, a rank and a world size.
 
+Under torchrun, whose agent hosts a torch TCPStore for the ranks
+(``TORCHELASTIC_USE_AGENT_STORE``), ``env://`` connects to it in torch's wire
+protocol (torch_client.py); everywhere else it uses our authenticated one.
+
 ``env://`` reads the variables of torchrun / ``nccl-pg run`` (RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), and falls back to those of
 SLURM (srun), Open MPI (mpirun) and MPICH/PMI, so the same script runs under
@@ -158,6 +162,10 @@ def rendezvous(
         store: Store = FileStore(path, world_size, timeout=seconds)
     elif url.scheme == "etcd":
         store = etcd_store_of(init_method or "", seconds)
+    elif speaks_torch(environ, url.scheme):
+        from .torch_client import TorchWireStore  # only jobs on torch's store load it
+
+        store = TorchWireStore(host, port, timeout=seconds)
     else:
         agent_store = url.scheme == "env" and env.USE_AGENT_STORE.get(environ)
         store = TCPStore(host, port, world_size=world_size, is_master=rank == 0 and not agent_store,
@@ -174,3 +182,14 @@ def etcd_store_of(url: str, timeout: float) -> Store:
     from .etcd_store import EtcdStore  # noqa: PLC0415 - only jobs on etcd load its client
 
     return EtcdStore(parts.netloc, job, timeout=timeout)
+
+
+def speaks_torch(environ: Mapping[str, str], scheme: str = "env") -> bool:
+    """Whether the job's store is a torch TCPStore server (NCCL_PG_STORE_PROTOCOL): by default, for env://
+    under torchrun, its agent's store (``TORCHELASTIC_USE_AGENT_STORE``; ``nccl-pg run``, whose store is ours,
+    sets NCCL_PG_USE_AGENT_STORE as well)."""
+    protocol = env.STORE_PROTOCOL.get(environ)
+    if protocol != "auto":
+        return protocol == "torch"
+    return (scheme == "env" and env.USE_AGENT_STORE.get(environ)
+            and not environ.get(env.USE_AGENT_STORE.name, "").strip())

@@ -59,6 +59,9 @@ class TCPStoreServer(ServerIO):
     ``idle_timeout`` (default ``NCCL_PG_STORE_IDLE_TIMEOUT``, 600 s; 0: never)
     applies to authenticated connections with no blocked request. Starting a
     server raises this process's soft file-descriptor limit to the hard one.
+    ``torch_clients`` ("loopback", "any"; default None: none) also serves
+    torch.distributed's own TCPStore clients, unauthenticated
+    (torch_server.py, docs/SECURITY.md).
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class TCPStoreServer(ServerIO):
         backlog: int = 4096,
         idle_timeout: float | None = None,
         listen_fd: int | None = None,
+        torch_clients: str | None = None,
     ) -> None:
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in 0..65535, got {port!r}")
@@ -85,7 +89,7 @@ class TCPStoreServer(ServerIO):
             to_seconds(idle_timeout, "idle_timeout", zero=True)
         handshake = to_seconds(handshake_timeout, "handshake_timeout")
         self.fd_limit = raise_fd_limit()
-        super().__init__(listen(host, port, backlog, listen_fd), key, max_value_size, idle, handshake)
+        super().__init__(listen(host, port, backlog, listen_fd), key, max_value_size, idle, handshake, torch_clients)
         self.host = host
         self.port: int = self._listener.getsockname()[1]
         self._wake_r, self._wake_w = socket.socketpair()

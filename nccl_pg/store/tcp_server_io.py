@@ -16,13 +16,12 @@ import resource
 import socket
 
 from . import protocol as P
-from .tcp_server_requests import ServerRequests
-from .tcp_server_sockets import AUTH, CLOSING, HELLO, IN, OUT, READY, Conn, Poller
+from .tcp_server_sockets import AUTH, CLOSING, HELLO, IN, OUT, OUT_LIMIT, READY, Conn, Poller
+from .torch_server import TORCH, TorchRequests
 
 log = logging.getLogger("nccl_pg.store.tcp_server")
 
 _RECV_SIZE = 256 * 1024
-OUT_LIMIT = 4 << 20  # bytes of unread answers before a connection's input is paused
 _FD_LOG_PERIOD = 60.0  # seconds between warnings while out of descriptors: one a minute, not one per refusal
 # Pause before accepting again when out of descriptors: short enough to serve a freed one soon, doubled per
 # refusal up to a cap so that a lasting shortage costs one wake-up a second.
@@ -35,14 +34,15 @@ _ADD = int(P.Op.ADD)
 _GET = int(P.Op.GET)
 
 
-class ServerIO(ServerRequests):
+class ServerIO(TorchRequests):
     """The connections of the server (see TCPStoreServer): ``listener`` is its
     listening socket, ``secret`` the one clients must prove (None or empty: no
-    authentication)."""
+    authentication), ``torch_clients`` whom torch's own clients are served to
+    (torch_server.py)."""
 
     def __init__(self, listener: socket.socket, secret: bytes | None, max_value_size: int, idle_timeout: float,
-                 handshake_timeout: float) -> None:
-        super().__init__(max_value_size)
+                 handshake_timeout: float, torch_clients: str | None = None) -> None:
+        super().__init__(max_value_size, torch_clients)
         self._secret = secret
         self.idle_timeout = idle_timeout
         self._handshake_timeout = handshake_timeout
@@ -219,20 +219,18 @@ class ServerIO(ServerRequests):
     def _read_handshake(self, conn: Conn) -> None:
         """Read only what the handshake's next message may be: nothing larger
         is buffered for a peer that has not proven it knows the secret."""
-        want = (P.HELLO_SIZE if conn.phase == HELLO else _PROOF_FRAME) - len(conn.inbuf)
-        try:
-            chunk = conn.sock.recv(want)
-        except (BlockingIOError, InterruptedError):
+        if conn.phase == TORCH:
+            self._torch_readable(conn)
             return
-        except OSError:
-            chunk = b""
-        if not chunk:
-            self._close(conn)
+        chunk = self._receive(conn, (P.HELLO_SIZE if conn.phase == HELLO else _PROOF_FRAME) - len(conn.inbuf))
+        if chunk is None:
             return
         inbuf = conn.inbuf
         inbuf += chunk
         if conn.phase == HELLO:
-            if not P.MAGIC.startswith(bytes(inbuf[:len(P.MAGIC)])):
+            if inbuf[0] == 0:  # torch's VALIDATE query (ours starts with the magic)
+                self._torch_hello(conn)
+            elif not P.MAGIC.startswith(bytes(inbuf[:len(P.MAGIC)])):
                 log.debug("%r: closing %s: not a store client", self, conn.peer)
                 self._close(conn)
             elif len(inbuf) == P.HELLO_SIZE:
@@ -317,6 +315,8 @@ class ServerIO(ServerRequests):
         if conn.phase != READY:
             if conn.phase == CLOSING and not out:
                 self._close(conn)
+            elif conn.phase == TORCH:
+                self._torch_flushed(conn)
             else:
                 self._set_events(conn, OUT if conn.phase == CLOSING else (IN | OUT if out else IN))
             return
@@ -334,13 +334,7 @@ class ServerIO(ServerRequests):
         if conn.closed:
             return
         conn.closed = True
-        for w in conn.waiters:  # forget them now: a dead client's keys may never be set
-            self._forget(w)
-            w.done = True
-            w.keys = []
-            self._live_waiters -= 1
-            self._dead_in_heap += 1
-        conn.waiters.clear()
+        self._drop_waiters(conn)  # now: a dead client's keys may never be set
         conn.inbuf = bytearray()
         conn.out = bytearray()
         self._conns.pop(conn.fd, None)

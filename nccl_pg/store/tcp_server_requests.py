@@ -261,14 +261,29 @@ class ServerRequests:
         w.pending = 0
 
     def _resolve(self, w: Waiter, status: P.Status, payload: bytes) -> None:
+        conn = self._settle(w)
+        if conn is not None:
+            self._answer(conn, w.tag, status, payload)
+            self._dirty[conn] = None
+
+    def _settle(self, w: Waiter) -> Conn | None:
+        """``w`` is answered: its connection, if still open, for the answer."""
         w.done = True
         self._live_waiters -= 1
         self._dead_in_heap += 1
         conn = w.conn
         conn.waiters.discard(w)
-        if not conn.closed:
-            self._answer(conn, w.tag, status, payload)
-            self._dirty[conn] = None
+        return None if conn.closed else conn
+
+    def _drop_waiters(self, conn: Conn) -> None:
+        """Forget ``conn``'s blocked requests unanswered (it closed, or its client gave up on them)."""
+        for w in conn.waiters:
+            self._forget(w)
+            w.done = True
+            w.keys = []
+            self._live_waiters -= 1
+            self._dead_in_heap += 1
+        conn.waiters.clear()
 
     def _expire_waiters(self, now: float) -> None:
         heap = self._deadlines

@@ -21,6 +21,7 @@ IN = select.POLLIN
 OUT = select.POLLOUT
 # A connection's phases: hello awaited, proof of the secret awaited, serving requests, closing once written.
 HELLO, AUTH, READY, CLOSING = range(4)
+OUT_LIMIT = 4 << 20  # bytes of unread answers before a connection's input is paused
 
 
 class Waiter:

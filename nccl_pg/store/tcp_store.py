@@ -72,7 +72,9 @@ class TCPStore(Store):
     registers; with ``wait_for_workers`` the master's constructor waits for
     that many), ``multi_tenant`` (masters of one process on the same address
     share one server), ``master_listen_fd`` (serve on this already bound
-    socket), ``use_libuv`` (ignored: our server is neither of torch's).
+    socket), ``use_libuv`` (our server is neither of torch's: it only sets
+    ``libuvBackend``, which torch code reads, and has what torch's libuv
+    server has: queues, ``list_keys``).
     """
 
     def __init__(
@@ -111,6 +113,7 @@ class TCPStore(Store):
             raise ValueError(f"port must be an int in 1..65535, got {port!r}")
         self.host, self.port = host_name, port
         self.world_size = world_size
+        self._libuv = bool(use_libuv)
         self._client = Client(host_name, port, secret_bytes, self.connect_timeout)
         self._closed = False
         try:
@@ -140,6 +143,11 @@ class TCPStore(Store):
 
     def __repr__(self) -> str:
         return f"TCPStore({self.address})"
+
+    @property
+    def libuvBackend(self) -> bool:  # noqa: N802 (torch's name)
+        """torch's attribute: ``use_libuv`` as given (torch code reads it; our server is the same either way)."""
+        return self._libuv
 
     @property
     def server(self) -> TCPStoreServer | None:

@@ -75,4 +75,6 @@ def register() -> None:
 
 register()
 
-__all__ = ["BACKEND_NAME", "register"]
+from .as_torch import TorchStoreOf, as_torch_store  # noqa: E402 (after the registration, as its users expect)
+
+__all__ = ["BACKEND_NAME", "TorchStoreOf", "as_torch_store", "register"]

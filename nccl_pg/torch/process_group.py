@@ -26,6 +26,8 @@ from ..group.work import WorkInfo
 from ..reduce_op import ReduceOp
 from ..store import PrefixStore
 from ..timeouts import Timeout, to_seconds
+from . import call_forms as F
+from .as_torch import ours_behind
 from .sparse import all_reduce_sparse
 from .store import TorchStore
 from .tensors import as_array, device_type
@@ -34,20 +36,8 @@ from .work import Completer, Slot, TorchWork, to_torch
 BACKEND_NAME = "nccl_pg"
 
 OpType = torch._C._distributed_c10d.OpType  # type: ignore[attr-defined]  # torch's stub (2.13) omits it
-_OPS = {
-    tdist.ReduceOp.SUM: ReduceOp.SUM, tdist.ReduceOp.PRODUCT: ReduceOp.PRODUCT, tdist.ReduceOp.MIN: ReduceOp.MIN,
-    tdist.ReduceOp.MAX: ReduceOp.MAX, tdist.ReduceOp.AVG: ReduceOp.AVG,
-}
 # uids (flight recorder, dumps) for groups torch names by something other than a number.
 _extra_uids = itertools.count(1000)
-
-
-def _op(reduce_op: Any) -> ReduceOp:
-    op = _OPS.get(reduce_op.op)
-    if op is None:
-        raise ValueError(f"nccl_pg: ReduceOp {reduce_op.op.name} is not supported (SUM, PRODUCT, MIN, MAX and "
-                         "AVG are; PREMUL_SUM only through nccl_pg's own API)")
-    return op
 
 
 Call = Callable[[ProcessGroup, Callable[[Any, str], Any]], Any]
@@ -60,7 +50,8 @@ class ProcessGroupTorch(tdist.ProcessGroup):
                  global_ranks: Sequence[int] = (), options: Options | None = None) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # a constructor torch has; its stub lists another
         seconds = to_seconds(timeout)
-        self._npg_store = TorchStore(store, seconds)
+        # our own store, where torch was given one of ours (as_torch_store); else our interface over torch's
+        self._npg_store = ours_behind(store) or TorchStore(store, seconds)
         self._npg_options = Options(timeout=seconds, is_high_priority_stream=bool(
             options and options.is_high_priority_stream), config=options.config if options else Options().config)
         self._npg_name = group_name
@@ -73,6 +64,8 @@ class ProcessGroupTorch(tdist.ProcessGroup):
         self._npg_completer = Completer(f"nccl_pg-torch-{group_name}")
         self._npg_hooks: list[Callable[[WorkInfo], None]] = []
         self._npg_monitored_barriers = 0
+        if not torch.cuda.is_available():  # a CPU job: its group connects now, as Gloo's (Backend.connects_at_creation)
+            self._group("cpu").connect_now()
 
     def __repr__(self) -> str:
         return f"ProcessGroupTorch(name={self._npg_name!r}, rank={self.rank()}, size={self.size()})"
@@ -130,15 +123,17 @@ class ProcessGroupTorch(tdist.ProcessGroup):
         return TorchWork(Slot(work), results, self._npg_completer)
 
     # --- collectives (torch's signatures; ranks are group ranks) ---------------------------------
-    # torch's C++ calls these as (tensors, opts); its stub lists only the Python-facing overloads of its
-    # own ProcessGroup, hence the ``type: ignore[override]`` on those it names.
+    # Each takes every form torch 2.13's ProcessGroup takes (its stub's overloads; call_forms.py): torch's own
+    # (tensors, opts), and the bare-tensor forms with the options' fields as arguments. The stub lists only the
+    # overloads of its own class, hence the ``type: ignore[override]``.
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:  # type: ignore[override]
-        op = _op((opts or tdist.AllreduceOptions()).reduceOp)
-        if any(t.is_sparse for t in tensors):
-            return self._allreduce_sparse(tensors, op)
-        arrays = [as_array(t, "all_reduce tensor") for t in tensors]
-        return self._run("all_reduce", tensors, tensors, lambda pg: pg.allreduce(arrays, op))
+    def allreduce(self, tensors: Any = None, opts: Any = None, timeout: Any = None, *,  # type: ignore[override]
+                  op: Any = None, tensor: torch.Tensor | None = None) -> TorchWork:
+        ts, rop = F.tensors(tensors, tensor, "allreduce tensors"), F.op_of(opts, op)
+        if any(t.is_sparse for t in ts):
+            return self._allreduce_sparse(ts, rop)
+        arrays = [as_array(t, "all_reduce tensor") for t in ts]
+        return self._run("all_reduce", ts, ts, lambda pg: pg.allreduce(arrays, rop))
 
     def _allreduce_sparse(self, tensors: list[torch.Tensor], op: ReduceOp) -> TorchWork:
         """Gloo's sparse all_reduce (sparse.py); complete when it returns."""
@@ -148,23 +143,27 @@ class ProcessGroupTorch(tdist.ProcessGroup):
         return self._run("all_reduce", tensors, tensors, lambda pg: all_reduce_sparse(pg, tensor, op))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
-        op = _op((opts or tdist.AllreduceCoalescedOptions()).reduceOp)
+        op = F.op_of(opts)
         arrays = [as_array(t, f"all_reduce_coalesced tensors[{i}]") for i, t in enumerate(tensors)]
         return self._run("all_reduce_coalesced", tensors, tensors, lambda pg: pg.allreduce_coalesced(arrays, op))
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:  # type: ignore[override]
-        root = (opts or tdist.BroadcastOptions()).rootRank
-        arrays = [as_array(t, "broadcast tensor") for t in tensors]
-        return self._run("broadcast", tensors, tensors, lambda pg: pg.broadcast(arrays, root))
+    def broadcast(self, tensors: Any = None, opts: Any = None, timeout: Any = None, *,  # type: ignore[override]
+                  tensor: torch.Tensor | None = None, root: int | None = None) -> TorchWork:
+        ts, root_rank = F.tensors(tensors, tensor, "broadcast tensors"), F.root_of(opts, root)
+        arrays = [as_array(t, "broadcast tensor") for t in ts]
+        return self._run("broadcast", ts, ts, lambda pg: pg.broadcast(arrays, root_rank))
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:  # type: ignore[override]
-        opts = opts or tdist.ReduceOptions()
-        op, root = _op(opts.reduceOp), opts.rootRank
-        arrays = [as_array(t, "reduce tensor") for t in tensors]
-        return self._run("reduce", tensors, tensors, lambda pg: pg.reduce(arrays, root, op))
+    def reduce(self, tensors: Any = None, opts: Any = None, op: Any = None, timeout: Any = None, *,  # type: ignore[override]
+               tensor: torch.Tensor | None = None, root: int | None = None) -> TorchWork:
+        ts, root_rank = F.tensors(tensors, tensor, "reduce tensors"), F.root_of(opts, root)
+        rop = F.op_of(None if isinstance(opts, int) else opts, op)
+        arrays = [as_array(t, "reduce tensor") for t in ts]
+        return self._run("reduce", ts, ts, lambda pg: pg.reduce(arrays, root_rank, rop))
 
-    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],  # type: ignore[override]
-                  opts: Any = None) -> TorchWork:
+    def allgather(self, output_tensors: Any, input_tensors: Any = None, opts: Any = None, *,  # type: ignore[override]
+                  input_tensor: torch.Tensor | None = None, timeout: Any = None) -> TorchWork:
+        output_lists = output_tensors if F.nested(output_tensors) else [list(output_tensors)]
+        inputs = F.tensors(input_tensors, input_tensor, "allgather input")
         outs = [as_array(t, f"all_gather output[{i}]") for i, t in enumerate(_single(output_lists))]
         inp = [as_array(t, "all_gather input") for t in inputs]
         work = self._run("all_gather", inputs, output_lists, lambda pg: pg.allgather(outs, inp))
@@ -177,88 +176,106 @@ class ProcessGroupTorch(tdist.ProcessGroup):
         out, inp = as_array(output, "all_gather_into_tensor output"), as_array(input, "all_gather_into_tensor input")
         return self._run("all_gather_into_tensor", [input, output], [output], lambda pg: pg._allgather_base(out, inp))
 
-    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                                        opts: Any = None) -> TorchWork:
+    def all_gather_single_coalesced(self, output_lists: list[torch.Tensor], input_list: list[torch.Tensor],
+                                    opts: Any = None) -> TorchWork:
         pairs = [(as_array(o, "all_gather_into_tensor output"), as_array(i, "all_gather_into_tensor input"))
-                 for o, i in zip(outputs, inputs, strict=True)]
-        return self._coalesced("all_gather_into_tensor_coalesced", inputs, outputs,
+                 for o, i in zip(output_lists, input_list, strict=True)]
+        return self._coalesced("all_gather_into_tensor_coalesced", input_list, output_lists,
                                lambda pg: [pg._allgather_base(o, i) for o, i in pairs])
 
-    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
                             opts: Any = None) -> TorchWork:
-        # output_lists[r][i] receives rank r's inputs[i]: all_gather i collects column i.
-        if any(len(outs) != len(inputs) for outs in output_lists):
-            raise ValueError(f"all_gather_coalesced: each output list must hold {len(inputs)} tensors, one per "
+        # output_lists[r][i] receives rank r's input_list[i]: all_gather i collects column i.
+        if any(len(outs) != len(input_list) for outs in output_lists):
+            raise ValueError(f"all_gather_coalesced: each output list must hold {len(input_list)} tensors, one per "
                              f"input; got {[len(outs) for outs in output_lists]}")
         pairs = [([as_array(outs[i], f"all_gather_coalesced output_tensor_lists[{r}][{i}]")
                    for r, outs in enumerate(output_lists)], as_array(t, f"all_gather_coalesced input[{i}]"))
-                 for i, t in enumerate(inputs)]
-        return self._coalesced("all_gather_coalesced", inputs, output_lists,
+                 for i, t in enumerate(input_list)]
+        return self._coalesced("all_gather_coalesced", input_list, output_lists,
                                lambda pg: [pg.allgather(o, i) for o, i in pairs])
 
-    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],  # type: ignore[override]
-                       opts: Any = None) -> TorchWork:
-        op = _op((opts or tdist.ReduceScatterOptions()).reduceOp)
+    def reduce_scatter(self, output_tensors: Any = None, input_tensors: Any = None, opts: Any = None,  # type: ignore[override]
+                       timeout: Any = None, *, input_tensor: Any = None, op: Any = None) -> TorchWork:
+        outputs = F.tensors(output_tensors, None, "reduce_scatter output")
+        given = F.one(input_tensors, input_tensor, "reduce_scatter input")
+        rop = F.op_of(opts, op)
         out = [as_array(t, "reduce_scatter output") for t in outputs]
-        ins = [as_array(t, f"reduce_scatter input[{i}]") for i, t in enumerate(_single(input_lists))]
-        return self._run("reduce_scatter", outputs, outputs, lambda pg: pg.reduce_scatter(out, ins, op))
+        ins = [as_array(t, f"reduce_scatter input[{i}]")
+               for i, t in enumerate(_single(given) if F.nested(given) else given)]
+        return self._run("reduce_scatter", outputs, outputs, lambda pg: pg.reduce_scatter(out, ins, rop))
 
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TorchWork:  # noqa: A002
-        op = _op((opts or tdist.ReduceScatterOptions()).reduceOp)
-        out, inp = as_array(output, "reduce_scatter_tensor output"), as_array(input, "reduce_scatter_tensor input")
-        return self._run("reduce_scatter_tensor", [input, output], [output],
+    def reduce_scatter_single(self, outputTensor: torch.Tensor, inputTensor: torch.Tensor,  # noqa: N803 (torch's)
+                              opts: Any = None) -> TorchWork:
+        op = F.op_of(opts)
+        out = as_array(outputTensor, "reduce_scatter_tensor output")
+        inp = as_array(inputTensor, "reduce_scatter_tensor input")
+        return self._run("reduce_scatter_tensor", [inputTensor, outputTensor], [outputTensor],
                          lambda pg: pg._reduce_scatter_base(out, inp, op))
 
-    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                                        opts: Any = None) -> TorchWork:
-        op = _op((opts or tdist.ReduceScatterOptions()).reduceOp)
+    def reduce_scatter_single_coalesced(self, outputTensors: list[torch.Tensor],  # noqa: N803 (torch's)
+                                        inputTensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
+        op = F.op_of(opts)
         pairs = [(as_array(o, "reduce_scatter_tensor output"), as_array(i, "reduce_scatter_tensor input"))
-                 for o, i in zip(outputs, inputs, strict=True)]
-        return self._coalesced("reduce_scatter_tensor_coalesced", inputs, outputs,
+                 for o, i in zip(outputTensors, inputTensors, strict=True)]
+        return self._coalesced("reduce_scatter_tensor_coalesced", inputTensors, outputTensors,
                                lambda pg: [pg._reduce_scatter_base(o, i, op) for o, i in pairs])
 
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],  # noqa: A002
-                      input_split_sizes: list[int], opts: Any = None) -> TorchWork:
-        out, inp = as_array(output, "all_to_all_single output"), as_array(input, "all_to_all_single input")
-        return self._run("all_to_all_single", [input, output], [output],
-                         lambda pg: pg.alltoall_base(out, inp, list(output_split_sizes), list(input_split_sizes)))
+    def all_to_all_single(self, output_tensor: Any = None, input_tensor: Any = None,  # type: ignore[override]
+                          output_split_sizes: list[int] | None = None, input_split_sizes: list[int] | None = None,
+                          opts: Any = None, *, output: Any = None, input: Any = None,  # noqa: A002
+                          timeout: Any = None) -> TorchWork:
+        o, i = F.one(output_tensor, output, "all_to_all_single output"), F.one(input_tensor, input, "input")
+        out, inp = as_array(o, "all_to_all_single output"), as_array(i, "all_to_all_single input")
+        outs, ins = list(output_split_sizes or []), list(input_split_sizes or [])
+        return self._run("all_to_all_single", [i, o], [o], lambda pg: pg.alltoall_base(out, inp, outs, ins))
 
-    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> TorchWork:
+    def alltoall(self, output_tensor: Any = None, input_tensor: Any = None, opts: Any = None, *,  # type: ignore[override]
+                 output: Any = None, input: Any = None, timeout: Any = None) -> TorchWork:  # noqa: A002
+        outputs = list(F.one(output_tensor, output, "all_to_all output"))
+        inputs = list(F.one(input_tensor, input, "all_to_all input"))
         outs = [as_array(t, f"all_to_all output[{i}]") for i, t in enumerate(outputs)]
         ins = [as_array(t, f"all_to_all input[{i}]") for i, t in enumerate(inputs)]
         return self._run("all_to_all", [*inputs, *outputs], outputs, lambda pg: pg.alltoall(outs, ins))
 
-    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> TorchWork:  # type: ignore[override]
-        root = (opts or tdist.GatherOptions()).rootRank
-        outs = [as_array(t, f"gather gather_list[{i}]") for i, t in enumerate(_single(output_lists))] \
-            if output_lists else None
+    def gather(self, output_tensors: Any = None, input_tensors: Any = None, opts: Any = None,  # type: ignore[override]
+               timeout: Any = None, *, input_tensor: torch.Tensor | None = None, root: int | None = None) -> TorchWork:
+        outputs = output_tensors or []
+        gathered = _single(outputs) if F.nested(outputs) else list(outputs)
+        inputs = F.tensors(input_tensors, input_tensor, "gather input")
+        root_rank = F.root_of(opts, root)
+        outs = [as_array(t, f"gather gather_list[{i}]") for i, t in enumerate(gathered)] if gathered else None
         inp = as_array(_single(inputs), "gather input")
-        return self._run("gather", inputs, output_lists, lambda pg: pg.gather(inp, outs, root))
+        results = outputs if F.nested(outputs) else [gathered]
+        return self._run("gather", inputs, results, lambda pg: pg.gather(inp, outs, root_rank))
 
-    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None) -> TorchWork:  # type: ignore[override]
-        root = (opts or tdist.ScatterOptions()).rootRank
-        ins = [as_array(t, f"scatter scatter_list[{i}]") for i, t in enumerate(_single(input_lists))] \
-            if input_lists else None
+    def scatter(self, output_tensors: Any = None, input_tensors: Any = None, opts: Any = None,  # type: ignore[override]
+                timeout: Any = None, *, output_tensor: torch.Tensor | None = None, root: int | None = None) -> TorchWork:
+        outputs = F.tensors(output_tensors, output_tensor, "scatter output")
+        given = input_tensors or []
+        pieces = _single(given) if F.nested(given) else list(given)
+        root_rank = F.root_of(opts, root)
+        ins = [as_array(t, f"scatter scatter_list[{i}]") for i, t in enumerate(pieces)] if pieces else None
         out = as_array(_single(outputs), "scatter output")
-        return self._run("scatter", outputs, outputs, lambda pg: pg.scatter(out, ins, root))
+        return self._run("scatter", outputs, outputs, lambda pg: pg.scatter(out, ins, root_rank))
 
-    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> TorchWork:
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> TorchWork:  # noqa: N803 (torch's)
         arrays = [as_array(t, "send tensor") for t in tensors]
-        return self._run("send", tensors, tensors, lambda pg: pg.send(arrays, dst, tag))
+        return self._run("send", tensors, tensors, lambda pg: pg.send(arrays, dstRank, tag))
 
-    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> TorchWork:
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> TorchWork:  # noqa: N803 (torch's)
         arrays = [as_array(t, "recv tensor") for t in tensors]
-        return self._run("recv", tensors, tensors, lambda pg: pg.recv(arrays, src, tag))
+        return self._run("recv", tensors, tensors, lambda pg: pg.recv(arrays, srcRank, tag))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> TorchWork:
         """The host backend receives from any source (as Gloo; NCCL cannot)."""
         arrays = [as_array(t, "recv tensor") for t in tensors]
         return self._run("recv", tensors, tensors, lambda pg: pg.recv_anysource(arrays, tag))
 
-    def barrier(self, opts: Any = None) -> TorchWork:
+    def barrier(self, opts: Any = None, *, timeout: Any = None) -> TorchWork:  # type: ignore[override]
         """On the CUDA group when ``device_ids`` are given or only it exists
         (as ProcessGroupNCCL's barrier), else on the CPU group."""
-        ids = list(getattr(opts, "device_ids", None) or [])
+        ids = F.barrier_device_ids(opts)
         if ids or set(self._npg_groups) == {"cuda"}:
             index = ids[0] if ids else self._npg_groups["cuda"].bound_device_id
             pg = self._group("cuda", torch.device("cuda", index) if index is not None else None)
@@ -287,9 +304,9 @@ class ProcessGroupTorch(tdist.ProcessGroup):
 
     # torch < 2.10 calls these by their older names.
     _allgather_base = all_gather_single
-    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]  # (tensors, opts), as above
-    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # (tensors, opts), as above
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]  # (tensors, opts), as above
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    _reduce_scatter_base = reduce_scatter_single
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
     alltoall_base = all_to_all_single  # type: ignore[assignment]  # (tensors, opts), as above
 
     # --- coalescing -----------------------------------------------------------------------------
@@ -331,6 +348,35 @@ class ProcessGroupTorch(tdist.ProcessGroup):
             raise mapped from exc
         so_far.extend(results)
         return self._end_coalescing(device)
+
+    # --- eager connection -------------------------------------------------------------------------
+
+    def eager_connect(self, device: torch.device | str | None = None) -> None:
+        """Connect this group for ``device``'s tensors now (default: CPU) and wait until every rank has
+        joined, as Gloo's groups do at creation: a rank that never comes fails this call after the group's
+        timeout (torch.distributed.DistBackendError naming it), not the first collective."""
+        dev = torch.device("cpu" if device is None else device)
+        try:
+            self._group(dev.type, dev if dev.type == "cuda" else None).eager_init()
+        except BaseException as exc:
+            mapped = to_torch(exc)
+            if mapped is exc:
+                raise
+            raise mapped from exc
+
+    def eager_connect_single_device(self, device: torch.device) -> None:
+        """torch's name: ``init_process_group(..., device_id=device)`` calls it (through ``_get_backend``)."""
+        self.eager_connect(device)
+
+    @property
+    def supports_splitting(self) -> bool:
+        """What torch asks before ``eager_connect_single_device`` (for a ``device_id``)."""
+        return True
+
+    def _get_backend(self, device: torch.device) -> ProcessGroupTorch:  # type: ignore[override]
+        """torch asks a group for its backend of a device (``device_id``, torchft's abort): this group is its
+        own, for CPU and CUDA tensors alike."""
+        return self
 
     # --- state and teardown ---------------------------------------------------------------------
 

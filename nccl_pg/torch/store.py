@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import threading
 import time
@@ -134,9 +135,9 @@ class TorchStore(Store):
         """torch's TCPStore client has no way to end a wait from another
         thread, and a thread still inside it when the interpreter finalizes
         aborts the process (it re-enters Python from a C++ destructor): the
-        parked wait runs on a clone whose socket ``close()`` shuts down.
-        torch's other stores (FileStore, HashStore) cost no server anything
-        to wait on: short slices."""
+        parked wait runs on a clone on whose socket ``close()`` cancels it
+        (_SocketParking). torch's other stores (FileStore, HashStore) cost
+        no server anything to wait on: short slices."""
         port = _tcp_port(self._torch)
         return Parking(self) if port is None else _SocketParking(self, port)
 
@@ -159,42 +160,51 @@ class TorchStore(Store):
         return int(_ours(lambda: self._torch.queue_len(check_key(key)), f"queue_len({key!r})"))
 
 
-def _tcp_port(store: Any) -> int | None:
-    """The server port of the torch TCPStore under ``store``'s PrefixStores, if that is what it is."""
+def _base(store: Any) -> Any:
+    """The store under ``store``'s torch PrefixStores."""
     while isinstance(store, tdist.distributed_c10d.PrefixStore):
         store = store.underlying_store
-    return int(store.port) if type(store).__name__ == "TCPStore" else None  # (torch's stubs omit the class)
+    return store
 
 
-def _sockets() -> set[tuple[int, str]]:
-    """This process's socket descriptors, with what each names ("socket:[inode]"): a number closed and
-    reused meanwhile is a new entry."""
-    out = set()
-    for n in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            target = os.readlink(f"/proc/self/fd/{n}")
-            if target.startswith("socket:"):
-                out.add((int(n), target))
-    return out
+def _tcp_port(store: Any) -> int | None:
+    """The server port of the torch TCPStore under ``store``'s PrefixStores, if that is what it is."""
+    base = _base(store)
+    return int(base.port) if type(base).__name__ == "TCPStore" else None  # (torch's stubs omit the class)
 
 
-def _client_of(fd: int, port: int) -> bool:
-    """Whether socket ``fd`` is a TCP client connection to ``port`` (not a server's end of one)."""
+_FD = re.compile(r"TCPClient\(SocketImpl\(fd=(\d+),")
+
+
+def _socket_of(store: Any, port: int) -> int | None:
+    """The descriptor of the client socket of the torch TCPStore under ``store`` (its repr names it), if it
+    is a TCP connection to ``port``."""
+    m = _FD.search(repr(_base(store)))
+    if m is None:
+        return None
+    fd = int(m.group(1))
     with contextlib.suppress(OSError):
         s = socket.socket(fileno=os.dup(fd))
         try:
-            return s.type == socket.SOCK_STREAM and s.getpeername()[1] == port and s.getsockname()[1] != port
+            if s.type == socket.SOCK_STREAM and s.getpeername()[1] == port:
+                return fd
         finally:
             s.close()
-    return False
+    return None
+
+
+_CANCEL_WAIT = bytes((12,))  # torch's CANCEL_WAIT query (store/torch_wire.py)
 
 
 class _SocketParking(Parking):
-    """A wait on a clone of a torch TCPStore whose socket is known (the one
-    descriptor the clone opened to the server's port), so that ``close``
-    can shut it down: the wait then fails at once (torch logs the lost
-    connection as a warning) and raises Unparked. Where the socket cannot be
-    told apart, the wait is an ordinary one, which ``close`` cannot end."""
+    """A wait on a clone of a torch TCPStore whose socket is known, so that
+    ``close`` can end it the way torch's client ends a wait at its deadline:
+    it sends torch's CANCEL_WAIT on that socket, the server answers
+    WAIT_CANCELED, and torch's client, which expected STOP_WAITING, raises
+    a DistStoreError in the waiting thread (no lost connection, nothing
+    logged); the wait raises Unparked and the clone is dropped. Where the
+    socket is not known, the wait is an ordinary one, which ``close`` cannot
+    end."""
 
     def __init__(self, store: TorchStore, port: int) -> None:
         super().__init__(store)
@@ -202,45 +212,44 @@ class _SocketParking(Parking):
         self._lock = threading.Lock()
         self._clone: Any = None
         self._fd: int | None = None
-
-    def _open(self) -> None:
-        for _ in range(3):  # another thread connecting to the server at that moment makes it ambiguous
-            before = _sockets()
-            clone = _ours(self._adapter.torch_store.clone, "clone()")
-            mine = [fd for fd, _ in sorted(_sockets() - before) if _client_of(fd, self._port)]
-            with self._lock:
-                self._clone = clone
-                self._fd = mine[0] if len(mine) == 1 else None
-            if self._fd is not None:
-                return
+        self._cancelled = False
 
     def wait(self, keys: Sequence[str], timeout: float) -> None:
-        if self.closed:
-            raise Unparked(f"the wait for {list(keys)!r} on {self._adapter!r} was ended")
-        if self._clone is None:
-            self._open()
-            if self.closed:  # closed while the clone was made, before close() could see its socket
-                raise Unparked(f"the wait for {list(keys)!r} on {self._adapter!r} was ended")
-        if self._fd is None:  # (torch logs every timed-out wait: slices would fill the log)
-            self._adapter.wait(keys, timeout)
-            return
         ks = check_keys(keys)
+        ended = f"the wait for {ks!r} on {self._adapter!r} was ended"
+        if self._clone is None and not self.closed:  # (a clone: torch's client holds a lock for a whole wait)
+            clone = _ours(self._adapter.torch_store.clone, "clone()")
+            with self._lock:
+                self._clone, self._fd = clone, _socket_of(clone, self._port)
+        if self.closed:
+            self._drop()
+            raise Unparked(ended)
+        if self._fd is None:  # (torch logs every timed-out wait: slices would fill the log)
+            self._adapter.wait(ks, timeout)
+            return
         try:
             _ours(lambda: self._clone.wait(ks, timedelta(seconds=timeout)), f"wait({ks!r})")
         except RuntimeError as exc:
             if self.closed:
-                raise Unparked(f"the wait for {ks!r} on {self._adapter!r} was ended") from exc
+                self._drop()
+                raise Unparked(ended) from exc
             if isinstance(exc, DistStoreError) or "timeout" not in str(exc).lower():
                 raise
             raise DistStoreError(f"timeout: wait({ks!r}) on {self._adapter!r}: {exc}") from exc
 
+    def _drop(self) -> None:
+        with self._lock:
+            self._clone = self._fd = None
+
     def close(self) -> None:
         with self._lock:
             self.closed = True
-            fd = self._fd
-            if fd is None:
+            if self._fd is None or self._cancelled:
                 return
+            self._cancelled = True
             with contextlib.suppress(OSError):  # the clone is alive (we hold it): the descriptor is still its own
-                s = socket.socket(fileno=os.dup(fd))
-                s.shutdown(socket.SHUT_RDWR)
-                s.close()
+                s = socket.socket(fileno=os.dup(self._fd))
+                try:
+                    s.send(_CANCEL_WAIT)
+                finally:
+                    s.close()

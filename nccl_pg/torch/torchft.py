@@ -20,6 +20,10 @@ primitive for launchers that decide membership themselves).
 
     from nccl_pg.torch.torchft import ProcessGroupNcclPg
     manager = torchft.Manager(pg=ProcessGroupNcclPg(timeout=timedelta(seconds=30)), ...)
+
+``configure()`` connects the new group before it returns (a replica that
+never comes fails it after the timeout, as with Gloo). ``ProcessGroupBabyNcclPg``
+runs each quorum's group in a subprocess, as torchft's ``ProcessGroupBabyGloo``.
 """
 
 from __future__ import annotations
@@ -28,11 +32,13 @@ from datetime import timedelta
 from typing import Any
 
 import numpy as np
-from torchft.process_group import ProcessGroupWrapper
+from torchft.process_group import ProcessGroupBaby, ProcessGroupWrapper
 
 from ..errors import DistError
 from ..reduce_op import ReduceOp
 from .process_group import ProcessGroupTorch
+
+_BABY_TIMEOUT = timedelta(seconds=60)  # the subprocess group's, as torchft's Baby groups' default
 
 
 class ProcessGroupNcclPg(ProcessGroupWrapper):
@@ -48,6 +54,18 @@ class ProcessGroupNcclPg(ProcessGroupWrapper):
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return "torchft-nccl_pg"
+
+    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
+                  quorum_id: int | None = None, group_rank: int | None = None, group_world_size: int | None = None,
+                  global_ranks: list[int] | None = None) -> None:
+        """torchft's configure, and the group is usable when it returns (its docstring's promise): it connects
+        now (CPU), so a replica that never comes fails here after the timeout, as with Gloo, not at the first
+        collective."""
+        super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size,
+                          global_ranks)
+        pg = self._pg
+        if isinstance(pg, ProcessGroupTorch):
+            pg.eager_connect()
 
     def errored(self) -> Exception | None:
         """An error of this quorum's group, or of a peer's (torchft reads it
@@ -90,3 +108,23 @@ def _agree_no_error(pg: ProcessGroupTorch, timeout: float) -> Exception | None:
         except DistError as exc:
             return exc
     return None
+
+
+class ProcessGroupBabyNcclPg(ProcessGroupBaby):
+    """torchft's subprocess-backed group (its ``ProcessGroupBaby``, as
+    ``ProcessGroupBabyGloo``) on nccl_pg: each quorum's group lives in a
+    spawned subprocess, so a group stuck in a collective is killed with that
+    process (``shutdown()``/the next ``configure()``) without killing the
+    trainer. CPU tensors travel through shared memory, CUDA tensors as they
+    are (torchft's mechanism). The group connects before ``configure()``
+    returns: a replica that never comes fails it after the timeout."""
+
+    @classmethod
+    def _create_pg(cls, store: Any, rank: int, world_size: int) -> ProcessGroupTorch:
+        # (a classmethod, run in the subprocess: torchft passes no timeout here; its own wait is ``timeout``)
+        pg = ProcessGroupTorch(store, rank, world_size, _BABY_TIMEOUT, group_name="torchft_baby")
+        pg.eager_connect()
+        return pg
+
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        return "torchft-baby-nccl_pg"

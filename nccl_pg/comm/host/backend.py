@@ -97,6 +97,7 @@ class CpuArrays(Backend):
 
 class HostBackend(CpuArrays):
     name = "host"
+    connects_at_creation = True  # as Gloo: see Backend
 
     def create(self, store: Store, nranks: int, rank: int, config: CommConfig, device: Any = None) -> HostCommunicator:
         return HostCommunicator.create(store, nranks, rank, config)

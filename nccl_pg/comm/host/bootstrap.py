@@ -89,8 +89,8 @@ class Bootstrapping:
             with self._lock:
                 self._builder = builder
             try:
-                if self._error is not None:
-                    raise self._error
+                if self._error is not None:  # aborted meanwhile: the build ends at once, closing what the builder holds
+                    builder.cancel()
                 socks = builder.build(boot.lower, deadline, self.config.timeout)
             finally:
                 with self._lock:
@@ -157,10 +157,10 @@ class Bootstrapping:
                 store.set(f"counted/{self.rank}", b"")
             try:
                 store.wait(["all"], timeout=max(deadline - time.monotonic(), 0.001))
-            except DistStoreError:
+            except DistStoreError as exc:
                 if self._error is not None:
                     raise self._error from None
-                raise self._rendezvous_timeout(store) from None
+                raise self._rendezvous_timeout(store, exc) from None
             verdict = store.get("all")
             if verdict != _ALL_JOINED:  # a rank aborted its init and woke everyone (see _wake_rendezvous): the
                 # addresses of the ranks that never joined will not come
@@ -181,10 +181,12 @@ class Bootstrapping:
                 token = their_token
         return Bootstrap(listener, lower, token)
 
-    def _rendezvous_timeout(self, store: Store) -> DistBackendError:
+    def _rendezvous_timeout(self, store: Store, cause: DistStoreError) -> DistBackendError:
         """Name the ranks that never published their address, or else the
         ones that counted themselves in but went no further: bisections of
-        ``check`` requests (a few per such rank, bounded), not one per rank."""
+        ``check`` requests (a few per such rank, bounded), not one per rank;
+        then what the store said (torch's words among ours, for log searches)."""
+        said = f" (the store: {cause})"
         budget = [_EXPLAIN_CHECKS]
 
         def search(prefix: str, lo: int, hi: int, found: list[int]) -> list[int]:
@@ -208,16 +210,16 @@ class Bootstrapping:
             # Everyone counted, yet nobody said so: the last to count (who has no mark) stopped before it could.
             silent = search("counted/", 0, self.nranks, []) if not absent and joined >= self.nranks else []
         except Exception as exc:  # the store itself may be gone; say what is known
-            return DistBackendError(f"{head}; the store could not tell who is missing ({exc})")
+            return DistBackendError(f"{head}; the store could not tell who is missing ({exc}){said}")
         more = " (and maybe others: the search stopped at its budget)" if budget[0] <= 0 else ""
         if len(silent) == 1:
             return DistBackendError(f"{head}: all {self.nranks} ranks counted themselves in, but rank {silent[0]} "
                                     f"counted itself in last but never announced that all had joined: it stopped "
-                                    f"there (frozen, or killed during init?)")
+                                    f"there (frozen, or killed during init?){said}")
         if silent:
             return DistBackendError(f"{head}: all {self.nranks} ranks counted themselves in, but ranks {silent}"
-                                    f"{more} stopped right after (frozen, or killed during init?)")
-        return DistBackendError(f"{head}: {joined} of {self.nranks} joined; ranks {absent}{more} never joined")
+                                    f"{more} stopped right after (frozen, or killed during init?){said}")
+        return DistBackendError(f"{head}: {joined} of {self.nranks} joined; ranks {absent}{more} never joined{said}")
 
     def _wake_rendezvous(self) -> None:
         """Abort during the store wait: end it now for every rank (none can

@@ -30,6 +30,8 @@ from collections.abc import Iterable, Iterator
 from .wire import ANY, GOODBYE, HEADER, NO_NUMBER, NO_SIZE, Incoming, PeerLostError, advance
 
 _GOODBYE_MAX = 2000  # bytes of reason text in a goodbye
+# What Gloo says for a peer that closed its connection, in every lost-peer message: users grep logs for it.
+GLOO_WORDS = "Connection closed by peer, in Gloo's words"
 FAREWELL_BUDGET = 0.25  # seconds a failing rank spends finishing half-sent messages and saying goodbye
 
 
@@ -170,7 +172,7 @@ class Links:
         in what it sent us (``pending``: our receives from it); else it died."""
         return self._last_words(peer, pending) or PeerLostError(
             f"{self.name}: lost the connection to rank {peer} ({why}) with no goodbye: rank {peer} exited or "
-            f"crashed", peer, f"exited or crashed (its connection to rank {self.rank} ended: {why})")
+            f"crashed ({GLOO_WORDS})", peer, f"exited or crashed (its connection to rank {self.rank} ended: {why})")
 
     def _last_words(self, peer: int, pending: deque[Incoming] | None) -> PeerLostError | None:
         """Read on (skipping data: the mesh is broken) from where our
@@ -222,9 +224,10 @@ class Links:
             text += chunk
         reason = text.decode(errors="replace") or "left without saying why"
         if culprit in (peer, self.rank) or not 0 <= culprit < self.nranks:
-            return PeerLostError(f"{self.name}: lost the connection to rank {peer}: it {reason}", peer, reason)
+            return PeerLostError(f"{self.name}: lost the connection to rank {peer}: it {reason} ({GLOO_WORDS})", peer,
+                                 reason)
         return PeerLostError(f"{self.name}: rank {culprit} {reason}; rank {peer} saw it and closed its connection "
-                             f"to rank {self.rank}", culprit, reason)
+                             f"to rank {self.rank} ({GLOO_WORDS})", culprit, reason)
 
 
 def _readable(sock: socket.socket, deadline: float) -> bool:
