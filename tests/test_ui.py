@@ -33,6 +33,7 @@ from harness.procs import clean_env
 
 from nccl_pg.cli import jobs, main, ui, ui_state
 from nccl_pg.diagnostics import incidents
+from nccl_pg.elastic.records import Records
 from nccl_pg.store import TCPStore, TCPStoreServer
 
 JOB = '''\
@@ -89,7 +90,8 @@ def state(url: str) -> dict[str, Any]:
 
 
 class Launcher:
-    """`nccl-pg run --nproc 4 --ui 0 job.py` in ``folder``; its stderr read on a thread (the page's URL)."""
+    """`nccl-pg run --nproc 4 --ui 0 --elastic train.py` in ``folder`` (--elastic: the page shows its membership
+    record); its stderr read on a thread (the page's URL)."""
 
     def __init__(self, folder: Path) -> None:
         (folder / "train.py").write_text(JOB)
@@ -97,7 +99,7 @@ class Launcher:
         self.env = clean_env({"TEST_DIR": str(folder), "TMPDIR": str(folder),
                               "NCCL_PG_RUNTIME_DIR": str(folder / "run")})
         self.proc = subprocess.Popen([sys.executable, "-m", "nccl_pg.cli.main", "run", "--nproc", "4", "--ui", "0",
-                                      "--autopsy-time", "0", "--grace-period", "2", "train.py"], cwd=folder,
+                                      "--elastic", "--autopsy-time", "0", "--grace-period", "2", "train.py"], cwd=folder,
                                      env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -204,6 +206,7 @@ def test_the_page_of_a_stuck_job_in_a_browser(tmp_path: Path) -> None:
         in_flight = {r: [e["name"] for e in timeline[str(r)] if e["end_ms"] is None] for r in range(4)}
         assert in_flight == {0: ["all_reduce #13"], 1: ["all_reduce #13"], 2: [], 3: ["all_reduce #13"]}
         assert all(len(timeline[str(r)]) >= 12 for r in range(4)), timeline
+        assert s["membership"] == [{"uuid": 0, "members": [0, 1, 2, 3], "why": "start"}]  # (--elastic's record 0)
 
         # The page in a browser.
         with sync_playwright() as p:
@@ -228,6 +231,7 @@ def test_the_page_of_a_stuck_job_in_a_browser(tmp_path: Path) -> None:
                 assert page.locator('#timeline svg g.row[data-rank="2"] rect.inflight').count() == 0
                 assert "nothing in flight" in (page.text_content('#timeline svg g.row[data-rank="2"]') or "")
                 assert "straggler" in page.inner_text('#ranks tr[data-rank="3"]')
+                assert page.inner_text("#membership tbody").split("\t") == ["0", "0, 1, 2, 3", "start"]
                 page.screenshot(path=os.environ.get("NCCL_PG_UI_SCREENSHOT") or str(tmp_path / "page.png"),
                                 full_page=True)
                 assert errors == []
@@ -277,8 +281,21 @@ def test_why_ui_token_port_in_use_and_a_job_that_ends(tmp_path: Path, lone_store
         page, script = get(url), get(f"{base}/ui.js")
         assert page[0] == 200 and b'<script src="/ui.js"' in page[1] and script[0] == 200
         s = state(f"{base}/api/state?token={token}")
-        assert s["ended"] is None and s["world"] == 2 and s["answered"] == 0
+        assert s["ended"] is None and s["world"] == 2 and s["answered"] == 0 and s["membership"] is None
         assert [v["kind"] for v in s["verdicts"]] == ["no_answer", "no_answer"]
+
+        # an elastic job's membership records, as its launcher writes them when a rank dies
+        client = TCPStore("127.0.0.1", lone_store.port, secret="s3cret", timeout=10)
+        try:
+            records = Records(client)
+            records.start([0, 1])
+            records.write_next(lambda c: [0], "died: member 1 was killed by signal SIGKILL (its launcher saw it)")
+        finally:
+            client.close()
+        time.sleep(ui_state.MIN_INTERVAL)
+        assert state(f"{base}/api/state?token={token}")["membership"] == [
+            {"uuid": 0, "members": [0, 1], "why": "start"},
+            {"uuid": 1, "members": [0], "why": "died: member 1 was killed by signal SIGKILL (its launcher saw it)"}]
 
         # a port in use: the same words from both commands
         taken = socket.socket()

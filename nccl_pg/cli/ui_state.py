@@ -64,7 +64,6 @@ class View:
 
     def __init__(self, job: Job, timeout: float, signum: int, cap: int = inquiry.CAP) -> None:
         self.job, self.timeout, self.signum, self.cap = job, timeout, signum, cap
-        self.looks = 0  # inquiries raised (the tests count them)
         self._lock = threading.Lock()
         self._previous: inquiry.Inquiry | None = None
         self._state: dict[str, Any] | None = None
@@ -94,7 +93,6 @@ class View:
                                      f"be reached: {exc}"}
         folder = tempfile.mkdtemp(prefix="nccl_pg_ui_")
         try:
-            self.looks += 1
             inq = inquiry.inquire(store, job.reason, self.timeout, self.cap, job.world, False,
                                   lambda: stacks.find_ranks(*job.address, self.signum), self.signum,
                                   dumps_dir=folder, gone=job.gone)

@@ -74,7 +74,7 @@ function render(s) {
   $("job").textContent = s.job || "";
   document.title = "nccl_pg: " + (s.ok === false ? "problem" : s.ended ? "ended" : "ok") + " · " + (s.job || "");
   if (s.ended) {
-    ended(s.ended);
+    ended(s.ended + ($("ranks").tBodies[0].rows.length ? ". What is below is the last look." : ""));
     $("status").textContent = "looked at " + new Date(s.asked_at * 1000).toLocaleTimeString();
     return;
   }
@@ -112,7 +112,8 @@ function renderRanks(ranks) {
     tr.appendChild(el("td", r.host || ""));
     tr.appendChild(el("td", r.pid ?? ""));
     const state = r.gone ? "ended: " + r.gone : r.state;
-    tr.appendChild(el("td", state, r.culprit ? "state-culprit" : r.state === "in a collective" ? "state-waiting" : ""));
+    tr.appendChild(el("td", state, "state" + (r.culprit ? " state-culprit" : r.state === "in a collective"
+                                                ? " state-waiting" : "")));
     tr.appendChild(el("td", r.where || "", "mono where"));
     const groups = el("td", null, "mono");
     for (const g of r.groups || []) {
@@ -220,7 +221,8 @@ function renderTimeline(tl, ranks) {
   clear(legend);
   legend.appendChild(document.createTextNode("Bars: a collective from its issue to its completion on that rank, one "
     + "lane per group (" + groups.map((g, i) => "group " + g + ": lane " + (i + 1)).join(", ") + "); dashed: not "
-    + "completed when the rank answered. A rank with no bar where the others wait never issued it."
+    + "completed when the rank answered. A rank with no bar where the others wait never issued it; a straggler's "
+    + "bars are short (it arrives last, when the others have waited for it)."
     + (tl.left_out ? " " + tl.left_out + " more ranks not drawn." : "")));
 }
 
