@@ -24,6 +24,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -154,6 +155,7 @@ def chromium() -> str:
 def test_the_page_of_a_stuck_job_in_a_browser(tmp_path: Path) -> None:
     from playwright.sync_api import sync_playwright  # noqa: PLC0415 - only this test drives a browser
 
+    executable = chromium()
     job = Launcher(tmp_path)
     try:
         url = job.url()
@@ -211,7 +213,7 @@ def test_the_page_of_a_stuck_job_in_a_browser(tmp_path: Path) -> None:
         # The page in a browser.
         with sync_playwright() as p:
             browser = p.chromium.launch_persistent_context(
-                str(tmp_path / "profile"), executable_path=chromium(), headless=True, args=CHROMIUM_FLAGS,
+                str(tmp_path / "profile"), executable_path=executable, headless=True, args=CHROMIUM_FLAGS,
                 viewport={"width": 1280, "height": 900})
             try:
                 page = browser.new_page()
@@ -246,7 +248,7 @@ def test_the_page_of_a_stuck_job_in_a_browser(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def lone_store(monkeypatch: pytest.MonkeyPatch) -> TCPStoreServer:
+def lone_store(monkeypatch: pytest.MonkeyPatch) -> Iterator[TCPStoreServer]:
     """A store with no rank behind it (the page still serves, and says what it finds)."""
     monkeypatch.setenv("NCCL_PG_STORE_SECRET", "s3cret")
     server = TCPStoreServer("127.0.0.1", 0, secret="s3cret")

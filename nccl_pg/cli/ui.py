@@ -105,7 +105,12 @@ class _Handler(BaseHTTPRequestHandler):
         elif url.path == "/":
             self._send(HTTPStatus.OK, "text/html; charset=utf-8", _page_file("index.html"))
         else:
-            body = json.dumps(self.server.view.state(), separators=(",", ":"), default=str).encode()
+            try:
+                body = json.dumps(self.server.view.state(), separators=(",", ":"), default=str).encode()
+            except Exception as exc:  # a fault of ours: said to the page, which asks again later
+                self._send(HTTPStatus.INTERNAL_SERVER_ERROR, "text/plain; charset=utf-8",
+                           f"could not look at the job: {type(exc).__name__}: {exc}\n".encode())
+                return
             self._send(HTTPStatus.OK, "application/json", body)
 
     def _token_ok(self, query: str) -> bool:

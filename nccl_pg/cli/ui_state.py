@@ -36,7 +36,7 @@ from ..store import Store
 
 VERSION = 1
 TIMELINE_ENTRIES = 24  # the newest recorder entries per rank in the timeline
-TIMELINE_RANKS = 512  # ranks drawn in the timeline, at most (the table lists them all)
+TIMELINE_RANKS = 256  # ranks drawn in the timeline, at most (the table lists them all)
 MEMBERSHIP_SHOWN = 32  # the newest membership records shown
 MIN_INTERVAL = 1.0  # seconds: pages that ask sooner after a look get that look (many tabs: one inquiry)
 

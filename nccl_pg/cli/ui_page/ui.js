@@ -32,7 +32,7 @@ function clear(node) { while (node.firstChild) node.removeChild(node.firstChild)
 
 function seconds(s) { return s === null || s === undefined ? "?" : (s < 10 ? s.toFixed(2) : s.toFixed(1)) + " s"; }
 
-function ended(text) {
+function banner(text) {
   const box = $("ended");
   box.textContent = text;
   box.hidden = false;
@@ -46,17 +46,20 @@ async function refresh() {
     const r = await fetch("/api/state?token=" + encodeURIComponent(token), { cache: "no-store" });
     if (r.status === 403) {
       stopped = true;
-      ended("This page's address does not hold the job's token: open the URL the job printed.");
+      banner("This page's address does not hold the job's token: open the URL the job printed.");
       return;
     }
-    if (!r.ok) throw new Error("HTTP " + r.status);
+    if (!r.ok) {  // the server is there but could not look: say so, and ask again at the next refresh
+      banner("The page's server answered " + r.status + ": " + (await r.text()));
+      return;
+    }
     const state = await r.json();
     lastLook = Date.now();
     render(state);
     if (state.ended) stopped = true;
   } catch (e) {
     stopped = true;
-    ended("The job has ended, or the command serving this page stopped: " + location.host + " does not answer ("
+    banner("The job has ended, or the command serving this page stopped: " + location.host + " does not answer ("
           + e.message + "). What is below is the last look.");
     $("status").textContent += " · no answer since";
   } finally {
@@ -74,7 +77,7 @@ function render(s) {
   $("job").textContent = s.job || "";
   document.title = "nccl_pg: " + (s.ok === false ? "problem" : s.ended ? "ended" : "ok") + " · " + (s.job || "");
   if (s.ended) {
-    ended(s.ended + ($("ranks").tBodies[0].rows.length ? ". What is below is the last look." : ""));
+    banner(s.ended + ($("ranks").tBodies[0].rows.length ? ". What is below is the last look." : ""));
     $("status").textContent = "looked at " + new Date(s.asked_at * 1000).toLocaleTimeString();
     return;
   }
