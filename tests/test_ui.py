@@ -100,8 +100,8 @@ class Launcher:
         self.env = clean_env({"TEST_DIR": str(folder), "TMPDIR": str(folder),
                               "NCCL_PG_RUNTIME_DIR": str(folder / "run")})
         self.proc = subprocess.Popen([sys.executable, "-m", "nccl_pg.cli.main", "run", "--nproc", "4", "--ui", "0",
-                                      "--elastic", "--autopsy-time", "0", "--grace-period", "2", "train.py"], cwd=folder,
-                                     env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                      "--elastic", "--autopsy-time", "0", "--grace-period", "2", "train.py"],
+                                     cwd=folder, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()

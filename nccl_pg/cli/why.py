@@ -121,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_NO_JOB
     signum = env.STACKS_SIGNAL.get() if args.stacks_signal is None else args.stacks_signal
     if args.ui is not None:
-        return ui.why_page(args, targets, lambda h, p, s: (_torch_store if args.torch else _store)(h, p, s, args), signum)
+        return ui.why_page(args, targets, lambda h, p, s: (_torch_store if args.torch else _store)(h, p, s, args),
+                           signum)
     status, out = EXIT_OK, []
     for label, host, port, secret, world in targets:
         try:

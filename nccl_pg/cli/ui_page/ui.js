@@ -141,8 +141,8 @@ function renderStacks(ranks) {
   for (const r of shown) {
     const d = el("details");
     d.open = true;
-    d.appendChild(el("summary", "rank " + r.rank + " (" + [r.host, r.pid ? "pid " + r.pid : ""].filter(Boolean).join(", ")
-                     + ")" + (r.where ? " at " + r.where : "")));
+    const who = [r.host, r.pid ? "pid " + r.pid : ""].filter(Boolean).join(", ");
+    d.appendChild(el("summary", "rank " + r.rank + (who ? " (" + who + ")" : "") + (r.where ? " at " + r.where : "")));
     const pre = el("pre");
     for (const [file, line, func, code] of r.stack) {
       const here = r.where === file + ":" + line + " in " + func;
