@@ -28,8 +28,8 @@ install:
 		-c tools/pins/common.txt -c tools/pins/cu$(or $(DRIVER_CUDA_MAJOR),$(CUDA_MAJOR)).txt
 
 # Everything the CPU suite needs, so that only GPU tests skip: the test tools, NCCL's library and NVRTC of
-# one CUDA major, torch's CPU build, and etcd (Debian's etcd-server) for the EtcdStore tests where the
-# machine allows (root and apt-get); elsewhere it says how to install it.
+# one CUDA major, torch's CPU build, and etcd (Debian's etcd-server) for the EtcdStore tests and chromium (Debian's)
+# for the browser view's test where the machine allows (root and apt-get); elsewhere it says how to install them.
 install-test:
 	$(PIP) install -q -e '.[$(TEST_EXTRAS)]' $(PINS)
 	@command -v etcd >/dev/null || { \
@@ -38,6 +38,13 @@ install-test:
 			apt-get install -y -q etcd-server >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q etcd-server >/dev/null; }; \
 		else \
 			echo "install-test: etcd is missing; the EtcdStore tests need it: install etcd >= 3.4 (Debian/Ubuntu: sudo apt-get install etcd-server)"; \
+		fi; }
+	@command -v chromium >/dev/null || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			export DEBIAN_FRONTEND=noninteractive; \
+			apt-get install -y -q chromium >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }; \
+		else \
+			echo "install-test: chromium is missing; the browser view's test needs it: install it (Debian/Ubuntu: sudo apt-get install chromium), or set NCCL_PG_TEST_CHROMIUM to a Chromium binary"; \
 		fi; }
 
 # The CPU suite: every test that does not need a GPU. Tests that need one skip, saying so; any other skip fails.

@@ -1,8 +1,8 @@
 """Install from a wheel, as a user without a checkout would (README: "Install"): `python -m build` makes the
 sdist and, from it, the wheel; `pip install 'nccl_pg-*.whl[torch]'` installs it into a scratch virtual
 environment. What the package needs at run time is there: the CUDA kernels' sources (nccl_pg/_kernels), the
-`nccl-pg` command, the pytest plugin, and torch's `torch.backends` entry point, which registers the "nccl_pg"
-backend at `import torch` with no import of nccl_pg.
+browser view's page (nccl_pg/cli/ui_page), the `nccl-pg` command, the pytest plugin, and torch's
+`torch.backends` entry point, which registers the "nccl_pg" backend at `import torch` with no import of nccl_pg.
 
 Lean and offline: the build runs without isolation on this environment's setuptools, and the scratch
 environment sees this environment's packages (a .pth line) so that pip resolves the dependencies and extras
@@ -37,6 +37,7 @@ print(json.dumps({
     "entry_points": sorted(f"{e.group}:{e.name}={e.value}" for e in dist.entry_points),
     "torch_backends": [e.value for e in md.entry_points(group="torch.backends", name="nccl_pg")],
     "torch_before": "torch" in sys.modules,
+    "ui_page": sorted(p.name for p in (md.files("nccl_pg") or []) if p.parent.name == "ui_page"),
 }))
 # torch's entry point registers the backend at `import torch`: nothing here imports nccl_pg.torch.
 import torch.distributed as tdist
@@ -82,6 +83,7 @@ def test_the_wheel_installs_with_its_kernels_command_and_torch_entry_point(tmp_p
                                    "pytest11:nccl_pg=nccl_pg.testing.pytest_plugin",
                                    "torch.backends:nccl_pg=nccl_pg.torch:_autoload"]
     assert got["torch_backends"] == ["nccl_pg.torch:_autoload"] and not got["torch_before"]
+    assert got["ui_page"] == sorted(p.name for p in (ROOT / "nccl_pg" / "cli" / "ui_page").iterdir())  # the job's page
     assert "NCCL_PG" in torch["plugins"] and torch["module"] == str(site / "nccl_pg" / "torch" / "__init__.py")
     assert "usage: nccl-pg" in run([str(env / "bin" / "nccl-pg"), "--help"], 60, tmp_path)
     # nccl_pg.torch as a program's first import of torch (torch runs the entry point while it loads)

@@ -38,7 +38,7 @@ from ..diagnostics import dump, jobs_folder
 from ..errors import DistError
 from ..store import TCPStoreServer
 from ..timeouts import option_seconds
-from . import elastic, jobs, output
+from . import elastic, jobs, output, ui
 from ._rank_guard import CLEANUP_BUDGET, KILL_SIGNAL
 from .autopsy import AUTOPSY_TIME, Autopsy
 from .elastic_stuck import StuckWatch
@@ -72,6 +72,7 @@ class LaunchConfig:
     elastic: elastic.ElasticOptions | None = None  # --elastic: replace a rank that dies or hangs (cli/elastic.py)
     stall_warning: float = STALL_WARNING  # a line when the job has hung this long (job_files.py); 0: none
     torch_clients: str | None = "loopback"  # whom the store serves torch's own clients (None: nobody)
+    ui: tuple[str, int] | None = None  # --ui: the address of the job's page (ui.py)
 
 
 # --- command line ------------------------------------------------------------
@@ -104,6 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "agent store; unauthenticated, docs/SECURITY.md): from this machine's loopback "
                              "addresses (default), from anywhere, or not at all")
     elastic.add_arguments(parser)
+    ui.add_argument(parser, "the job")
     parser.add_argument("-m", dest="module", action="store_true",
                         help="run TARGET as a module, as `python -m TARGET`")
     parser.add_argument("target", metavar="TARGET", help="script.py, or a module name with -m")
@@ -121,7 +123,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
                         master_port=args.master_port, grace_period=args.grace_period,
                         max_time=args.max_time, prefix=args.prefix, autopsy_time=args.autopsy_time,
                         report_dir=args.report_dir, elastic=elastic.options_from_args(args, parser),
-                        stall_warning=args.stall_warning,
+                        stall_warning=args.stall_warning, ui=args.ui,
                         torch_clients=None if args.torch_clients == "off" else args.torch_clients)
 
 
@@ -325,7 +327,7 @@ class _Job:
         old_handlers = {s: signal.signal(s, self._on_signal) for s in FORWARDED_SIGNALS}
         old_handlers[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, lambda *_: None)  # only to wake select
         self.selector.register(self.wake_r, selectors.EVENT_READ)
-        server = None
+        server = page = None
         record = None
         try:
             try:
@@ -337,6 +339,9 @@ class _Job:
             if server is None:
                 return 1
             self.server, self.store = server, (self.config.master_addr, server.port, secret)
+            if self.config.ui and not (page := ui.launcher_page(self.config.ui, self.store, self.config.nproc,
+                                                                self.config.command, self._gone, _log)):
+                return 1
             record = _record(self.config, server.port, secret)
             self._spawn_all(server.port, secret)
             self._supervise()
@@ -352,6 +357,8 @@ class _Job:
                 self.stuck.close()
             if self.membership is not None:
                 self.membership.close()
+            if page is not None:
+                page.close()
             if server is not None:
                 server.stop()
             for signum, handler in old_handlers.items():

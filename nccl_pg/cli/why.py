@@ -37,7 +37,7 @@ from ..diagnostics.verdicts import format_verdict
 from ..errors import DistError
 from ..store import PrefixStore, Store, TCPStore
 from ..timeouts import option_seconds
-from . import jobs, launcher
+from . import jobs, launcher, ui
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_NO_JOB = 0, 1, 2
 EXIT_STATUS_HELP = ("exit status: 0 when every rank answered and nothing is wrong; 1 when a problem was found or a "
@@ -76,6 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --stragglers: name a rank when it is last at most collectives and at least this "
                              f"late, median (default {stragglers.THRESHOLD_MS:g})")
     parser.add_argument("--json", action="store_true", help="print a JSON report")
+    ui.add_argument(parser, "the job (asked when the page asks; until Ctrl-C)")
 
 
 def _address(raw: str) -> tuple[str, int]:
@@ -119,6 +120,9 @@ def run(args: argparse.Namespace) -> int:
               "HOST:PORT (or MASTER_ADDR and MASTER_PORT)", file=sys.stderr)
         return EXIT_NO_JOB
     signum = env.STACKS_SIGNAL.get() if args.stacks_signal is None else args.stacks_signal
+    if args.ui is not None:
+        return ui.why_page(args, targets, lambda h, p, s: (_torch_store if args.torch else _store)(h, p, s, args),
+                           signum)
     status, out = EXIT_OK, []
     for label, host, port, secret, world in targets:
         try:

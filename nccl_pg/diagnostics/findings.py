@@ -108,6 +108,33 @@ def ask(look: Callable[[], Inquiry], budget: float) -> Inquiry:
     if last is first and not young:
         first.verdicts = [v.as_dict() for v in found]
         return first
+    return _conclude(first, last, found, moved, young, steps)
+
+
+def settle(inq: Inquiry, before: Inquiry | None = None) -> Inquiry:
+    """``inq``'s verdicts set by the same rule as ``ask``'s, when the looks
+    are someone else's to take (a browser view asks once per refresh):
+    ``before`` is the previous look at the same job, if any. A group held
+    up by an operation younger than ``verdicts.stuck_after`` is "in
+    progress" when it was not held at that collective in ``before``, else
+    "slow"; an older one is named as ``ask`` names it after its looks."""
+    steps = typical_steps(inq)
+    found = judge(inq)
+    young = {g: seq for g, seq in _held(found).items() if _age(inq, g) < verdicts.stuck_after(steps.get(g))}
+    if not young:
+        inq.verdicts = [v.as_dict() for v in found]
+        return inq
+    earlier = _held(judge(before)) if before is not None else {}
+    same = {g: seq for g, seq in young.items() if before is None or earlier.get(g) == seq}
+    return _conclude(before or inq, inq, found, set(), same, steps)
+
+
+def _conclude(first: Inquiry, last: Inquiry, found: list[Verdict], moved: set[str], young: dict[str, Any],
+              steps: dict[str, float | None]) -> Inquiry:
+    """``last``'s verdicts once the looks are over: a group held up that
+    ``moved`` since ``first`` (or is held at a collective ``first`` did not
+    show) is "in progress", one still ``young`` at the same collective
+    "slow", one older than ``stuck_after`` keeps its verdict."""
     out: list[Verdict] = []
     final = _held(found)
     not_stuck = {g for g, seq in final.items() if g in moved or g in young
