@@ -38,7 +38,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from ..timeouts import option_seconds
-from . import launcher
+from . import launch_options, launcher
 from .bench_cases import DTYPE_ALIASES, DTYPES, INPLACE, MODES, OPS, OUTOFPLACE, REDOPS, REDUCING, modes_for
 from .bench_rank import run_rank
 
@@ -63,7 +63,7 @@ def parse_size(raw: str) -> int:
 
 def _in_range(lo: int, hi: int) -> Callable[[str], int]:
     def parse(raw: str) -> int:
-        value = launcher.int_arg(raw)
+        value = launch_options.int_arg(raw)
         if not lo <= value <= hi:
             raise argparse.ArgumentTypeError(f"must be in {lo}..{hi}, got {value}")
         return value
@@ -75,7 +75,7 @@ _positive, _non_negative = _in_range(1, MAX_ITERS), _in_range(0, MAX_ITERS)
 
 
 def _factor(raw: str) -> int:
-    value = launcher.int_arg(raw)
+    value = launch_options.int_arg(raw)
     if value < 2:
         raise argparse.ArgumentTypeError(f"the size factor must be >= 2, got {value}")
     return value
@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
         return run_rank(args)
     nproc = args.nproc or 1
     command = [sys.executable, "-m", "nccl_pg.cli.bench", *worker_argv(args)]
-    config = launcher.LaunchConfig(nproc=nproc, command=command, prefix=False)
+    config = launch_options.LaunchConfig(nproc=nproc, command=command, prefix=False)
     return launcher.launch(config)
 
 

@@ -16,7 +16,7 @@ from .. import env
 from ..diagnostics import trace
 from ..errors import DistError
 from ..store import TCPStoreServer
-from . import bench, doctor, launcher, why
+from . import bench, doctor, launch_options, launcher, why
 
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
@@ -30,15 +30,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Start N local ranks of a Python script or module with RANK, WORLD_SIZE, MASTER_ADDR, ... "
                     "set, host their rendezvous store, prefix their output with [rankN]:, forward SIGINT, SIGTERM and "
                     "SIGHUP, and stop them all when one fails.",
-        epilog=launcher.EXIT_STATUS_HELP)
-    launcher.add_arguments(run_parser)
+        epilog=launch_options.EXIT_STATUS_HELP)
+    launch_options.add_arguments(run_parser)
 
     store_parser = commands.add_parser(
         "store", help="run a TCPStore server in the foreground",
         description=f"Serve a TCPStore until SIGINT or SIGTERM. Clients must present the secret in "
                     f"{env.STORE_SECRET.name} when it is set.")
     store_parser.add_argument("--host", default="0.0.0.0", help="address to bind (default: 0.0.0.0)")
-    store_parser.add_argument("--port", type=launcher.port_arg, default=29500,
+    store_parser.add_argument("--port", type=launch_options.port_arg, default=29500,
                               help="port to bind, 0 for a free one (default: 29500)")
 
     trace_parser = commands.add_parser(
@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "doctor":
         return doctor.run(args)
     if args.command == "run":
-        return launcher.launch(launcher.config_from_args(args, run_parser))
+        return launcher.launch(launch_options.config_from_args(args, run_parser))
     if args.command == "trace":
         return trace.run(args)
     if args.command == "why":

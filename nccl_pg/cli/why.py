@@ -37,7 +37,7 @@ from ..diagnostics.verdicts import format_verdict
 from ..errors import DistError
 from ..store import PrefixStore, Store, TCPStore
 from ..timeouts import option_seconds
-from . import jobs, launcher, ui
+from . import jobs, launch_options, ui
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_NO_JOB = 0, 1, 2
 EXIT_STATUS_HELP = ("exit status: 0 when every rank answered and nothing is wrong; 1 when a problem was found or a "
@@ -55,14 +55,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--torch", action="store_true",
                         help="the store is torch's TCPStore (a torch.distributed job on the \"nccl_pg\" backend, "
                              "torchrun's store): asked with torch's client")
-    parser.add_argument("--job", type=launcher.int_arg, metavar="PID",
+    parser.add_argument("--job", type=launch_options.int_arg, metavar="PID",
                         help="of the jobs started with `nccl-pg run`, the one whose launcher has this pid")
-    parser.add_argument("--world-size", type=launcher.int_arg, metavar="N",
+    parser.add_argument("--world-size", type=launch_options.int_arg, metavar="N",
                         help="the number of ranks (default: as the ranks say; needed to name ranks when none answers)")
     parser.add_argument("--timeout", type=option_seconds, default=TIMEOUT, metavar="S",
                         help="seconds to wait for the ranks' answers, and for a second look when an operation in "
                              f"flight is too young to call a hang (default: {TIMEOUT:g})")
-    parser.add_argument("--max-bytes", type=launcher.int_arg, default=inquiry.CAP, metavar="N",
+    parser.add_argument("--max-bytes", type=launch_options.int_arg, default=inquiry.CAP, metavar="N",
                         help=f"the largest answer a rank may give, in bytes (default: {inquiry.CAP})")
     parser.add_argument("--stacks-signal", type=env.parse_signal, default=None, metavar="SIG",
                         help=f"the signal for C-level stacks (default: {env.STACKS_SIGNAL.name} here, else SIGUSR2; "
