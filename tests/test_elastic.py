@@ -42,10 +42,11 @@ def reference() -> str:
 
 
 def lines(stdout: str, pattern: str) -> dict[str, str]:
-    """The first capture of ``pattern`` in each rank's output, by rank label."""
+    """The first capture of ``pattern`` in each member's output, by member label ("member3": the launcher's
+    prefix is "[rank1|member3]: ", or "[member3]: " until the member's rank is known)."""
     found: dict[str, str] = {}
     for line in stdout.splitlines():
-        m = re.match(rf"\[(rank\d+)\]: {pattern}", line)
+        m = re.match(rf"\[(?:rank\d+\|)?(member\d+)\]: {pattern}", line)
         if m:
             found.setdefault(m.group(1), m.group(2) if m.lastindex and m.lastindex > 1 else "")
     return found
@@ -63,14 +64,19 @@ def test_the_worked_example_survives_two_sigkills_at_once(tmp_path):
             "--step-time", "0.15")
     assert p.returncode == 0, p.stdout + p.stderr
     finals = lines(p.stdout, r"final ([0-9a-f]+)")
-    assert set(finals) == {"rank0", "rank3", "rank4", "rank5"}, p.stdout
+    assert set(finals) == {"member0", "member3", "member4", "member5"}, p.stdout
     assert set(finals.values()) == {reference()}, p.stdout
-    assert lines(p.stdout, "member (\\d+): SIGKILL at step 20") == {"rank1": "1", "rank2": "2"}
-    sizes = [(int(u), int(n)) for u, n in re.findall(r"\[rank0\]: membership: uuid (\d+): world size (\d+)",
+    assert lines(p.stdout, "member (\\d+): SIGKILL at step 20") == {"member1": "1", "member2": "2"}
+    sizes = [(int(u), int(n)) for u, n in re.findall(r"\[(?:rank\d+\|)?member0\]: membership: uuid (\d+): world size (\d+)",
                                                       p.stdout)]
     assert sizes[0] == (0, 4) and sizes[-1][1] == 4 and (2 in {n for _, n in sizes}), p.stdout  # 4, 2, ..., 4
     assert re.search(r"membership: uuid \d+: world size 4, rank 3 \(joined", p.stdout)
-    assert "starting rank 4 in its place" in p.stderr and "starting rank 5 in its place" in p.stderr
+    assert "starting member 4 in its place" in p.stderr and "starting member 5 in its place" in p.stderr
+    # Each line says the member's rank when it was printed (as its watchdog last wrote it): at the end, the four
+    # members are ranks 0..3, the replacements among them.
+    labels = re.findall(r"^\[rank(\d+)\|member(\d+)\]: final ", p.stdout, re.M)
+    assert sorted(labels) == sorted(set(labels)) and {r for r, _ in labels} == {"0", "1", "2", "3"}, p.stdout
+    assert {m for _, m in labels} == {"0", "3", "4", "5"}, p.stdout
 
 
 def test_without_elastic_the_same_kill_ends_the_job(tmp_path):

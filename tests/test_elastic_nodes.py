@@ -128,6 +128,6 @@ def test_three_nodes_lose_one_and_take_it_back(tmp_path, cluster, lost, leader_t
                 n.kill_at_once()
     out = "\n=====\n".join(n.text()[-6000:] for n in nodes)
     assert rcs == [0, 0, 0], out
-    finals = re.findall(r"\[rank\d+\]: final ([0-9a-f]+)", "\n".join(n.text() for n in [*survivors, again]))
+    finals = re.findall(r"\[(?:rank\d+\|)?member\d+\]: final ([0-9a-f]+)", "\n".join(n.text() for n in [*survivors, again]))
     assert len(finals) == 6 and set(finals) == {reference()}, out
     assert "joined" in again.text() and "finished before" not in out, out

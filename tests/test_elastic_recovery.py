@@ -51,7 +51,7 @@ def reference(steps: int) -> str:
 
 
 def finals(stdout: str) -> dict[str, str]:
-    return {m.group(1): m.group(2) for m in re.finditer(r"^\[(rank\d+)\]: final ([0-9a-f]+)$", stdout, re.M)}
+    return {m.group(1): m.group(2) for m in re.finditer(r"^\[(?:rank\d+\|)?(member\d+)\]: final ([0-9a-f]+)$", stdout, re.M)}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -71,9 +71,9 @@ def test_recovery(tmp_path, case):
     got = finals(p.stdout)
     assert len(got) == n and set(got.values()) == {reference(steps)}, out  # back at n ranks, all on the reference
     assert "finished before this process got in" not in p.stdout, out
-    assert len(re.findall(r"starting rank \d+ in its place", p.stderr)) == replacements, out
+    assert len(re.findall(r"starting member \d+ in its place", p.stderr)) == replacements, out
     if "--hang-rank" in fault_args:
         hung = fault_args[fault_args.index("--hang-rank") + 1]
-        m = re.search(rf"rank {hung} \(pid \d+\) is stuck: .*its stack at \S*elastic\.py:\d+: (\S+);", p.stderr)
+        m = re.search(rf"member {hung} \(pid \d+\) is stuck: .*its stack at \S*elastic\.py:\d+: (\S+);", p.stderr)
         assert m is not None, out
         assert "time.sleep" in Path(m.group(1)).read_text() or "main" in Path(m.group(1)).read_text()

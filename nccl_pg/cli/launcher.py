@@ -139,6 +139,10 @@ class _Rank:
     proc: subprocess.Popen[bytes]
     returncode: int | None = None
     own_pid: int | None = None  # the rank's process, below its guard (what the rank and the verdicts call its pid)
+    # --elastic: ``rank`` is the member number, and the rank changes with each configuration: the writers, whose
+    # prefix says the rank the progress file last gave ("[rank1|member3]: "), and that rank
+    labelled: list[_LineWriter] | None = None
+    shown_rank: int = -1
 
     @property
     def pid(self) -> int:
@@ -152,8 +156,10 @@ class _Rank:
         return self.own_pid
 
     def name(self) -> str:
-        """"rank 1 (pid 4242)": by the rank's own pid once known, as every verdict names it."""
-        return f"rank {self.rank} (pid {self.own_pid or self.pid})"
+        """"rank 1 (pid 4242)", or "member 1 (pid 4242)" under --elastic: by the rank's own pid once known, as
+        every verdict names it."""
+        kind = "rank" if self.labelled is None else "member"
+        return f"{kind} {self.rank} (pid {self.own_pid or self.pid})"
 
     def signal_group(self, signum: int) -> None:
         """Signal the rank and everything it started (its session's group).
@@ -325,7 +331,7 @@ class _Job:
             member, why = self.stuck_to_stop.pop(0)
             for rank in self._live():
                 if rank.rank == member:
-                    _log(f"rank {member} (pid {rank.pid}) is stuck: {why}; stopping it, to replace it like a dead one")
+                    _log(f"{rank.name()} is stuck: {why}; stopping it, to replace it like a dead one")
                     rank.kill()
 
     def _job_env(self, index: int) -> dict[str, str]:
@@ -337,11 +343,15 @@ class _Job:
         rank_env = {**rank_env, **self._job_env(rank)}
         proc = subprocess.Popen(command, env=rank_env, stdin=subprocess.DEVNULL,
                                 stdout=pipe, stderr=pipe, start_new_session=True)
-        self.ranks.append(_Rank(rank, proc))
+        started = _Rank(rank, proc)
+        self.ranks.append(started)
+        elastic_job = self.config.elastic is not None
         if self.config.prefix:
-            prefix = f"[rank{rank}]: ".encode()
-            self._watch(proc.stdout, _LineWriter(prefix, self.console.out))
-            self._watch(proc.stderr, _LineWriter(prefix, self.console.err))
+            prefix = (f"[member{rank}]: " if elastic_job else f"[rank{rank}]: ").encode()
+            writers = [_LineWriter(prefix, self.console.out), _LineWriter(prefix, self.console.err)]
+            self._watch(proc.stdout, writers[0])
+            self._watch(proc.stderr, writers[1])
+        started.labelled = writers if self.config.prefix and elastic_job else [] if elastic_job else None
 
     def _watch(self, pipe: IO[bytes] | None, writer: _LineWriter) -> None:
         assert pipe is not None
@@ -374,15 +384,28 @@ class _Job:
         """The ranks' own pids (while their guards run), and the line that says the job hangs (job_files.py)."""
         for r in self._live():
             r.find_own_pid()
+            if r.labelled and self.files is not None:
+                self._label(r, self.files)
         if self.files is not None and self.exit_code is None:
             line = self.files.check([r.rank for r in self._live()])
             if line is not None:
                 _log(line)
 
+    @staticmethod
+    def _label(r: _Rank, files: JobFiles) -> None:
+        """--elastic: a member's lines say its rank in the job as its progress file last gave it (its watchdog
+        writes it at each poll), with the member number that stays: "[rank1|member3]: "."""
+        progress = files.read(r.rank)
+        if progress is None or progress.rank < 0 or progress.rank == r.shown_rank or not r.labelled:
+            return
+        r.shown_rank = progress.rank
+        for writer in r.labelled:
+            writer.prefix = f"[rank{progress.rank}|member{r.rank}]: ".encode()
+
     def _timeout(self) -> float | None:
         autopsy = self.autopsy.deadline if self.autopsy is not None and self.stop_after_autopsy else None
         tick = None
-        if self._live() and (any(r.own_pid is None for r in self._live()) or (
+        if self._live() and (any(r.own_pid is None or r.labelled for r in self._live()) or (
                 self.files is not None and self.files.stall_warning and self.exit_code is None)):
             tick = time.monotonic() + (0.05 if any(r.own_pid is None for r in self._live()) else 1.0)
         deadlines = [t for t in (self.max_time_at, self.kill_at, self.hard_kill_at, self.drain_until, autopsy, tick)
@@ -428,7 +451,7 @@ class _Job:
             return False
         rank_env = {k: v for k, v in self.common_env.items() if k not in ("RANK", "GROUP_RANK")}
         for r, start in zip(sorted(dead, key=lambda r: r.rank), starts, strict=True):
-            _log(f"{r.name()} {how[r.rank]}; starting rank {start.member} in its place (it comes "
+            _log(f"{r.name()} {how[r.rank]}; starting member {start.member} in its place (it comes "
                  f"in after configuration {start.env[env.ELASTIC_UUID.name]}; "
                  f"{self.membership.replacements_left} replacement(s) left)")
             self._spawn(start.member, {**rank_env, **start.env})

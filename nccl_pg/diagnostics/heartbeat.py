@@ -6,7 +6,8 @@ signal), and how each rank ended.
 watchdog poller (one per process, group/watchdog.py) keeps the file at each
 poll through a shared mapping (``Writer.update``: a few bytes written in
 place, no system call): when it last polled, how many operations it has
-seen complete, when its progress last changed (an operation issued or
+seen complete, its rank in the job's largest group (how the launcher names
+a replacement, whose rank is decided when it joins), when its progress last changed (an operation issued or
 completed), how many are in flight, since when the oldest, and that one's
 and the last completed one's names. The launcher reads it (``read``) every
 second and at each rank's end. Nothing is written when the variable is not
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 MAGIC = b"NPGP"
 _NAME = 48  # bytes of an operation's name
-_LAYOUT = struct.Struct(f"<4sIQQQIQ{_NAME}s{_NAME}s")
+_LAYOUT = struct.Struct(f"<4sIiQQQIQ{_NAME}s{_NAME}s")
 SIZE = _LAYOUT.size
 
 
@@ -38,6 +39,7 @@ class Progress:
     """One read of a rank's file (times: time.monotonic(), seconds)."""
 
     pid: int
+    rank: int  # its rank in the largest of its groups, the job's (-1: in none yet)
     polled: float  # the watchdog's last poll
     completed: int  # operations seen complete
     changed: float  # last issue or completion
@@ -72,10 +74,10 @@ def read(path: str) -> Progress | None:
         os.close(fd)
     if len(raw) < SIZE:
         return None
-    magic, pid, polled, completed, changed, in_flight, oldest, oldest_op, last_op = _LAYOUT.unpack(raw)
+    magic, pid, rank, polled, completed, changed, in_flight, oldest, oldest_op, last_op = _LAYOUT.unpack(raw)
     if magic != MAGIC:
         return None
-    return Progress(pid, polled / 1e9, completed, changed / 1e9, in_flight, oldest / 1e9, _text(oldest_op),
+    return Progress(pid, rank, polled / 1e9, completed, changed / 1e9, in_flight, oldest / 1e9, _text(oldest_op),
                     _text(last_op))
 
 
@@ -99,9 +101,9 @@ class Writer:
         self._last_op = b""
         self._state: tuple[int, int, int] = (0, 0, 0)  # completed, in flight, oldest: what changed means
 
-    def update(self, completed_now: int, in_flight: int, oldest: float | None, oldest_op: str,
+    def update(self, rank: int, completed_now: int, in_flight: int, oldest: float | None, oldest_op: str,
                last_op: str) -> None:
-        """One poll: ``completed_now`` operations completed since the last,
+        """One poll of the process of job rank ``rank`` (-1: none yet): ``completed_now`` operations completed since the last,
         ``in_flight`` still are (the oldest issued at ``oldest``, monotonic
         seconds, named ``oldest_op``); ``last_op``: the last completed ("" if
         none this poll)."""
@@ -113,7 +115,7 @@ class Writer:
             self._changed, self._state = now, state
         if last_op:
             self._last_op = last_op.encode()[:_NAME]
-        self._map[:SIZE] = _LAYOUT.pack(MAGIC, self.pid, now, self.completed, self._changed, in_flight, oldest_ns,
+        self._map[:SIZE] = _LAYOUT.pack(MAGIC, self.pid, rank, now, self.completed, self._changed, in_flight, oldest_ns,
                                         oldest_op.encode()[:_NAME], self._last_op)
 
     def close(self) -> None:

@@ -168,7 +168,7 @@ class Watchdog:
             left = [w for w in works if id(w) not in done]
             self._keep_stacks(left)
             if self._progress_file is not None:
-                self._note_progress(works, done, left)
+                self._note_progress(groups, works, done, left)
             # The loop variables would keep the last Work, and through it its group, alive until the next poll
             # that has one: a group its user dropped (``del pg``) must be freed now.
             groups = works = left = w = pg = backend = None  # type: ignore[assignment]
@@ -178,14 +178,18 @@ class Watchdog:
                 self._progress.notify_all()
                 self._cond.wait(self._interval)
 
-    def _note_progress(self, works: list[Work], done: set[int], left: list[Work]) -> None:
-        """This poll in the progress file (heartbeat.py): what completed, what is in flight since when."""
+    def _note_progress(self, groups: list[Watched], works: list[Work], done: set[int],
+                       left: list[Work]) -> None:
+        """This poll in the progress file (heartbeat.py): the process's rank in the job (that of the largest
+        group: every group's ranks are the job's), what completed, what is in flight since when."""
         assert self._progress_file is not None
+        world = max(groups, key=lambda pg: pg.diag.size, default=None)
+        rank = -1 if world is None else world.diag.global_rank(world.diag.rank)
         oldest = min(left, key=lambda w: w.issued_at, default=None)
         finished = [w for w in works if id(w) in done and w.is_success()]
         last = max(finished, key=lambda w: w.issued_at, default=None)
         try:
-            self._progress_file.update(len(finished), len(left), None if oldest is None else oldest.issued_at,
+            self._progress_file.update(rank, len(finished), len(left), None if oldest is None else oldest.issued_at,
                                   "" if oldest is None else oldest.name(), "" if last is None else last.name())
         except Exception:  # the file is only a help to the launcher: never the poller's end
             log.debug("watchdog: progress file update failed", exc_info=True)
