@@ -28,6 +28,7 @@ import numpy as np
 
 from .. import env
 from ..comm.nan_scan import NanScan, lane_dtype, locate
+from ..diagnostics.verdicts import op_name
 from ..errors import DistBackendError, NanError
 
 if TYPE_CHECKING:
@@ -58,9 +59,9 @@ class Pending:
         self._scan.release(True)
         if lane is None:
             return None
-        within = "" if work_op is self._op_type else f" in {work_op.name}"
+        issued = f" #{seq}" if work_op is self._op_type else f" (in {op_name(work_op.value)} #{seq})"
         return self._check.error(self._op_type, self._targets, lane, "the operation ran (NCCL_PG_NAN_CHECK=async)",
-                                 f"{within} (seq {seq})")
+                                 issued)
 
     def abandon(self) -> None:
         """The Work failed otherwise: its scan's result is not read."""
@@ -109,7 +110,7 @@ class NanCheck:
             lane = scan.first() if finished else None
             scan.release(finished)
             if not finished:
-                raise DistBackendError(f"timeout: the NaN check of {op_type.name}'s inputs on {self._where()} did not "
+                raise DistBackendError(f"timeout: the NaN check of {op_name(op_type.value)}'s inputs on {self._where()} did not "
                                f"finish within {timeout:.1f} s")
             if lane is not None:
                 raise self.error(op_type, targets, lane, "the operation was not issued (NCCL_PG_NAN_CHECK=raise)")
@@ -125,7 +126,7 @@ class NanCheck:
                 f"(group rank {g.rank} of {g.size})")
 
     def error(self, op_type: OpType, targets: list[_Target], lane: int, outcome: str, issued: str = "") -> NanError:
-        """``issued``: where the operation went, e.g. " (seq 3)"."""
+        """``issued``: which of the group's operations it became, e.g. " #3" (none: it was not issued)."""
         i, at = locate([t.flat.size * t.per for t in targets], lane)
         t = targets[i]
         element = at // t.per
@@ -134,7 +135,7 @@ class NanCheck:
             where = f", index {tuple(int(x) for x in np.unravel_index(element, t.shape))} of shape {t.shape}"
         part = "" if t.per == 1 else f" ({'real' if at % 2 == 0 else 'imaginary'} part)"
         g = self._group
-        text = (f"NaN in the input of {op_type.name}{issued} on {self._where()}: {t.label} element {element}{part}"
+        text = (f"NaN in the input of {op_name(op_type.value)}{issued} on {self._where()}: {t.label} element {element}{part}"
                 f"{where} ({t.flat.size} x {np.dtype(self._backend.dtype(t.flat)).name}); {outcome}")
         return NanError(text, rank=g.global_rank(g.rank), group=g.uid, group_desc=g.desc,
                         op=op_type.name, input=t.label, index=element)
