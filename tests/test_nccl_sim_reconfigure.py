@@ -289,9 +289,9 @@ def test_the_worked_example_on_nccl(tmp_path, victims):
     assert p.returncode == 0, p.stdout + p.stderr
     reference = subprocess.run([sys.executable, "examples/elastic.py", "--reference", "--steps", "60"], cwd=repo,
                                capture_output=True, text=True, timeout=60, check=True).stdout.split()[-1]
-    finals = dict(re.findall(r"\[(rank\d)\]: final ([0-9a-f]+)", p.stdout))
-    replacements = {f"rank{4 + i}" for i in range(len(dead))}
-    assert finals == dict.fromkeys({f"rank{r}" for r in range(4) if r not in dead} | replacements, reference), \
+    finals = dict(re.findall(r"\[(?:rank\d+\|)?(member\d+)\]: final ([0-9a-f]+)", p.stdout))
+    replacements = {f"member{4 + i}" for i in range(len(dead))}
+    assert finals == dict.fromkeys({f"member{r}" for r in range(4) if r not in dead} | replacements, reference), \
         p.stdout
     assert re.search(rf"membership: uuid \d+: world size {4 - len(dead)}", p.stdout), p.stdout  # went on without them
     reports = {f.stem: json.loads(f.read_text()) for f in report.glob("member*.json")}

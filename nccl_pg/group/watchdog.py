@@ -181,9 +181,11 @@ class Watchdog:
     def _note_progress(self, groups: list[Watched], works: list[Work], done: set[int],
                        left: list[Work]) -> None:
         """This poll in the progress file (heartbeat.py): the process's rank in the job (that of the largest
-        group: every group's ranks are the job's), what completed, what is in flight since when."""
+        open group: every group's ranks are the job's), what completed, what is in flight since when."""
         assert self._progress_file is not None
-        world = max(groups, key=lambda pg: pg.diag.size, default=None)
+        # The newest of the largest open groups: an elastic job's earlier worlds may linger, revoked.
+        open_groups = [pg for pg in groups if pg.diag.state() is None]
+        world = max(open_groups, key=lambda pg: (pg.diag.size, pg.diag.uid), default=None)
         rank = -1 if world is None else world.diag.global_rank(world.diag.rank)
         oldest = min(left, key=lambda w: w.issued_at, default=None)
         finished = [w for w in works if id(w) in done and w.is_success()]
