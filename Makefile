@@ -57,7 +57,7 @@ test-sim: install-test
 
 # Elastic recovery's whole matrix (issue 33; the suite runs a selection): 8 ranks losing 4 (rank 0 among them), a
 # replacement killed inside its grow, a hung rank with a death, three etcd nodes losing rank 0's node with the
-# etcd leader, torchft's frozen replica over Gloo too. About 6 min on 2 cores.
+# etcd leader, torchft's frozen replica over Gloo too, the elastic bench's simulated rows. About 7 min on 2 cores.
 test-elastic: install-test
 	ELASTIC_MATRIX=1 $(PYTHON) -m pytest -q -n $(TEST_WORKERS) tests/test_elastic.py tests/test_elastic_recovery.py \
 		tests/test_elastic_nodes.py tests/test_torchft.py tests/test_reconfigure.py tests/test_nccl_sim_reconfigure.py

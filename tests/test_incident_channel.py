@@ -72,13 +72,13 @@ def _free_port() -> int:
 
 @pytest.mark.timeout(300)
 def test_torch_jobs_on_nccl_pg_do_not_abort_at_exit():
-    """Item 6: 6 torch jobs of 4 ranks on the "nccl_pg" backend that end normally, half of them calling
+    """Item 6: 2 torch jobs of 4 ranks on the "nccl_pg" backend that end normally, one of them calling
     destroy_process_group(): every rank exits 0. Before, the signal listener was still parked inside torch's
     TCPStore client when the interpreter finalized, and the wait returning then aborted the process
     ("terminate called without an active exception"): about one rank in four died of SIGABRT."""
     pytest.importorskip("torch", reason="needs torch (pip install torch)")
     world, codes, errors = 4, [], []
-    for job in range(6):
+    for job in range(2):
         port = _free_port()
         procs = [subprocess.Popen([sys.executable, os.path.join(HARNESS, "torch_exit.py"), str(r), str(world),
                                    str(port), str(job % 2)], env=clean_env(), stdout=subprocess.DEVNULL,

@@ -208,33 +208,34 @@ def test_below_2_29_2_a_grow_is_a_fresh_communicator(tmp_path):
         assert order(out[r]["calls"]) == ["ncclCommInitRankConfig"], out[r]["calls"]
 
 
-def test_bench_elastic_nccl_sim_rows(tmp_path):
-    """tools/bench_elastic.py --nccl-sim on a small case: the call sequence of each step (the simulation's, as
-    docs/BENCHMARKS.md records it) and store requests per rank that do not grow with the ranks."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
+if os.environ.get("ELASTIC_MATRIX"):  # `make test-elastic` (about 50 s of CPU: the suite's budget)
+    def test_bench_elastic_nccl_sim_rows(tmp_path):
+        """tools/bench_elastic.py --nccl-sim on a small case: the call sequence of each step (the simulation's, as
+        docs/BENCHMARKS.md records it) and store requests per rank that do not grow with the ranks."""
+        import json
+        import subprocess
+        import sys
+        from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[1]
-    out = tmp_path / "rows.json"
-    subprocess.run([sys.executable, "tools/bench_elastic.py", "--nccl-sim", "--sizes", "3", "5", "--json", str(out),
-                    "--logs", str(tmp_path)], cwd=repo, check=True, timeout=140, capture_output=True)
-    rows = {(r["mode"], r["n"]): r for r in json.loads(out.read_text())}
+        repo = Path(__file__).resolve().parents[1]
+        out = tmp_path / "rows.json"
+        subprocess.run([sys.executable, "tools/bench_elastic.py", "--nccl-sim", "--sizes", "3", "5", "--json", str(out),
+                        "--logs", str(tmp_path)], cwd=repo, check=True, timeout=140, capture_output=True)
+        rows = {(r["mode"], r["n"]): r for r in json.loads(out.read_text())}
 
-    def order(calls: list[str]) -> list[str]:  # the tool records names only
-        return [c for c in calls if c in GROW_ORDER]
+        def order(calls: list[str]) -> list[str]:  # the tool records names only
+            return [c for c in calls if c in GROW_ORDER]
 
-    for n in (3, 5):
-        kill, leave = rows[("kill", n)], rows[("leave", n)]
-        assert order(kill["coordinator"]["shrink"]) == ["ncclCommRevoke", "ncclCommInitRankConfig"]
-        assert order(leave["coordinator"]["shrink"]) == ["ncclCommRevoke", "ncclCommShrink"]
-        for row in (kill, leave):
-            assert order(row["coordinator"]["grow"]) == ["ncclCommGetUniqueId", "ncclCommGrow"]
-            assert order(row["member"]["grow"]) == order(row["new"]["grow"]) == ["ncclCommGrow"]
-    for way in ("kill", "leave"):
-        for step in ("shrink_requests_per_rank", "grow_requests_per_rank"):
-            assert rows[(way, 3)][step] == rows[(way, 5)][step], (way, step, rows)
+        for n in (3, 5):
+            kill, leave = rows[("kill", n)], rows[("leave", n)]
+            assert order(kill["coordinator"]["shrink"]) == ["ncclCommRevoke", "ncclCommInitRankConfig"]
+            assert order(leave["coordinator"]["shrink"]) == ["ncclCommRevoke", "ncclCommShrink"]
+            for row in (kill, leave):
+                assert order(row["coordinator"]["grow"]) == ["ncclCommGetUniqueId", "ncclCommGrow"]
+                assert order(row["member"]["grow"]) == order(row["new"]["grow"]) == ["ncclCommGrow"]
+        for way in ("kill", "leave"):
+            for step in ("shrink_requests_per_rank", "grow_requests_per_rank"):
+                assert rows[(way, 3)][step] == rows[(way, 5)][step], (way, step, rows)
 
 
 SITE = """\
