@@ -140,6 +140,9 @@ def test_peer_frozen_in_init_fails_every_rank_at_the_deadline_naming_it() -> Non
     beyond the deadline and abort's reach; the message named nobody)."""
     n, victim, timeout = 3, 1, 3.0
     with World(n, S.frozen_in_init, ranks=[victim]) as w:
+        # The survivors' deadline starts once the victim is in the rendezvous: a process slow to start on a loaded
+        # machine is another case ("ranks [1] never joined").
+        w.wait_key("comm/addr/1", timeout=30)
         t0 = time.monotonic()
         comms = _survivors(w, n, [0, 2], timeout)
         try:

@@ -42,7 +42,7 @@ def test_a_malformed_hint_is_reported_and_skipped(tmp_path, job_server, hint):
 
     with TCPStore("127.0.0.1", job_server.port, timeout=10) as s:
         s.set("nccl_pg/diag/latest", hint)
-    with World(3, C.bad_hint, tmp_path, args={"job_port": job_server.port, "timeout": 1.0}) as w:
+    with World(3, C.bad_hint, tmp_path, args={"job_port": job_server.port, "pair_timeout": 1.0}) as w:
         for r in range(3):
             w.wait_key(f"done/{r}", timeout=30)
         w.set("exit")

@@ -245,12 +245,17 @@ def test_answers_are_held_back_for_a_client_that_does_not_read() -> None:
     more requests once OUT_LIMIT of answers wait, then answers every one as the client reads, in order."""
     with TCPStoreServer("127.0.0.1", 0, torch_clients="loopback").start() as server:
         value = bytes(range(256)) * 4096
-        TorchWireStore("127.0.0.1", server.port, timeout=5).set("big", value)
+        writer = TorchWireStore("127.0.0.1", server.port, timeout=5)
+        writer.set("big", value)
+        assert writer.get("big") == value  # (torch's SET has no answer: this round trip makes sure it is in)
         sock = _raw(server.port)
         n = 40
         sock.sendall(W.request(W.Query.GET, W.text(b"/big")) * n)
-        time.sleep(0.5)
-        conn = next(c for c in server._conns.values() if c.inbuf)  # the requests it held back
+        deadline = time.monotonic() + 10  # (the server thread may be slow to get to them on a loaded machine)
+        while not (held := [c for c in server._conns.values() if c.inbuf]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert held, "the server held back none of the requests"
+        conn = held[0]  # the requests it held back
         assert len(conn.out) <= OUT_LIMIT + len(value) + 8, len(conn.out)
         for _ in range(n):
             assert W.U64.unpack(_recv(sock, 8))[0] == len(value) and _recv(sock, len(value)) == value

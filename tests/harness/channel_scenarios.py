@@ -15,17 +15,19 @@ _CHANNEL_THREADS = ("nccl_pg-signals", "nccl_pg-incident")
 def bad_hint(ctx: Ctx) -> dict | None:
     """The parent has set the incident hint to something that is not a
     number before the ranks start. Rank 0's all_reduce on a group {0, 1}
-    that rank 1 skips times out: the listeners must still answer it."""
+    that rank 1 skips times out (``pair_timeout``; the world keeps the default timeout, so that a rank slow to
+    start on a loaded machine is not another failure): the listeners must still answer it."""
     import nccl_pg as dist  # noqa: PLC0415
 
-    _, groups = _job(ctx, pair=[0, 1])
+    _job(ctx)
     dist.all_reduce(ones())
-    if groups["pair"] is not None:
-        dist.all_reduce(ones(), group=groups["pair"])
+    pair = dist.new_group([0, 1], group_desc="pair", timeout=ctx.args["pair_timeout"])
+    if ctx.rank in (0, 1):
+        dist.all_reduce(ones(), group=pair)
     ctx.barrier("warm")
     res: dict = {}
     if ctx.rank == 0:
-        res["op"] = attempt(lambda: dist.all_reduce(ones(), group=groups["pair"]))
+        res["op"] = attempt(lambda: dist.all_reduce(ones(), group=pair))
     ctx.set(f"done/{ctx.rank}")
     ctx.wait("exit")
     return res
