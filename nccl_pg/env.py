@@ -340,8 +340,8 @@ JOB_ID: Var[str | None] = Var(
 PROGRESS_FILE: Var[str | None] = Var(
     "NCCL_PG_PROGRESS_FILE", parse_str, None,
     "Set by `nccl-pg run` for each rank: a small file the rank's watchdog keeps its progress in (collectives "
-    "completed, in flight and since when, its last poll), which the launcher reads to say that a job hangs; "
-    "never store traffic.")
+    "completed, in flight and since when, its last poll, its rank in the job), which the launcher reads to say "
+    "that a job hangs (and, under --elastic, to label a member's lines with its rank); never store traffic.")
 RUNTIME_DIR: Var[str | None] = Var(
     "NCCL_PG_RUNTIME_DIR", parse_str, None,
     "Where `nccl-pg run` keeps its job records and `nccl-pg why` looks for them: default "
