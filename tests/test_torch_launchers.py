@@ -138,7 +138,9 @@ def test_why_finds_a_torch_job_under_nccl_pg_run(tmp_path: Path) -> None:
     record, without --torch, and names rank 1 (its groups live in torch's namespace of the store)."""
     script = tmp_path / "job.py"
     script.write_text(TORCH_JOB)  # (test_why's torch job: rank 1 stuck in eval_step)
-    env = clean_env({"TEST_DIR": str(tmp_path), "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"})
+    # Its own runtime folder: `why` must see this job's record alone, not those of jobs other tests run beside it.
+    env = clean_env({"TEST_DIR": str(tmp_path), "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1",
+                     "NCCL_PG_RUNTIME_DIR": str(tmp_path / "run")})
     run = subprocess.Popen([sys.executable, "-m", "nccl_pg.cli.main", "run", "--nproc", "2", "--autopsy-time", "0",
                             str(script)], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL, start_new_session=True)
