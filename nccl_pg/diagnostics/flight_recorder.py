@@ -34,7 +34,22 @@ VERSION = "2.10"
 _RETRACTED = -1  # the record_id of an entry taken back (a coalesced group's parts, merged into one)
 _by_record_id = operator.attrgetter("record_id")
 _shape_dtype = operator.attrgetter("shape", "dtype")  # an array's (shape, dtype), as a comprehension would, faster
-_current_thread, _time_ns = threading.current_thread, time.time_ns
+_time_ns = time.time_ns
+
+
+class _ThisThread(threading.local):
+    thread: threading.Thread | None = None  # a class default: reading it never raises
+
+
+_this = _ThisThread()
+
+
+def _current_thread() -> threading.Thread:
+    """threading.current_thread(), kept per thread (every entry asks)."""
+    t = _this.thread
+    if t is None:
+        t = _this.thread = threading.current_thread()
+    return t
 
 # numpy dtype name -> the name torch's recorder writes (c10::ScalarType)
 _TORCH_DTYPE = {
@@ -78,6 +93,14 @@ def _pairs(arrays: Sequence[Any]) -> list[tuple[Any, Any]]:
     return [(getattr(a, "shape", ()), getattr(a, "dtype", None)) for a in _flatten(arrays)]
 
 
+def _shapes_dtypes(arrays: Sequence[Any]) -> list[tuple[Any, Any]]:
+    """(shape, dtype) of each array (AttributeError for a nested list)."""
+    if len(arrays) == 1:  # most operations: a list with one array, built without map's machinery
+        a = arrays[0]
+        return [(a.shape, a.dtype)]
+    return list(map(_shape_dtype, arrays))
+
+
 def _flatten(arrays: Sequence[Any]) -> Any:
     for a in arrays:
         if isinstance(a, (list, tuple)):
@@ -107,9 +130,8 @@ class Entry:
     thread as its object and the timeout in seconds; they take torch's forms
     (lists, "Float", names, milliseconds) when read or dumped."""
 
-    __slots__ = ("record_id", "pg_id", "process_group", "thread", "collective_seq_id", "p2p_seq_id", "op_id",
-                 "profiling_name", "time_created_ns", "duration_ms", "state", "time_discovered_started_ns",
-                 "time_discovered_completed_ns", "retired", "timeout_s", "is_p2p", "frames", "ins", "outs")
+    # No __slots__: the fields a new entry shares with every other keep these class defaults, and recording
+    # (every operation) stores only the others.
     record_id: int
     pg_id: int
     process_group: tuple[str, str]  # (name, desc)
@@ -119,14 +141,14 @@ class Entry:
     op_id: int
     profiling_name: str
     time_created_ns: int
-    duration_ms: float | None
-    state: str  # "scheduled", "started", "completed"
-    time_discovered_started_ns: int | None
-    time_discovered_completed_ns: int | None
-    retired: bool
+    duration_ms: float | None = None
+    state: str = "scheduled"  # then "started", "completed"
+    time_discovered_started_ns: int | None = None
+    time_discovered_completed_ns: int | None = None
+    retired: bool = False
     timeout_s: float
     is_p2p: bool
-    frames: list[dict[str, Any]] | None
+    frames: list[dict[str, Any]] | None = None
     ins: list[tuple[Any, Any]]  # (shape, dtype) of each input
     outs: list[tuple[Any, Any]]
 
@@ -186,20 +208,19 @@ class FlightRecorder:
             return None
         e = Entry()
         try:
-            ins = list(map(_shape_dtype, inputs))
-            outs = ins if outputs is inputs else list(map(_shape_dtype, outputs))
+            ins = _shapes_dtypes(inputs)
+            outs = ins if outputs is inputs else _shapes_dtypes(outputs)
         except AttributeError:  # torch's [tensor] / [[t0, t1]] forms
             ins, outs = _pairs(inputs), _pairs(outputs)
         e.ins, e.outs = ins, outs
         e.pg_id, e.process_group = group.uid, (group.name, group.desc)
-        e.thread = _current_thread()
+        e.thread = _this.thread or _current_thread()
         e.collective_seq_id, e.p2p_seq_id, e.op_id = collective_seq, p2p_seq, op_id
         e.profiling_name, e.time_created_ns = name, _time_ns()
-        e.state, e.retired, e.duration_ms = "scheduled", False, None
-        e.time_discovered_started_ns = e.time_discovered_completed_ns = None
         e.timeout_s, e.is_p2p = timeout, is_p2p
-        e.frames = ([{"name": f.name, "filename": f.filename, "line": f.lineno}
-                     for f in reversed(traceback.extract_stack()[:-3])] if self.stacks else None)
+        if self.stacks:
+            e.frames = [{"name": f.name, "filename": f.filename, "line": f.lineno}
+                        for f in reversed(traceback.extract_stack()[:-3])]
         e.record_id = next(self._ids)
         self._ring.append(e)
         return e
