@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from ...store import Store
 from ...reduce_op import ReduceOp
+from ...store import Store
 from ..base import Backend, CommConfig, Event, Stream
 from ..nan_scan import first_nan_of
 from .communicator import HostCommunicator
