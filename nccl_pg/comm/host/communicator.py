@@ -33,6 +33,7 @@ _INIT_GRACE = 2.0
 _ABORTED_STREAM_CLOSE = 1.0
 # (color, key, port, token, host) published by every rank in a split
 _SPLIT_RECORD = struct.Struct("<qqH16s64s")
+_READY, _INITIALIZING = CommState.READY, CommState.INITIALIZING  # the usable states
 
 
 class HostCommunicator(Membership, Operations, Bootstrapping, Communicator):
@@ -148,7 +149,8 @@ class HostCommunicator(Membership, Operations, Bootstrapping, Communicator):
     # --- enqueueing ----------------------------------------------------------------
 
     def _usable(self) -> None:
-        if self._state in (CommState.ABORTED, CommState.DESTROYED, CommState.ERROR, CommState.REVOKED):
+        state = self._state
+        if state is not _READY and state is not _INITIALIZING:  # identity: no Enum code on every operation
             raise self._error or DistBackendError(f"{self.name}: {self._state.value}")
 
     def _stream(self, stream: Stream) -> HostStream:
