@@ -6,6 +6,7 @@ streams, the enqueueing every operation goes through, and split.
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 import threading
@@ -170,7 +171,7 @@ class HostCommunicator(Membership, Operations, Bootstrapping, Communicator):
             return
         self._used_streams.add(hs)
         if nbytes is not None and nbytes <= INLINE_BYTES and self.nranks == 1 and self._ready.is_set():
-            hs.run_or_enqueue(lambda: self._run(fn))
+            hs.run_or_enqueue(functools.partial(self._run, fn))  # (a partial: no Python frame of its own)
         else:
             hs.enqueue(lambda: self._run(fn))
 
