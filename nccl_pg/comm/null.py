@@ -61,9 +61,12 @@ class NullStream(Stream):
     capturing = False  # never in a CUDA graph (a plain attribute: read on every operation)
 
     def record(self, event: Event | None = None) -> NullEvent:
-        ev = NullEvent() if event is None else event
-        if not isinstance(ev, NullEvent):
-            raise TypeError(f"a NullStream records NullEvents, got {type(ev).__name__}")
+        if event is None:
+            ev = NullEvent()
+        elif isinstance(event, NullEvent):
+            ev = event
+        else:
+            raise TypeError(f"a NullStream records NullEvents, got {type(event).__name__}")
         ev.time_ns = time.perf_counter_ns()
         return ev
 

@@ -208,7 +208,11 @@ class FlightRecorder:
             return None
         e = Entry()
         try:
-            ins = _shapes_dtypes(inputs)
+            if len(inputs) == 1:  # most operations (_shapes_dtypes inline: every operation records)
+                a = inputs[0]
+                ins = [(a.shape, a.dtype)]
+            else:
+                ins = list(map(_shape_dtype, inputs))
             outs = ins if outputs is inputs else _shapes_dtypes(outputs)
         except AttributeError:  # torch's [tensor] / [[t0, t1]] forms
             ins, outs = _pairs(inputs), _pairs(outputs)

@@ -144,9 +144,12 @@ class HostStream(Stream):
             self._done()
 
     def record(self, event: Event | None = None) -> HostEvent:
-        ev = HostEvent() if event is None else event
-        if not isinstance(ev, HostEvent):
-            raise TypeError(f"a HostStream records HostEvents, got {type(ev).__name__}")
+        if event is None:
+            ev = HostEvent()
+        elif isinstance(event, HostEvent):
+            ev = event
+        else:
+            raise TypeError(f"a HostStream records HostEvents, got {type(event).__name__}")
         with self._lock:  # armed under the lock so a racing query never sees a stale "complete"
             if self._closing:
                 raise RuntimeError(f"{self!r} is closed")
