@@ -209,10 +209,10 @@ class ServerIO(TorchRequests):
                   and unpack_u32(buf, pos + 13)[0] == n - 21
                   and 0 < unpack_f64(buf, stop - 8)[0] < math.inf):  # one key, there already: answered inline
                 try:
-                    key = str(view[pos + 17:stop - 8], "utf-8")
+                    present = (key := str(view[pos + 17:stop - 8], "utf-8")) in data or key in queues
                 except UnicodeDecodeError:
-                    key = None
-                if key is not None and (key in data or key in queues):
+                    present = False
+                if present:
                     out += pack_answer(5, tag, 0)
                 else:  # park a waiter, or word the error
                     self._request(conn, op, tag, bytes(view[pos + 9:stop]))
