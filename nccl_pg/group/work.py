@@ -191,6 +191,7 @@ class Work:
     _nan_found: NanError | None = None
     _captured = False
     _diagnosing = False  # past its deadline, and the group's diagnosis asked to fail it
+    _issued_wall = 0.0  # time.time() at issue, kept for timed Works only
 
     def __init__(self, group: WorkGroup, op_type: OpType, seq: int, outputs: list[Any], end: Event,
                  start: Event | None, timeout: float, entries: Sequence[Entry] | None = None,
@@ -207,7 +208,8 @@ class Work:
         self._start = start
         self._timeout = timeout
         self._issued_mono = _monotonic()
-        self._issued_wall = _time()
+        if start is not None:  # timed: info() reports when it was issued (only a timed Work gets a duration)
+            self._issued_wall = _time()
         self._lock = _allocate_lock()
         self._entries = entries or ()  # flight-recorder entries this Work settles
         self._launched = launched
