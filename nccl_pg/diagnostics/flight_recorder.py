@@ -130,8 +130,9 @@ class Entry:
     thread as its object and the timeout in seconds; they take torch's forms
     (lists, "Float", names, milliseconds) when read or dumped."""
 
-    # No __slots__: the fields a new entry shares with every other keep these class defaults, and recording
-    # (every operation) stores only the others.
+    __slots__ = ("record_id", "pg_id", "process_group", "thread", "collective_seq_id", "p2p_seq_id", "op_id",
+                 "profiling_name", "time_created_ns", "duration_ms", "state", "time_discovered_started_ns",
+                 "time_discovered_completed_ns", "retired", "timeout_s", "is_p2p", "frames", "ins", "outs")
     record_id: int
     pg_id: int
     process_group: tuple[str, str]  # (name, desc)
@@ -141,14 +142,14 @@ class Entry:
     op_id: int
     profiling_name: str
     time_created_ns: int
-    duration_ms: float | None = None
-    state: str = "scheduled"  # then "started", "completed"
-    time_discovered_started_ns: int | None = None
-    time_discovered_completed_ns: int | None = None
-    retired: bool = False
+    duration_ms: float | None
+    state: str  # "scheduled", "started", "completed"
+    time_discovered_started_ns: int | None
+    time_discovered_completed_ns: int | None
+    retired: bool
     timeout_s: float
     is_p2p: bool
-    frames: list[dict[str, Any]] | None = None
+    frames: list[dict[str, Any]] | None
     ins: list[tuple[Any, Any]]  # (shape, dtype) of each input
     outs: list[tuple[Any, Any]]
 
@@ -221,10 +222,11 @@ class FlightRecorder:
         e.thread = _this.thread or _current_thread()
         e.collective_seq_id, e.p2p_seq_id, e.op_id = collective_seq, p2p_seq, op_id
         e.profiling_name, e.time_created_ns = name, _time_ns()
+        e.state, e.retired, e.duration_ms = "scheduled", False, None
+        e.time_discovered_started_ns = e.time_discovered_completed_ns = None
         e.timeout_s, e.is_p2p = timeout, is_p2p
-        if self.stacks:
-            e.frames = [{"name": f.name, "filename": f.filename, "line": f.lineno}
-                        for f in reversed(traceback.extract_stack()[:-3])]
+        e.frames = ([{"name": f.name, "filename": f.filename, "line": f.lineno}
+                     for f in reversed(traceback.extract_stack()[:-3])] if self.stacks else None)
         e.record_id = next(self._ids)
         self._ring.append(e)
         return e
