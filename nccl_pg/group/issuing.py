@@ -82,8 +82,10 @@ class Issuing(GroupCore):
         if after is not None:
             after(stream)
         end = stream.record()
-        return self._track(Work(self, op_type, seq, outputs, end, None, self._timeout,
-                                () if entry is None else (entry,)), end)
+        work = Work(self, op_type, seq, outputs, end, None, self._timeout, () if entry is None else (entry,))
+        if not (self._may_complete_at_issue and end.query() and (work.complete_at_issue() or work.is_completed())):
+            self._track(work)
+        return work
 
     def _issue_any(self, op_type: OpType, outputs: list[Any], enqueue: Enqueue, after: Callable[[Stream], None] | None,
                    inputs: list[Any] | None, name: str | None, peer: int | None, check: Checked | None,
@@ -250,21 +252,20 @@ class Issuing(GroupCore):
         ``nan``: async NaN checks the Work reports."""
         # With timing, the end event times too (CUDA measures only between two timing events).
         end = stream.record() if start is None or self._comm is None else stream.record(self._comm.new_event(timing=True))
-        work = self._track(Work(self, op_type, seq, outputs, end, start, self._timeout, entries, peers, nan, source,
-                                launched), end)
+        work = Work(self, op_type, seq, outputs, end, start, self._timeout, entries, peers, nan, source, launched)
+        if not (self._may_complete_at_issue and end.query() and (work.complete_at_issue() or work.is_completed())):
+            self._track(work)
         if self._detail:
             log.info("pg %d rank %d: issued %s seq %d", self.uid, self._rank, op_type.name, seq)
         return work
 
-    def _track(self, work: Work, end: Event) -> Work:
-        """A new Work complete already (a CPU backend whose stream had nothing
-        queued before it) finishes here; only the others are handed to the
-        watchdog."""
-        if not (self._may_complete_at_issue and end.query() and (work.complete_at_issue() or work.is_completed())):
-            with self._lock:
-                self._pending.add(work)
-            watchdog.get().watch(work)
-        return work
+    def _track(self, work: Work) -> None:
+        """Hand a new Work to the watchdog. Its issuer finished it instead if
+        it was complete already (a CPU backend whose stream had nothing queued
+        before it)."""
+        with self._lock:
+            self._pending.add(work)
+        watchdog.get().watch(work)
 
     def _start_coalescing(self) -> None:
         comm, stream = self._ready()
