@@ -41,7 +41,7 @@ def _counts(backend: str) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-# Per operation, measured on 2026-12-06 (after the cuts of issue 35: null 0 locks, 35 calls, 904 bytes; host
+# Per operation, measured on 2026-12-06 (after the cuts of issue 35: null 0 locks, 33 calls, 904 bytes; host
 # world 1 3 locks, 75 calls, 1,036 bytes) with a little slack: raise a bound only with a reason (and say it in
 # docs/BENCHMARKS.md), never to make a slower hot path pass.
 BOUNDS = {
