@@ -115,6 +115,7 @@ class GroupCore:
         self._stream: Stream | None = None
         self._live: tuple[Communicator, Stream] | None = None  # both, once set up: _ready's path without the lock
         self._pairs = Pairs(rank)  # point-to-point before the communicator exists (pairs.py)
+        self._paired = False  # a pair was asked for: only then does comm_error (every Work) ask the pairs
         self._split_from = split_from  # lazy: split this parent's communicator at first use
         self._seq = 0
         self._seq_p2p = 0
@@ -321,6 +322,7 @@ class GroupCore:
         if (self._comm is not None or self._size <= 2 or self._state is not OPEN
                 or self._backend.connects_at_creation):
             return None
+        self._paired = True
         return self._pairs.get(peer, self._create_pair)
 
     def _rank_in(self, comm: Communicator, peer: int) -> int:
@@ -401,7 +403,7 @@ class GroupCore:
 
     def comm_error(self) -> BaseException | None:
         comm = self._comm
-        return (None if comm is None else comm.async_error()) or self._pairs.async_error()
+        return (None if comm is None else comm.async_error()) or (self._pairs.async_error() if self._paired else None)
 
     @property
     def comm_backend(self) -> Backend:
