@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import DistBackendError
-from ..reduce_op import ReduceOp
+from ..reduce_op import ReduceOp, resolve
 from ..timeouts import to_seconds
 
 # How long past a communicator's own init deadline a caller of wait_ready() waits: the communicator fails
@@ -456,6 +456,25 @@ class Backend(ABC):
         """Raise TypeError/ValueError for a reduction this backend cannot do,
         before anything is enqueued (default: the rules of ``check_reduction``)."""
         check_reduction(dtype, op, scale, what)
+
+    def checked_flat(self, array: Any, what: str, output: bool = False) -> Any:
+        """``array`` as this backend's flat array, or the argument error naming
+        ``what`` (a device, layout or element type it cannot take; a read-only
+        array where ``output``: the operation writes it)."""
+        flat = self.flat(array, what)
+        check_dtype(self.dtype(flat), what)
+        if output and not self.writable(flat):
+            raise ValueError(f"{what}: the output array is read-only")
+        return flat
+
+    def in_place_reduction(self, array: Any, op: Any, what: str) -> tuple[Any, ReduceOp, float | None]:
+        """What an in-place reduction of ``array`` with ``op`` (a ReduceOp or
+        ``make_premul_sum(factor)``) takes: the flat array, the operator and its
+        scale; or the argument error, named for the collective ``what``."""
+        flat = self.checked_flat(array, f"{what} tensor", output=True)
+        rop, scale = resolve(op)
+        self.check_reduction(self.dtype(flat), rop, scale, what)
+        return flat, rop, scale
 
     @abstractmethod
     def empty(self, count: int, dtype: Any, device: Any = None) -> Any:

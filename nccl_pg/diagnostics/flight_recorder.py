@@ -34,7 +34,22 @@ VERSION = "2.10"
 _RETRACTED = -1  # the record_id of an entry taken back (a coalesced group's parts, merged into one)
 _by_record_id = operator.attrgetter("record_id")
 _shape_dtype = operator.attrgetter("shape", "dtype")  # an array's (shape, dtype), as a comprehension would, faster
-_current_thread, _time_ns = threading.current_thread, time.time_ns
+_time_ns = time.time_ns
+
+
+class _ThisThread(threading.local):
+    thread: threading.Thread | None = None  # a class default: reading it never raises
+
+
+_this = _ThisThread()
+
+
+def _current_thread() -> threading.Thread:
+    """threading.current_thread(), kept per thread (every entry asks)."""
+    t = _this.thread
+    if t is None:
+        t = _this.thread = threading.current_thread()
+    return t
 
 # numpy dtype name -> the name torch's recorder writes (c10::ScalarType)
 _TORCH_DTYPE = {
@@ -76,6 +91,14 @@ def dtype_name(dtype: Any) -> str:
 def _pairs(arrays: Sequence[Any]) -> list[tuple[Any, Any]]:
     """(shape, dtype) of each array; torch's nested per-device lists are flattened."""
     return [(getattr(a, "shape", ()), getattr(a, "dtype", None)) for a in _flatten(arrays)]
+
+
+def _shapes_dtypes(arrays: Sequence[Any]) -> list[tuple[Any, Any]]:
+    """(shape, dtype) of each array (AttributeError for a nested list)."""
+    if len(arrays) == 1:  # most operations: a list with one array, built without map's machinery
+        a = arrays[0]
+        return [(a.shape, a.dtype)]
+    return list(map(_shape_dtype, arrays))
 
 
 def _flatten(arrays: Sequence[Any]) -> Any:
@@ -186,13 +209,17 @@ class FlightRecorder:
             return None
         e = Entry()
         try:
-            ins = list(map(_shape_dtype, inputs))
-            outs = ins if outputs is inputs else list(map(_shape_dtype, outputs))
+            if len(inputs) == 1:  # most operations (_shapes_dtypes inline: every operation records)
+                a = inputs[0]
+                ins = [(a.shape, a.dtype)]
+            else:
+                ins = list(map(_shape_dtype, inputs))
+            outs = ins if outputs is inputs else _shapes_dtypes(outputs)
         except AttributeError:  # torch's [tensor] / [[t0, t1]] forms
             ins, outs = _pairs(inputs), _pairs(outputs)
         e.ins, e.outs = ins, outs
         e.pg_id, e.process_group = group.uid, (group.name, group.desc)
-        e.thread = _current_thread()
+        e.thread = _this.thread or _current_thread()
         e.collective_seq_id, e.p2p_seq_id, e.op_id = collective_seq, p2p_seq, op_id
         e.profiling_name, e.time_created_ns = name, _time_ns()
         e.state, e.retired, e.duration_ms = "scheduled", False, None

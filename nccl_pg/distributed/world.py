@@ -147,7 +147,7 @@ def get_global_rank(group: ProcessGroup, group_rank: int) -> int:
 def resolve(group: Group, op_name: str) -> ProcessGroup | None:
     """The group to run on, or None (with a warning) on a non-member."""
     if group is None:
-        pg = current_world().default_pg
+        pg = (_tls.world or _global_world).default_pg  # current_world() inline: every operation asks
         if pg is not None:
             return pg
     if group is NON_GROUP_MEMBER:

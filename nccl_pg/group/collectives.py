@@ -13,7 +13,7 @@ import numpy as np
 
 from ..arrays import Array
 from ..coll_config import CollConfig
-from ..comm.base import Communicator, Stream, check_dtype
+from ..comm.base import Communicator, Stream
 from ..errors import DistBackendError
 from ..reduce_op import PremulSum, ReduceOp, resolve
 from ..store import PrefixStore
@@ -76,11 +76,7 @@ class Collectives(Issuing):
         """``array`` as the backend's flat array, or the argument error, raised
         here on the caller's rank before anything is numbered or enqueued.
         ``output``: this rank's operation writes it."""
-        flat = self._backend.flat(array, what)
-        check_dtype(self._backend.dtype(flat), what)
-        if output and not self._backend.writable(flat):
-            raise ValueError(f"{what}: the output array is read-only")
-        return flat
+        return self._backend.checked_flat(array, what, output)
 
     def _reducible(self, flat: Any, op: ReduceOp, scale: float | None, what: str) -> None:
         self._backend.check_reduction(self._backend.dtype(flat), op, scale, what)
@@ -134,10 +130,8 @@ class Collectives(Issuing):
         return tmp
 
     def allreduce(self, tensor: ArrayArg, op: Op = ReduceOp.SUM, config: CollConfig | None = None) -> Work | None:
-        cfg = self._coll_config(config, "all_reduce")
-        t = self._flat(_one(tensor), "all_reduce tensor", output=True)
-        rop, scale = resolve(op)
-        self._reducible(t, rop, scale, "all_reduce")
+        cfg = None if config is None else self._coll_config(config, "all_reduce")
+        t, rop, scale = self._backend.in_place_reduction(_one(tensor), op, "all_reduce")
         return self._issue(OpType.ALLREDUCE, [tensor], lambda c, s: c.all_reduce(t, t, rop, s, scale),
                            check=[("tensor", _one(tensor))] if self._nan is not None else None,
                            fingerprint=self._detail and Fingerprint(OpType.ALLREDUCE, self._backend.dtype(t), t.size, rop,

@@ -115,12 +115,14 @@ class GroupCore:
         self._stream: Stream | None = None
         self._live: tuple[Communicator, Stream] | None = None  # both, once set up: _ready's path without the lock
         self._pairs = Pairs(rank)  # point-to-point before the communicator exists (pairs.py)
+        self._paired = False  # a pair was asked for: only then does comm_error (every Work) ask the pairs
         self._split_from = split_from  # lazy: split this parent's communicator at first use
         self._seq = 0
         self._seq_p2p = 0
         self._monitored_barriers = 0
         self._completed_seq = 0
         self._started_seq = 0
+        self._done_at_issue = 0  # the last collective its issuing thread finished itself (work_done_at_issue)
         self._op_id = 0
         self._recorder = flight_recorder.get()
         self._coalesced_entries: list[Entry | None] = []
@@ -227,14 +229,15 @@ class GroupCore:
         return f"cuda:{d}" if isinstance(d, int) else str(d)
 
     def _progress_counts(self) -> tuple[int, int, int]:
-        return self._seq, self._completed_seq, self._seq_p2p
+        return self._seq, max(self._completed_seq, self._done_at_issue), self._seq_p2p
 
     def _state_name(self) -> str | None:
         return None if self._state is GroupState.OPEN else self._state.value
 
     def _activity(self) -> Activity:
         pending = tuple(InFlight(w.op_type.name, w.seq, w.issued_at) for w in list(self._pending))
-        return Activity(self._seq, self._started_seq, self._completed_seq, self._seq_p2p, pending)
+        done = self._done_at_issue
+        return Activity(self._seq, max(self._started_seq, done), max(self._completed_seq, done), self._seq_p2p, pending)
 
     def _comm_config(self) -> CommConfig:
         c = self.options.config
@@ -319,6 +322,7 @@ class GroupCore:
         if (self._comm is not None or self._size <= 2 or self._state is not OPEN
                 or self._backend.connects_at_creation):
             return None
+        self._paired = True
         return self._pairs.get(peer, self._create_pair)
 
     def _rank_in(self, comm: Communicator, peer: int) -> int:
@@ -399,7 +403,7 @@ class GroupCore:
 
     def comm_error(self) -> BaseException | None:
         comm = self._comm
-        return (None if comm is None else comm.async_error()) or self._pairs.async_error()
+        return (None if comm is None else comm.async_error()) or (self._pairs.async_error() if self._paired else None)
 
     @property
     def comm_backend(self) -> Backend:
@@ -440,15 +444,28 @@ class GroupCore:
             if ran and not p2p and seq > self._completed_seq:
                 self._completed_seq = seq
         if self._hooks:
-            hooks = list(self._hooks)
-
-            def run_hooks() -> None:
-                for h in hooks:
-                    h(work.info())
-
-            watchdog.get().call_soon(self, run_hooks)
+            self._run_hooks(work)
         if error is not None and not ran:
             self._handle_error(error)
+
+    def work_done_at_issue(self, work: Work, seq: int, p2p: bool) -> None:
+        if p2p:
+            self.work_finished(work, None, True)
+            return
+        # Without the lock: only the issuing thread writes this count, and the collectives it finishes itself come
+        # in order; readers take the larger of it and the counts of the Works the watchdog or a waiter finished.
+        self._done_at_issue = seq
+        if self._hooks:
+            self._run_hooks(work)
+
+    def _run_hooks(self, work: Work) -> None:
+        hooks = list(self._hooks)
+
+        def run_hooks() -> None:
+            for h in hooks:
+                h(work.info())
+
+        watchdog.get().call_soon(self, run_hooks)
 
     def diagnose_timeout(self, timeout: diagnosis.Timeout) -> None:
         watchdog.get().diagnosis.submit(timeout)

@@ -60,9 +60,40 @@ class Issuing(GroupCore):
         ``source``: a receive from any source's enqueue appends who sent
         (read once it completed) for its Work. ``config``: the collective's
         per-call CollConfig (validated by the caller)."""
+        live = self._live  # _ready() inline: every operation comes here
+        if peer is not None or live is None or self._state is not OPEN or self._coalescing is not None or \
+                check is not None or config is not None or self._detail or self._timing or self._launch_marks or \
+                live[1].capturing:
+            return self._issue_any(op_type, outputs, enqueue, after, inputs, name, peer, check, fingerprint, buf,
+                                   source, config, live)
+        # The common case, every operation's: a collective with the communicator up, no coalescing, capture, NaN
+        # check, fingerprint, timing, launch mark or per-call config. _issue_any's steps without its checks.
+        comm, stream = live
+        comm.join_p2p(stream)
+        self._backend.wait_for_caller(stream, self._device)
+        self._op_id += 1
+        seq = self._seq = self._seq + 1
+        entry = self._recorder.record(self.diag, self._timeout, name or _PROFILING_NAME[op_type], seq, self._seq_p2p,
+                                      self._op_id, outputs if inputs is None else inputs, outputs, False)
+        try:
+            enqueue(comm, stream)
+        except CallTimeout as exc:
+            raise self._stuck(op_type, seq, None, exc) from None
+        if after is not None:
+            after(stream)
+        end = stream.record()
+        work = Work(self, op_type, seq, outputs, end, None, self._timeout, () if entry is None else (entry,))
+        if not (self._may_complete_at_issue and end.query() and (work.complete_at_issue() or work.is_completed())):
+            self._track(work)
+        return work
+
+    def _issue_any(self, op_type: OpType, outputs: list[Any], enqueue: Enqueue, after: Callable[[Stream], None] | None,
+                   inputs: list[Any] | None, name: str | None, peer: int | None, check: Checked | None,
+                   fingerprint: Fingerprint | bool | None, buf: Any, source: list[Callable[[], int | None]] | None,
+                   config: CollConfig | None, live: tuple[Communicator, Stream] | None) -> Work | None:
+        """``_issue`` of any operation (``live``: the group's ``_live`` as it read it)."""
         p2p = peer is not None
         lane = p2p and self._coalescing is None
-        live = self._live  # _ready() inline: every operation comes here
         if live is None or self._state is not OPEN:
             # before the communicator exists, a standalone send or receive goes to the pair's (pairs.py)
             pair = self._pair(peer) if lane and peer is not None and peer != ANY_SOURCE else None
@@ -218,19 +249,23 @@ class Issuing(GroupCore):
                nan: list[Pending] | None = None, source: Callable[[], int | None] | None = None,
                launched: Event | None = None) -> Work:
         """``peers``: None for a collective, else the p2p operation's peers;
-        ``nan``: async NaN checks the Work reports. A Work complete already
-        (a CPU backend whose stream had nothing queued before it) finishes
-        here; only the others are handed to the watchdog."""
+        ``nan``: async NaN checks the Work reports."""
         # With timing, the end event times too (CUDA measures only between two timing events).
         end = stream.record() if start is None or self._comm is None else stream.record(self._comm.new_event(timing=True))
         work = Work(self, op_type, seq, outputs, end, start, self._timeout, entries, peers, nan, source, launched)
-        if not (self._may_complete_at_issue and end.query() and work.is_completed()):
-            with self._lock:
-                self._pending.add(work)
-            watchdog.get().watch(work)
+        if not (self._may_complete_at_issue and end.query() and (work.complete_at_issue() or work.is_completed())):
+            self._track(work)
         if self._detail:
             log.info("pg %d rank %d: issued %s seq %d", self.uid, self._rank, op_type.name, seq)
         return work
+
+    def _track(self, work: Work) -> None:
+        """Hand a new Work to the watchdog. Its issuer finished it instead if
+        it was complete already (a CPU backend whose stream had nothing queued
+        before it)."""
+        with self._lock:
+            self._pending.add(work)
+        watchdog.get().watch(work)
 
     def _start_coalescing(self) -> None:
         comm, stream = self._ready()

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 # Longest slice wait() blocks on an event before re-checking errors and deadlines.
 _WAIT_SLICE = 0.05
-_monotonic, _time, _allocate_lock = time.monotonic, time.time, threading.Lock
+_monotonic, _time, _time_ns, _allocate_lock = time.monotonic, time.time, time.time_ns, threading.Lock
 _finished_cond = threading.Condition(threading.Lock())  # Work._wait_finished's
 
 
@@ -161,6 +161,11 @@ class WorkGroup(Protocol):
         """``work`` finished (``error``: None on success; ``p2p``: a
         point-to-point operation, numbered apart from the collectives)."""
 
+    def work_done_at_issue(self, work: Work, seq: int, p2p: bool) -> None:
+        """``work`` (number ``seq``) succeeded, found complete by the thread
+        that issued it before anyone else could see it (Work.complete_at_issue):
+        work_started and work_finished in one, without their locks."""
+
     def make_caller_wait(self, end: Event) -> None:
         """Order the caller's stream after ``end`` (no CPU wait)."""
 
@@ -175,10 +180,18 @@ class WorkGroup(Protocol):
 class Work:
     """One issued operation (or one coalesced group of them)."""
 
-    __slots__ = ("_group", "op_type", "_seq", "_outputs", "_end", "_start", "_timeout", "_issued_mono",
-                 "_issued_wall", "_lock", "_finished", "_waiters", "_error", "_finished_wall", "_future", "_entries", "_started",
-                 "_p2p", "_peers", "_duration_ms", "_nan", "_nan_found", "_captured", "_source", "_diagnosing",
-                 "_launched", "__weakref__")
+    # No __slots__: a field most Works never change keeps its class default below, and issuing (every operation)
+    # stores only the others.
+    _finished = False  # successfully or not; set once, under _lock (or before anyone sees it: complete_at_issue)
+    _waiters = 0  # threads in _wait_finished
+    _error: BaseException | None = None
+    _finished_wall: float | None = None
+    _future: Future | None = None
+    _duration_ms: float | None = None  # on the stream, once completed with timing on
+    _nan_found: NanError | None = None
+    _captured = False
+    _diagnosing = False  # past its deadline, and the group's diagnosis asked to fail it
+    _issued_wall = 0.0  # time.time() at issue, kept for timed Works only
 
     def __init__(self, group: WorkGroup, op_type: OpType, seq: int, outputs: list[Any], end: Event,
                  start: Event | None, timeout: float, entries: Sequence[Entry] | None = None,
@@ -195,13 +208,9 @@ class Work:
         self._start = start
         self._timeout = timeout
         self._issued_mono = _monotonic()
-        self._issued_wall = _time()
+        if start is not None:  # timed: info() reports when it was issued (only a timed Work gets a duration)
+            self._issued_wall = _time()
         self._lock = _allocate_lock()
-        self._finished = False  # successfully or not; set once, under _lock
-        self._waiters = 0  # threads in _wait_finished
-        self._error: BaseException | None = None
-        self._finished_wall: float | None = None
-        self._future: Future | None = None
         self._entries = entries or ()  # flight-recorder entries this Work settles
         self._launched = launched
         self._started = start is None and launched is None
@@ -209,12 +218,8 @@ class Work:
         # count; ``peers`` are the group ranks it exchanges with.
         self._p2p = peers is not None
         self._peers = peers or ()
-        self._duration_ms: float | None = None  # on the stream, once completed with timing on
         self._nan = nan  # async NaN checks, read once the operation completed
-        self._nan_found: NanError | None = None
-        self._captured = False
         self._source = source
-        self._diagnosing = False  # past its deadline, and the group's diagnosis asked to fail it
 
     @classmethod
     def captured(cls, group: WorkGroup, op_type: OpType, outputs: list[Any], end: Event,
@@ -327,6 +332,25 @@ class Work:
             e.retired = True
             if ran:
                 e.state, e.time_discovered_completed_ns, e.duration_ms = "completed", now, self._duration_ms
+
+    def complete_at_issue(self) -> bool:
+        """A Work whose end event completed before it was handed to anyone (a
+        CPU backend with nothing queued before it): finished by the issuing
+        thread as ``_finish`` would, without its lock (no other thread can see
+        it yet) and with one clock read. False if it must go the usual way (a
+        communicator error, NaN checks or timing to read)."""
+        if self._nan is not None or self._start is not None or self._launched is not None:
+            return False
+        if self._group.comm_error() is not None:
+            return False
+        now = _time_ns()
+        self._finished_wall = now / 1e9
+        self._started = self._finished = True
+        for e in self._entries:
+            e.state, e.retired = "completed", True
+            e.time_discovered_started_ns = e.time_discovered_completed_ns = now
+        self._group.work_done_at_issue(self, self._seq, self._p2p)
+        return True
 
     def _finish(self, error: BaseException | None) -> None:
         if error is not None and not isinstance(error, NanError) and not self._finished:

@@ -1,6 +1,6 @@
 """The TCPStore server's connection I/O: accepting (paused with a backoff when
 out of descriptors), the handshake that proves the secret, reading frames
-(SET, ADD and GET of a present key decoded inline, the rest through the
+(SET, ADD, and GET and one-key WAIT of a present key decoded inline, the rest through the
 request handlers of tcp_server_requests.py), back-pressure, the handshake and
 idle sweep, sending and closing. The middle part of TCPStoreServer; its loop
 is tcp_server.py."""
@@ -32,6 +32,7 @@ _PROOF_FRAME = 4 + P.PROOF_SIZE
 _SET = int(P.Op.SET)
 _ADD = int(P.Op.ADD)
 _GET = int(P.Op.GET)
+_WAIT = int(P.Op.WAIT)
 
 
 class ServerIO(TorchRequests):
@@ -138,6 +139,7 @@ class ServerIO(TorchRequests):
         unpack_u32, unpack_i64, unpack_f64 = P.U32.unpack_from, P.I64.unpack_from, P.F64.unpack_from
         pack_answer, pack_i64, pack_u32 = P.ANSWER_HEAD.pack, P.I64.pack, P.U32.pack
         data, waiting, counts, max_value = self._state.data, self._waiting, self._counts, self.max_value_size
+        queues = self._state.queues
         max_frame, out = self._max_frame, conn.out
         while end - pos >= 4:
             (n,) = unpack_u32(buf, pos)
@@ -203,6 +205,19 @@ class ServerIO(TorchRequests):
                     out += pack_answer(len(value) + 9, tag, 0)
                     out += pack_u32(len(value))
                     out += value
+            elif (op == _WAIT and n >= 21 and unpack_u32(buf, pos + 9)[0] == 1
+                  and unpack_u32(buf, pos + 13)[0] == n - 21
+                  and 0 < unpack_f64(buf, stop - 8)[0] < math.inf):  # one key, there already: answered inline
+                try:
+                    present = (key := str(view[pos + 17:stop - 8], "utf-8")) in data or key in queues
+                except UnicodeDecodeError:
+                    present = False
+                if present:
+                    out += pack_answer(5, tag, 0)
+                else:  # park a waiter, or word the error
+                    self._request(conn, op, tag, bytes(view[pos + 9:stop]))
+                    if conn.phase != READY:
+                        return end
             else:
                 self._request(conn, op, tag, bytes(view[pos + 9:stop]))
                 if conn.phase != READY:

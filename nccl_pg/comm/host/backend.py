@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from ...reduce_op import ReduceOp
 from ...store import Store
 from ..base import Backend, CommConfig, Event, Stream
 from ..nan_scan import first_nan_of
@@ -66,6 +67,9 @@ class CpuArrays(Backend):
     """How a backend whose caller is the CPU takes numpy arrays (the host
     backend; the null one of comm/null.py)."""
 
+    def __init__(self) -> None:
+        self._reduced: set[tuple[np.dtype, ReduceOp]] = set()  # (dtype, operator) pairs in_place_reduction passed
+
     def flat(self, array: Any, what: str) -> np.ndarray:
         a = _as_numpy(array, what)
         if not a.flags.c_contiguous:
@@ -74,6 +78,18 @@ class CpuArrays(Backend):
 
     def dtype(self, array: Any) -> np.dtype:
         return array.dtype
+
+    def in_place_reduction(self, array: Any, op: Any, what: str) -> tuple[Any, ReduceOp, float | None]:
+        # Every all_reduce asks: a numpy array of a dtype already reduced with this operator needs only its
+        # layout and writability checked (the rules of the full check do not change between calls).
+        if type(array) is np.ndarray and type(op) is ReduceOp and (array.dtype, op) in self._reduced:
+            flags = array.flags
+            if flags.c_contiguous and flags.writeable:
+                return array if array.ndim == 1 else array.reshape(-1), op, None
+        flat, rop, scale = super().in_place_reduction(array, op, what)
+        if scale is None:
+            self._reduced.add((flat.dtype, rop))
+        return flat, rop, scale
 
     def writable(self, array: Any) -> bool:
         return bool(array.flags.writeable)

@@ -6,6 +6,7 @@ streams, the enqueueing every operation goes through, and split.
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 import threading
@@ -33,6 +34,7 @@ _INIT_GRACE = 2.0
 _ABORTED_STREAM_CLOSE = 1.0
 # (color, key, port, token, host) published by every rank in a split
 _SPLIT_RECORD = struct.Struct("<qqH16s64s")
+_READY, _INITIALIZING = CommState.READY, CommState.INITIALIZING  # the usable states
 
 
 class HostCommunicator(Membership, Operations, Bootstrapping, Communicator):
@@ -148,7 +150,8 @@ class HostCommunicator(Membership, Operations, Bootstrapping, Communicator):
     # --- enqueueing ----------------------------------------------------------------
 
     def _usable(self) -> None:
-        if self._state in (CommState.ABORTED, CommState.DESTROYED, CommState.ERROR, CommState.REVOKED):
+        state = self._state
+        if state is not _READY and state is not _INITIALIZING:  # identity: no Enum code on every operation
             raise self._error or DistBackendError(f"{self.name}: {self._state.value}")
 
     def _stream(self, stream: Stream) -> HostStream:
@@ -168,7 +171,7 @@ class HostCommunicator(Membership, Operations, Bootstrapping, Communicator):
             return
         self._used_streams.add(hs)
         if nbytes is not None and nbytes <= INLINE_BYTES and self.nranks == 1 and self._ready.is_set():
-            hs.run_or_enqueue(lambda: self._run(fn))
+            hs.run_or_enqueue(functools.partial(self._run, fn))  # (a partial: no Python frame of its own)
         else:
             hs.enqueue(lambda: self._run(fn))
 

@@ -91,8 +91,12 @@ class Operations:
     # --- operations -------------------------------------------------------------------
 
     def all_reduce(self, send: Any, recv: Any, op: ReduceOp, stream: Stream, scale: float | None = None) -> None:
-        s, r = _flat(send, "all_reduce send"), _out(recv, "all_reduce recv")
-        self._same(s, r, "all_reduce", s.size, s.size)
+        r = _out(recv, "all_reduce recv")
+        if send is not recv:  # in place (most calls): one array, checked once
+            s = _flat(send, "all_reduce send")
+            self._same(s, r, "all_reduce", s.size, s.size)
+        else:
+            s = r
         check_reduction(s.dtype, op, scale, "all_reduce")
         self._enqueue(stream, "all_reduce", lambda m: alg.all_reduce(m, s, r, op, scale), r.nbytes)
 

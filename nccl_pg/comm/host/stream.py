@@ -100,7 +100,10 @@ class HostStream(Stream):
         self._on_error = on_error
         # [kind ("task" or "wait"), the task or the event waited for, the events recorded behind it or None]
         self._queue: collections.deque[list[Any]] = collections.deque()
-        self._cond = threading.Condition(threading.Lock())  # the worker waits here for work
+        # The worker waits on the condition for work; everyone else takes its lock directly (a ``with`` on the
+        # lock itself runs no Python code, the condition's does: every operation takes it three times).
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._busy = False  # an item is running (on the worker, or a task inline in a caller)
         self._then: list[HostEvent] | None = None  # events recorded behind the running item
         self._closing = False
@@ -121,14 +124,14 @@ class HostStream(Stream):
         self._cond.notify()
 
     def enqueue(self, task: Task) -> None:
-        with self._cond:
+        with self._lock:
             self._put("task", task)
 
     def run_or_enqueue(self, task: Task) -> None:
         """Run ``task`` now in the calling thread when the stream is idle (it
         would run next anyway, and the caller's thread is free), else enqueue
         it. The stream is busy while it runs: work enqueued meanwhile waits."""
-        with self._cond:
+        with self._lock:
             if self._queue or self._busy:
                 self._put("task", task)
                 return
@@ -141,10 +144,13 @@ class HostStream(Stream):
             self._done()
 
     def record(self, event: Event | None = None) -> HostEvent:
-        ev = HostEvent() if event is None else event
-        if not isinstance(ev, HostEvent):
-            raise TypeError(f"a HostStream records HostEvents, got {type(ev).__name__}")
-        with self._cond:  # armed under the lock so a racing query never sees a stale "complete"
+        if event is None:
+            ev = HostEvent()
+        elif isinstance(event, HostEvent):
+            ev = event
+        else:
+            raise TypeError(f"a HostStream records HostEvents, got {type(event).__name__}")
+        with self._lock:  # armed under the lock so a racing query never sees a stale "complete"
             if self._closing:
                 raise RuntimeError(f"{self!r} is closed")
             if self._queue:
@@ -168,11 +174,11 @@ class HostStream(Stream):
         if not isinstance(event, HostEvent):
             raise TypeError(f"a HostStream waits on HostEvents, got {type(event).__name__}")
         if not event.query():
-            with self._cond:
+            with self._lock:
                 self._put("wait", event)
 
     def query(self) -> bool:
-        with self._cond:
+        with self._lock:
             return not self._queue and not self._busy
 
     def synchronize(self, timeout: float | None = None) -> bool:
@@ -182,7 +188,7 @@ class HostStream(Stream):
 
     def _run(self) -> None:
         while True:
-            with self._cond:
+            with self._lock:
                 while self._busy or not self._queue:  # busy: a caller runs a task inline
                     if self._closing and not self._queue:
                         return
@@ -201,7 +207,7 @@ class HostStream(Stream):
 
     def _done(self) -> None:
         """The running item finished: fire the events recorded behind it."""
-        with self._cond:
+        with self._lock:
             self._busy = False
             then, self._then = self._then, None
             if then is not None:
@@ -221,7 +227,7 @@ class HostStream(Stream):
 
     def close(self, timeout: float = _CLOSE_TIMEOUT) -> None:
         """Finish what is queued (bounded by ``timeout``), then stop the thread."""
-        with self._cond:
+        with self._lock:
             self._closing = True
             self._cond.notify()
         if self._thread is not threading.current_thread():
