@@ -296,24 +296,11 @@ class GroupCore:
 
     def _refuse_with_live_graphs(self, what: str) -> None:
         """Refuse ``what`` (a revoke, or a reconfigure that replaces the communicator) while CUDA graphs that
-        captured this group's collectives are alive. Their plans hold the communicator (enqueue.cc
-        ncclLaunchPrepare, localPersistentRefs), which NCCL's finalize and abort wait for, but a revoke sets
-        finalizeCalled (init.cc ncclCommRevoke), so the abort after it frees the communicator at once (commReclaim
-        skips commDestroySync): the graphs' replays and destruction (enqueue.cc persistentDestructor) would use
-        freed memory. An aborted, revoked or destroyed communicator is past that choice. A RuntimeError, not a
-        DistBackendError: nothing happened, the group stays as it was (a failed reconfigure leaves none)."""
+        captured this group's collectives live (replays.py says why); an aborted, revoked or destroyed
+        communicator is past that choice."""
         comm = self._comm
-        if comm is None or comm.state in (CommState.ABORTED, CommState.REVOKED, CommState.DESTROYED):
-            return
-        alive = self._replays.alive()
-        if alive:
-            raise RuntimeError(
-                f"process group {self.uid} ({self.group_desc!r}) on rank {self._rank}: {what} refused: CUDA graph "
-                f"capture(s) {', '.join(map(str, alive))} captured this group's collectives and are not destroyed. "
-                f"Their kernels belong to this group's communicator, which {what} would revoke or replace, and NCCL "
-                "frees a revoked communicator without waiting for such graphs (init.cc ncclCommRevoke): destroy "
-                f"them and every instantiation (e.g. del graph), then {what} again and capture them anew on the new "
-                "group; or abort the group first (NCCL's abort waits until they are destroyed)")
+        if comm is not None and comm.state not in (CommState.ABORTED, CommState.REVOKED, CommState.DESTROYED):
+            self._replays.refuse_if_alive(what, f"process group {self.uid} ({self.group_desc!r}) on rank {self._rank}")
 
     def _pair(self, peer: int) -> tuple[Communicator, Stream] | None:
         """The communicator for a standalone send or receive with ``peer``, when it is not the group's: one

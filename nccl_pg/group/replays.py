@@ -25,8 +25,12 @@ On each watchdog poll, per graph this group captured into:
 A graph's entries go once CUDA says the graph and every instantiation of it
 were destroyed (``Stream.capture_gone``: a user object's destructor), and all
 of them with the group. While some are alive, a revoke of the group's
-communicator is refused (GroupCore._refuse_with_live_graphs): NCCL frees a
-revoked communicator without waiting for the graphs that captured it.
+communicator is refused (``refuse_if_alive``). Their plans hold the
+communicator (enqueue.cc ncclLaunchPrepare, localPersistentRefs), which NCCL's
+finalize and abort wait for, but a revoke sets finalizeCalled (init.cc
+ncclCommRevoke), so the abort after it frees the communicator at once
+(commReclaim skips commDestroySync): the graphs' replays and destruction
+(enqueue.cc persistentDestructor) would use freed memory.
 """
 
 from __future__ import annotations
@@ -125,6 +129,19 @@ class ReplayWatch:
 
     def captures(self) -> int:
         return len(self._graphs)
+
+    def refuse_if_alive(self, what: str, where: str) -> None:
+        """A RuntimeError (not a DistBackendError: nothing happened, the group stays as it was) when ``what``,
+        which revokes or replaces the communicator, would leave live graphs on a freed one (the module's doc)."""
+        alive = self.alive()
+        if alive:
+            raise RuntimeError(
+                f"{where}: {what} refused: CUDA graph capture(s) {', '.join(map(str, alive))} captured this group's "
+                f"collectives and are not destroyed. Their kernels belong to this group's communicator, which {what} "
+                "would revoke or replace, and NCCL frees a revoked communicator without waiting for such graphs "
+                "(init.cc ncclCommRevoke): destroy them and every instantiation (e.g. del graph), then "
+                f"{what} again and capture them anew on the new group; or abort the group first (NCCL's abort waits "
+                "until they are destroyed)")
 
     def alive(self) -> list[int]:
         """The captures whose graph, or an instantiation of it, may still be alive (destroyed ones are dropped)."""
