@@ -226,7 +226,10 @@ def _seen(value: Any) -> Any:
     return value
 
 
-_CONFIGS: set[int] = set()  # the addresses of the configs made here
+# The addresses of the configs made here; each config is kept (``_KEEP``) so that no other object, a config of the
+# other kind above all, is ever made at an address in these sets (a freed Config's address reused by a CollConfig
+# was read as a Config: a crash of the worker, once in a suite run).
+_CONFIGS: set[int] = set()
 _COLL_CONFIGS: set[int] = set()
 
 
@@ -248,6 +251,7 @@ def _config(**fields: Any) -> Any:
     for k, v in fields.items():
         setattr(cfg, k, v)
     _CONFIGS.add(cfg.ptr)
+    _KEEP.append(cfg)
     return cfg
 
 
