@@ -511,13 +511,16 @@ class GroupCore:
                 self._state, self._close_reason = GroupState.ABORTED, str(error)
 
     def _dump_for_error(self, error: BaseException) -> None:
-        """A failure dumps as a timeout does (this rank's dump, and a signal
-        asking every other rank for theirs), but not again within 30 s of
-        another dump of this process: that failure is most likely a
-        consequence of the first, whose dumps show where everyone was."""
-        if not dump.written_within(_DUMP_QUIET):
-            dog = watchdog.get()
-            dog.write_dump(str(error), self._global_rank_of(self._rank))
+        """A failure dumps as a timeout does: this rank's dump, and a signal
+        asking every other rank for theirs, but no signal within 30 s of
+        another dump of this process (that failure is most likely a
+        consequence of the first, whose signal reached everyone). This rank's
+        own dump is written again all the same: one signalled before it got
+        to the failed collective would say it never got there."""
+        dog = watchdog.get()
+        quiet = dump.written_within(_DUMP_QUIET)
+        dog.write_dump(str(error), self._global_rank_of(self._rank))
+        if not quiet:
             dog.diagnosis.request_dumps(self.diag, f"failure on group {self.uid}: {error}")
 
     def _wait_for_pending_works(self, timeout: float | None = None) -> bool:
