@@ -346,12 +346,14 @@ class _Job:
         started = _Rank(rank, proc)
         self.ranks.append(started)
         elastic_job = self.config.elastic is not None
+        writers: list[_LineWriter] = []
         if self.config.prefix:
             prefix = (f"[member{rank}]: " if elastic_job else f"[rank{rank}]: ").encode()
             writers = [_LineWriter(prefix, self.console.out), _LineWriter(prefix, self.console.err)]
             self._watch(proc.stdout, writers[0])
             self._watch(proc.stderr, writers[1])
-        started.labelled = writers if self.config.prefix and elastic_job else [] if elastic_job else None
+        if elastic_job:
+            started.labelled = writers  # ([] under --no-prefix: nothing to label, but its words say "member")
 
     def _watch(self, pipe: IO[bytes] | None, writer: _LineWriter) -> None:
         assert pipe is not None
