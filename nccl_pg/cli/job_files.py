@@ -141,8 +141,11 @@ class JobFiles:
         if returncode < 0:
             with contextlib.suppress(ValueError):
                 sig = signal.Signals(-returncode).name
+        if p is not None and p.raised:  # it ended on its own exception (a stop may have caught it exiting)
+            how, stopped = f"raised {p.raised}", False
         return jobs_folder.Ending(index, pid, how, None if returncode < 0 else returncode, sig, time.time(),
-                                  "" if p is None else p.describe(), stopped=stopped)
+                                  "" if p is None else p.describe(), "" if p is None else p.raised_at,
+                                  stopped=stopped)
 
     def finish(self, failed: bool, endings: Sequence[jobs_folder.Ending], pids: Callable[[], Sequence[int]]
                ) -> str | None:

@@ -72,8 +72,14 @@ def _held(found: list[Verdict]) -> dict[str, Any]:
 
 def _age(inq: Inquiry, group: str) -> float:
     """How long the group's oldest operation in flight (a collective, or a send or recv) has been, as its ranks
-    say (0: none in flight, which a snapshot of ranks answering a moment apart can show while they move)."""
-    return max((lk.age_s for lk in looks(inq).get(group, {}).values()), default=0.0)
+    say (0: none in flight, which a snapshot of ranks answering a moment apart can show while they move). When
+    every rank in the stall has ended (known from its dump: the launcher's autopsy), nothing can move any more:
+    as old as a hang, whatever the dumps say (a failed operation is no longer in flight in its rank's dump)."""
+    found = looks(inq).get(group, {})
+    held = verdicts.stall(found)
+    if held is not None and held.waiting and all(inq.ranks[r].gone for r in held.waiting if r in inq.ranks):
+        return float("inf")
+    return max((lk.age_s for lk in found.values()), default=0.0)
 
 
 def ask(look: Callable[[], Inquiry], budget: float) -> Inquiry:

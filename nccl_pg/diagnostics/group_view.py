@@ -47,6 +47,7 @@ class Activity:
     completed: int = 0
     p2p_issued: int = 0
     pending: tuple[InFlight, ...] = ()
+    failed: InFlight | None = None  # the last collective that failed (timed out, aborted), if none completed since
 
 
 def _no_activity() -> Activity:

@@ -9,8 +9,10 @@ place, no system call): when it last polled, how many operations it has
 seen complete, its rank in the job's largest group (how the launcher names
 a replacement, whose rank is decided when it joins), when its progress last changed (an operation issued or
 completed), how many are in flight, since when the oldest, and that one's
-and the last completed one's names. The launcher reads it (``read``) every
-second and at each rank's end. Nothing is written when the variable is not
+and the last completed one's names; at an exit on an uncaught exception,
+what it raised and where (``Writer.raised``: how the launcher tells an
+exception from a death). The launcher reads it (``read``) every second and
+at each rank's end. Nothing is written when the variable is not
 set, and nothing per operation: the poller's own cadence.
 
 The clock is CLOCK_MONOTONIC (``time.monotonic_ns``), the same for every
@@ -25,12 +27,14 @@ import mmap
 import os
 import stat
 import struct
+import threading
 import time
 from dataclasses import dataclass
 
 MAGIC = b"NPGP"
 _NAME = 48  # bytes of an operation's name
-_LAYOUT = struct.Struct(f"<4sIiQQQIQ{_NAME}s{_NAME}s")
+_RAISED = 200  # bytes of what it raised, and of where
+_LAYOUT = struct.Struct(f"<4sIiQQQIQ{_NAME}s{_NAME}s{_RAISED}s{_RAISED}s")
 SIZE = _LAYOUT.size
 
 
@@ -47,6 +51,8 @@ class Progress:
     oldest: float  # issue time of the oldest in flight (0: none)
     oldest_op: str  # "all_reduce #2 of group 0"
     last_op: str  # the last completed
+    raised: str = ""  # at an exit on an uncaught exception: "ValueError: ..." (else "")
+    raised_at: str = ""  # and where: "train.py:12 in step"
 
     def describe(self) -> str:
         """Where the rank was, for how it ended: "in all_reduce #5 of group 0", "after ...", or ""."""
@@ -74,11 +80,12 @@ def read(path: str) -> Progress | None:
         os.close(fd)
     if len(raw) < SIZE:
         return None
-    magic, pid, rank, polled, completed, changed, in_flight, oldest, oldest_op, last_op = _LAYOUT.unpack(raw)
+    magic, pid, rank, polled, completed, changed, in_flight, oldest, oldest_op, last_op, raised, raised_at = \
+        _LAYOUT.unpack(raw)
     if magic != MAGIC:
         return None
     return Progress(pid, rank, polled / 1e9, completed, changed / 1e9, in_flight, oldest / 1e9, _text(oldest_op),
-                    _text(last_op))
+                    _text(last_op), _text(raised), _text(raised_at))
 
 
 class Writer:
@@ -99,6 +106,9 @@ class Writer:
         self.completed = 0
         self._changed = time.monotonic_ns()
         self._last_op = b""
+        self._raised = (b"", b"")
+        self._lock = threading.Lock()  # the poller's updates and the exit's raised() write the same bytes
+        self._fields: tuple[int, int, int, int, int, int, bytes] = (-1, 0, 0, 0, 0, 0, b"")  # the last update's
         self._state: tuple[int, int, int] = (0, 0, 0)  # completed, in flight, oldest: what changed means
 
     def update(self, rank: int, completed_now: int, in_flight: int, oldest: float | None, oldest_op: str,
@@ -115,8 +125,19 @@ class Writer:
             self._changed, self._state = now, state
         if last_op:
             self._last_op = last_op.encode()[:_NAME]
-        self._map[:SIZE] = _LAYOUT.pack(MAGIC, self.pid, rank, now, self.completed, self._changed, in_flight, oldest_ns,
-                                        oldest_op.encode()[:_NAME], self._last_op)
+        self._fields = (rank, now, self.completed, self._changed, in_flight, oldest_ns, oldest_op.encode()[:_NAME])
+        self._write()
+
+    def raised(self, summary: str, where: str) -> None:
+        """At exit on an uncaught exception: what it raised ("ValueError: ...", its first line) and where."""
+        self._raised = (summary.encode()[:_RAISED], where.encode()[:_RAISED])
+        self._write()
+
+    def _write(self) -> None:
+        with self._lock, contextlib.suppress(ValueError):  # (ValueError: closed)
+            rank, now, completed, changed, in_flight, oldest_ns, oldest_op = self._fields
+            self._map[:SIZE] = _LAYOUT.pack(MAGIC, self.pid, rank, now, completed, changed, in_flight, oldest_ns,
+                                            oldest_op, self._last_op, *self._raised)
 
     def close(self) -> None:
         with contextlib.suppress(ValueError, OSError):

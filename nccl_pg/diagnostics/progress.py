@@ -78,13 +78,19 @@ def snapshot(view: GroupView, where: tuple[str, int, str] | None = None, busy: s
 
 def whereabouts(views: Sequence[GroupView]) -> tuple[tuple[str, int, str] | None, str]:
     """Where this process is (the user's frame in the thread that issued its oldest operation in flight, else the
-    main thread) and that operation, for an answer: as ``report.build`` says it."""
-    oldest = None
+    main thread) and that operation, for an answer: as ``report.build`` says it. With nothing in flight, the
+    last collective that failed, if any: its waiter may still be in it, raising (it timed out there a moment
+    ago: in another collective, not in the user's code)."""
+    oldest, failed = None, None
     for v in views:
-        for p in v.activity().pending:
+        a = v.activity()
+        for p in a.pending:
             if oldest is None or p.issued < oldest[1].issued:
                 oldest = (v, p)
-    busy = collective(oldest[1].op, oldest[1].seq, oldest[0].name) if oldest is not None else ""
+        if a.failed is not None and (failed is None or a.failed.issued > failed[1].issued):
+            failed = (v, a.failed)
+    busy = collective(oldest[1].op, oldest[1].seq, oldest[0].name) if oldest is not None else \
+        collective(failed[1].op, failed[1].seq, failed[0].name) + " (failed)" if failed is not None else ""
     f = report_mod.where_now(views)
     return ((f.file, f.line, f.function) if f is not None else None), busy
 

@@ -123,6 +123,7 @@ class GroupCore:
         self._completed_seq = 0
         self._started_seq = 0
         self._done_at_issue = 0  # the last collective its issuing thread finished itself (work_done_at_issue)
+        self._failed: InFlight | None = None  # the last collective that failed: a waiter may still be in it
         self._op_id = 0
         self._recorder = flight_recorder.get()
         self._coalesced_entries: list[Entry | None] = []
@@ -236,8 +237,9 @@ class GroupCore:
 
     def _activity(self) -> Activity:
         pending = tuple(InFlight(w.op_type.name, w.seq, w.issued_at) for w in list(self._pending))
-        done = self._done_at_issue
-        return Activity(self._seq, max(self._started_seq, done), max(self._completed_seq, done), self._seq_p2p, pending)
+        done, completed = self._done_at_issue, max(self._completed_seq, self._done_at_issue)
+        failed = self._failed if self._failed is not None and self._failed.seq > completed else None
+        return Activity(self._seq, max(self._started_seq, done), completed, self._seq_p2p, pending, failed)
 
     def _comm_config(self) -> CommConfig:
         c = self.options.config
@@ -430,6 +432,8 @@ class GroupCore:
             seq = work.seq
             if ran and not p2p and seq > self._completed_seq:
                 self._completed_seq = seq
+            elif not ran and not p2p:
+                self._failed = InFlight(work.op_type.name, seq, work.issued_at)
         if self._hooks:
             self._run_hooks(work)
         if error is not None and not ran:

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from .. import env
-from ..diagnostics import diagnosis, dump, group_view, heartbeat, stacks
+from ..diagnostics import diagnosis, dump, frames, group_view, heartbeat, stacks
 from . import forks
 
 if TYPE_CHECKING:
@@ -280,6 +280,11 @@ class Watchdog:
 
     def _at_exit(self) -> None:
         if self._owner.here():  # a forked child's exit must not unlink its parent's pipe
+            raised = getattr(sys, "last_value", None)  # the uncaught exception this process ends on, if any
+            if raised is not None and self._progress_file is not None:  # first: the groups' aborts come next
+                at = frames.raised_at(raised)
+                self._progress_file.raised(f"{type(raised).__name__}: {raised}".splitlines()[0],
+                                           at.where if at is not None else "")
             self._close_pipe(for_good=True)
             if self._stacks is not None:
                 self._stacks.close()

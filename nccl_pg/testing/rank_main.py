@@ -27,6 +27,7 @@ import multiprocessing.connection
 import multiprocessing.spawn
 import os
 import pickle
+import re
 import sys
 import threading
 import traceback
@@ -36,7 +37,7 @@ from typing import Any
 
 from .. import process_tree
 from ..diagnostics import frames, stacks
-from ..errors import Culprit, DistError
+from ..errors import Culprit, DistError, NanError
 from .failures import culprits_of, is_skip
 
 # The harness's own entry point in a rank process: the bottom of the rank's main thread.
@@ -88,8 +89,20 @@ class Failure:
     started: bool = True  # False: before every rank was up (its peers are still waiting for it at the start)
 
 
+# A communicator's own abort as the first failure (no lost peer, no timeout before it): this process asked for it.
+_ABORTED_HERE = re.compile(r"communicator aborted on rank \d+$")
+
+
+def _own_doing(exc: DistError) -> bool:
+    """A distributed error this rank caused rather than suffered: a NaN in
+    its own input, or an abort it requested before anything else failed."""
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return isinstance(exc, NanError) or (_ABORTED_HERE.search(first) is not None and "lost the connection" not in first)
+
+
 def failure(exc: BaseException) -> tuple[str, Failure]:
-    kind = "skip" if is_skip(exc) else "comm_error" if isinstance(exc, DistError) else "error"
+    kind = "skip" if is_skip(exc) else "comm_error" if isinstance(exc, DistError) and not _own_doing(exc) else \
+        "error"
     summary = str(exc) if kind == "skip" else f"{type(exc).__name__}: {exc}".splitlines()[0]
     tb = exc.__traceback__
     while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) == ENTRY:

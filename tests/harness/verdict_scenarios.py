@@ -32,7 +32,11 @@ EXPECTED = {
     "p2p_deadlock": (2, [0, 1]),
     "no_answer": (3, [1]),
     "straggler": (3, [2]),
+    "exception": (3, [1]),
+    "nan": (3, [1]),  # run with NCCL_PG_NAN_CHECK=raise (ENV)
+    "aborted": (3, [1]),
 }
+ENV = {"nan": {"NCCL_PG_NAN_CHECK": "raise"}}
 PARTIAL = {"never_joined": ("timeout", "harness"), "p2p_deadlock": ("timeout", "harness")}
 
 
@@ -76,7 +80,15 @@ def scenario(rank: int, world_size: int, kind: str, folder: str) -> None:
         dist.all_reduce(np.ones(5 if rank == 1 else 4, np.float32))  # rank 1's count differs
         return
     if rank == 1:
-        if kind == "stuck_in_user_code":
+        if kind == "exception":
+            raise ValueError("rank 1 broke")
+        if kind == "nan":
+            x[2] = np.nan  # the check finds it in rank 1's input of the next all_reduce
+        elif kind == "aborted":
+            work = dist.all_reduce(x, async_op=True)
+            dist.abort_process_group()  # its own request: the all_reduce in flight fails saying so
+            work.wait()
+        elif kind == "stuck_in_user_code":
             _ready(folder)
             time.sleep(300)  # STUCK (user code)
         elif kind == "stuck_in_c":
