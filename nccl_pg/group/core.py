@@ -124,6 +124,7 @@ class GroupCore:
         self._started_seq = 0
         self._done_at_issue = 0  # the last collective its issuing thread finished itself (work_done_at_issue)
         self._failed: InFlight | None = None  # the last collective that failed: a waiter may still be in it
+        self._failure_dumped = False  # a failure wrote this rank's dump (once per group, as the error handling)
         self._op_id = 0
         self._recorder = flight_recorder.get()
         self._coalesced_entries: list[Entry | None] = []
@@ -422,6 +423,14 @@ class GroupCore:
     def make_caller_wait(self, end: Event) -> None:
         self._backend.make_caller_wait(end, self._device)
 
+    def work_failed(self, error: BaseException) -> None:
+        # The dump first: a waiter that wakes and ends the process must not cut it short (error handling follows,
+        # in work_finished, after the waiters: its abort must not become the Work's error).
+        with self._lock:
+            if self._state is not GroupState.OPEN or self._error_handled:
+                return  # the consequence of this process's own abort or destroy, or of a failure already seen
+        self._dump_failure(error)
+
     def work_finished(self, work: Work, error: BaseException | None, p2p: bool) -> None:
         # A NaN found by the async check fails the Work but is no communication failure: the operation ran,
         # and the group stays usable (no error handling, no abort).
@@ -497,8 +506,7 @@ class GroupCore:
             time.sleep(_ENDING_GRACE)
             return
         log.error("nccl_pg: %s", error)
-        if env.DUMP_ON_TIMEOUT.get() and "debug dump:" not in str(error):  # a timeout has written its dump
-            self._dump_for_error(error)
+        self._dump_failure(error)
         if mode in (1, 2):
             if comm is not None:
                 comm.abort()
@@ -513,6 +521,14 @@ class GroupCore:
         with self._lock:
             if self._state is GroupState.OPEN:
                 self._state, self._close_reason = GroupState.ABORTED, str(error)
+
+    def _dump_failure(self, error: BaseException) -> None:
+        with self._lock:
+            if self._failure_dumped:
+                return
+            self._failure_dumped = True
+        if env.DUMP_ON_TIMEOUT.get() and "debug dump:" not in str(error):  # a timeout has written its dump
+            self._dump_for_error(error)
 
     def _dump_for_error(self, error: BaseException) -> None:
         """A failure dumps as a timeout does: this rank's dump, and a signal

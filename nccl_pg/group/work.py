@@ -157,6 +157,10 @@ class WorkGroup(Protocol):
         """A Work is about to fail with ``error`` (no NaN finding): error
         handling that ends the process does so before any waiter sees it."""
 
+    def work_failed(self, error: BaseException) -> None:
+        """A Work failed with ``error`` (no NaN finding), before any waiter
+        wakes: a process that ends on the error must leave its dump."""
+
     def work_finished(self, work: Work, error: BaseException | None, p2p: bool) -> None:
         """``work`` finished (``error``: None on success; ``p2p``: a
         point-to-point operation, numbered apart from the collectives)."""
@@ -369,6 +373,8 @@ class Work:
             self._retire(error)
             self._finished = True
             future = self._future
+        if error is not None and not isinstance(error, NanError):
+            self._group.work_failed(error)
         if self._waiters:  # read after the write: a waiter counted later sees the flag (see _wait_finished)
             with _finished_cond:
                 _finished_cond.notify_all()
