@@ -24,13 +24,14 @@ from typing import Any, TypeVar
 from .. import env
 from ..comm.backends import get_backend
 from ..comm.base import WAIT_READY_GRACE, Backend, CallTimeout, CommConfig, CommState, Communicator, Event, Stream
-from ..diagnostics import diagnosis, dump, flight_recorder, group_view
+from ..diagnostics import diagnosis, flight_recorder, group_view
 from ..diagnostics.flight_recorder import Entry
 from ..diagnostics.group_view import Activity, GroupView, InFlight
 from ..errors import DistBackendError, NanError
 from ..store import PrefixStore, Store
 from ..timeouts import Timeout, to_seconds
 from . import forks, nan_check, watchdog
+from .failure_dump import FailureDump
 from .nan_check import NanCheck, Pending
 from .options import Options
 from .pairs import Pairs
@@ -43,8 +44,6 @@ T = TypeVar("T")
 
 # Error-handling modes 1 and 3: how long another failing thread waits for the process to end (it does at once).
 _ENDING_GRACE = 10.0
-# A failure within this long of another dump is most likely its consequence: it dumps no second time.
-_DUMP_QUIET = 30.0
 # After abort() at shutdown the pending Works fail at once; this bounds the watchdog's running of their hooks.
 _ABORTED_DRAIN = 1.0
 
@@ -124,7 +123,7 @@ class GroupCore:
         self._started_seq = 0
         self._done_at_issue = 0  # the last collective its issuing thread finished itself (work_done_at_issue)
         self._failed: InFlight | None = None  # the last collective that failed: a waiter may still be in it
-        self._failure_dumped = False  # a failure wrote this rank's dump (once per group, as the error handling)
+        self._failure_dump = FailureDump()
         self._op_id = 0
         self._recorder = flight_recorder.get()
         self._coalesced_entries: list[Entry | None] = []
@@ -429,7 +428,7 @@ class GroupCore:
         with self._lock:
             if self._state is not GroupState.OPEN or self._error_handled:
                 return  # the consequence of this process's own abort or destroy, or of a failure already seen
-        self._dump_failure(error)
+        self._failure_dump.first(error, self._global_rank_of(self._rank), self.diag, self.uid)
 
     def work_finished(self, work: Work, error: BaseException | None, p2p: bool) -> None:
         # A NaN found by the async check fails the Work but is no communication failure: the operation ran,
@@ -506,7 +505,7 @@ class GroupCore:
             time.sleep(_ENDING_GRACE)
             return
         log.error("nccl_pg: %s", error)
-        self._dump_failure(error)
+        self._failure_dump.first(error, self._global_rank_of(self._rank), self.diag, self.uid)
         if mode in (1, 2):
             if comm is not None:
                 comm.abort()
@@ -521,27 +520,6 @@ class GroupCore:
         with self._lock:
             if self._state is GroupState.OPEN:
                 self._state, self._close_reason = GroupState.ABORTED, str(error)
-
-    def _dump_failure(self, error: BaseException) -> None:
-        with self._lock:
-            if self._failure_dumped:
-                return
-            self._failure_dumped = True
-        if env.DUMP_ON_TIMEOUT.get() and "debug dump:" not in str(error):  # a timeout has written its dump
-            self._dump_for_error(error)
-
-    def _dump_for_error(self, error: BaseException) -> None:
-        """A failure dumps as a timeout does: this rank's dump, and a signal
-        asking every other rank for theirs, but no signal within 30 s of
-        another dump of this process (that failure is most likely a
-        consequence of the first, whose signal reached everyone). This rank's
-        own dump is written again all the same: one signalled before it got
-        to the failed collective would say it never got there."""
-        dog = watchdog.get()
-        quiet = dump.written_within(_DUMP_QUIET)
-        dog.write_dump(str(error), self._global_rank_of(self._rank))
-        if not quiet:
-            dog.diagnosis.request_dumps(self.diag, f"failure on group {self.uid}: {error}")
 
     def _wait_for_pending_works(self, timeout: float | None = None) -> bool:
         return watchdog.get().drain(self, lambda: list(self._pending), self._timeout if timeout is None else timeout)
