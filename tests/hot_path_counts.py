@@ -28,8 +28,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 import threading
+import time
 import tracemalloc
 from typing import Any
 
@@ -79,7 +82,9 @@ class _CountingRLock(_CountingLock):
 
 threading.Lock = lambda: _CountingLock(_real_lock())  # type: ignore[assignment,misc,return-value]
 threading.RLock = lambda *a, **k: _CountingRLock(_real_rlock())  # type: ignore[assignment,misc,return-value]
-os.environ.update(NCCL_PG_WATCHDOG_INTERVAL="30", NCCL_PG_ENABLE_MONITORING="0")
+DUMPS = tempfile.mkdtemp(prefix="nccl_pg_hot_path_")  # this run's own dump folder (see _poller_set_up)
+os.environ.update(NCCL_PG_WATCHDOG_INTERVAL="30", NCCL_PG_ENABLE_MONITORING="0",
+                  NCCL_PG_DEBUG_INFO_TEMP_FILE=os.path.join(DUMPS, "nccl_pg_trace_rank_"))
 
 import numpy as np  # noqa: E402
 
@@ -114,6 +119,17 @@ def _switches() -> dict[int, int] | None:
     return out
 
 
+def _poller_set_up() -> None:
+    """Wait (10 s at most) for the watchdog's first poll with a group, which opens the rank's C-level stacks
+    file and registers faulthandler (70 KiB of signal stack, once): off the hot path, but on another thread
+    whenever it comes, so it must not come inside the counted ops (tracemalloc counts every thread)."""
+    folder = os.path.join(DUMPS, "c_stacks")
+    deadline = time.monotonic() + 10
+    while not (os.path.isdir(folder) and os.listdir(folder)):
+        assert time.monotonic() < deadline, "the watchdog did not open the C-level stacks file within 10 s"
+        time.sleep(0.01)
+
+
 def count(backend: str, ops: int) -> dict[str, Any]:
     store = CountingStore()
     if backend == "host1":
@@ -127,6 +143,7 @@ def count(backend: str, ops: int) -> dict[str, Any]:
     x = np.zeros(256, np.float32)
     for _ in range(WARMUP):
         dist.all_reduce(x)
+    _poller_set_up()
     main_tid = threading.get_native_id()
 
     store_before, locks_before, sw_before = CountingStore.requests, _acquired, _switches()
@@ -171,4 +188,7 @@ def count(backend: str, ops: int) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(count(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1000)))
+    try:
+        print(json.dumps(count(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1000)))
+    finally:
+        shutil.rmtree(DUMPS, ignore_errors=True)
