@@ -132,7 +132,7 @@ def test_the_verdict_goes_to_junit_and_github(user_run: tuple[Path, dict[str, ET
     line = next(i for i, t in enumerate(USER_TESTS.splitlines(), 1) if t.endswith("# <- culprit line"))
     assert (culprit["rank"], culprit["file"], culprit["line"], culprit["function"]) == \
         (1, str(root / "test_user_suite.py"), line, "raiser")
-    annotation = f"::error file=test_user_suite.py,line={line},title=rank 1 is to blame (test_user_suite.py%3A%3A" \
+    annotation = f"::error file=test_user_suite.py,line={line},title=exception%3A rank 1 (test_user_suite.py%3A%3A" \
                  f"test_fail)::rank 1: raised ValueError: rank 1 broke (pid {culprit['pid']} on {culprit['host']})"
     assert annotation in output.splitlines(), output
 
@@ -145,12 +145,12 @@ def test_warm_ranks_are_reused_and_the_deadline_fits(user_run: tuple[Path, dict[
 
 def test_github_annotation_escapes_and_falls_back() -> None:
     err = RanksFailed("rank 2 failed: 100% broken, a:b\nmore", [2], {},
-                      [Culprit(2, "raised X: 100%\nbad", "h", 7, "/repo/a,b.py", 5, "f"),
+                      [Culprit(2, "raised X: 100%\nbad", "h", 7, "/repo/a,b.py", 5, "f", kind="exception"),
                        Culprit(3, "still running", "h", 8)])
     props = ci_report.properties(err)
     assert props[0] == ("nccl_pg.verdict", "rank 2 failed: 100% broken, a:b")
     assert ci_report.github_annotations(props, "t.py::x", "/repo") == [
-        "::error file=a%2Cb.py,line=5,title=rank 2 is to blame (t.py%3A%3Ax)::rank 2: raised X: 100%25%0Abad "
+        "::error file=a%2Cb.py,line=5,title=exception%3A rank 2 (t.py%3A%3Ax)::rank 2: raised X: 100%25%0Abad "
         "(pid 7 on h)"]
     # no culprit line inside the repository: one annotation for the test
     assert ci_report.github_annotations(props, "t.py::x", "/elsewhere") == [

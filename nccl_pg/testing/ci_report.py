@@ -11,17 +11,19 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from ..diagnostics.verdicts import title as class_title
+
 VERDICT, CULPRITS = "nccl_pg.verdict", "nccl_pg.culprits"
 
 
 def properties(exc: BaseException) -> list[tuple[str, object]]:
     """``nccl_pg.verdict``: the error's first line; ``nccl_pg.culprits``: a
     JSON list of the culprits (rank, reason, host, pid, file, line,
-    function; unknown fields null)."""
+    function, kind: the verdict catalogue's class; unknown fields null)."""
     culprits: Sequence[Any] = getattr(exc, "culprits", ())
     first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     listed = [{"rank": c.rank, "reason": c.reason, "host": c.host, "pid": c.pid, "file": c.file, "line": c.line,
-               "function": c.function} for c in culprits]
+               "function": c.function, "kind": c.kind or None} for c in culprits]
     return [(VERDICT, first), (CULPRITS, json.dumps(listed))]
 
 
@@ -52,7 +54,8 @@ def github_annotations(user_properties: Sequence[tuple[str, object]], nodeid: st
         path = os.path.relpath(os.path.abspath(c["file"]), os.path.abspath(root))
         if path.startswith(".."):
             continue  # outside the repository: GitHub could not show it
-        title = f"rank {c['rank']} is to blame ({nodeid})"
+        kind = f"{class_title(str(c['kind']))}: " if c.get("kind") else ""
+        title = f"{kind}rank {c['rank']} ({nodeid})"
         text = f"rank {c['rank']}: {c['reason']}" + (f" (pid {c['pid']} on {c['host']})" if c.get("pid") else "")
         out.append(f"::error file={_escape_property(path)},line={int(c['line'])},"
                    f"title={_escape_property(title)}::{_escape_data(text)}")

@@ -256,8 +256,8 @@ def _outcome(outcomes: list[_Outcome], threads: Sequence[threading.Thread],
     later = {r: e for r, e in errors.items() if r not in failed}
     lines = [f"rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} failed:"] if failed else []
     lines += [f"  rank {r}: {_one_line(e)}" for r, e in failed.items()]
-    lines += [f"rank {r} is to blame: it {c.reason} (named by the timeout diagnosis on ranks {by})"
-              for r, (c, by) in named.items() if r not in failed]
+    lines += [format_verdict(c.kind or "no_answer", f"rank {r} {c.reason} (named by the timeout diagnosis on ranks {by})",
+                             c.where or "") for r, (c, by) in named.items() if r not in failed]
     if later:  # their tracebacks only show where they waited; RanksFailed.failures has them
         lines.append(f"then ranks {sorted(later)} failed as a consequence (released by the harness or lost a peer):")
         lines += [f"  rank {r}: {_one_line(e)}" for r, e in later.items()]
