@@ -77,7 +77,7 @@ def _age(inq: Inquiry, group: str) -> float:
     as old as a hang, whatever the dumps say (a failed operation is no longer in flight in its rank's dump)."""
     found = looks(inq).get(group, {})
     held = verdicts.stall(found)
-    if held is not None and held.waiting and all(inq.ranks[r].gone for r in held.waiting if r in inq.ranks):
+    if held is not None and held.waiting and all(r in inq.ranks and inq.ranks[r].gone for r in held.waiting):
         return float("inf")
     return max((lk.age_s for lk in found.values()), default=0.0)
 
