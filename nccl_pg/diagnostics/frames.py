@@ -189,3 +189,8 @@ def user_frame(frames: Sequence[Frame]) -> Frame | None:
 def raised_at(exc: BaseException) -> Frame | None:
     """Where ``exc`` was raised, in the user's code (``user_frame`` of its traceback)."""
     return user_frame(of_traceback(exc.__traceback__))
+
+
+def raised_line(exc: BaseException) -> str:
+    """What ``exc`` is, as the tools quote it: "ValueError: rank 1 broke" (the first line of its message)."""
+    return f"{type(exc).__name__}: {exc}".splitlines()[0]

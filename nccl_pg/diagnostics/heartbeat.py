@@ -108,8 +108,8 @@ class Writer:
         self._last_op = b""
         self._raised = (b"", b"")
         self._lock = threading.Lock()  # the poller's updates and the exit's raised() write the same bytes
-        self._fields: tuple[int, int, int, int, int, int, bytes] = (-1, 0, 0, 0, 0, 0, b"")  # the last update's
-        self._state: tuple[int, int, int] = (0, 0, 0)  # completed, in flight, oldest: what changed means
+        self._poll: tuple[int, int, bytes] = (-1, 0, b"")  # the last update's rank, time and oldest operation
+        self._state: tuple[int, int, int] = (0, 0, 0)  # completed, in flight, oldest (the last update's): what changed means
 
     def update(self, rank: int, completed_now: int, in_flight: int, oldest: float | None, oldest_op: str,
                last_op: str) -> None:
@@ -125,7 +125,7 @@ class Writer:
             self._changed, self._state = now, state
         if last_op:
             self._last_op = last_op.encode()[:_NAME]
-        self._fields = (rank, now, self.completed, self._changed, in_flight, oldest_ns, oldest_op.encode()[:_NAME])
+        self._poll = (rank, now, oldest_op.encode()[:_NAME])
         self._write()
 
     def raised(self, summary: str, where: str) -> None:
@@ -135,8 +135,8 @@ class Writer:
 
     def _write(self) -> None:
         with self._lock, contextlib.suppress(ValueError):  # (ValueError: closed)
-            rank, now, completed, changed, in_flight, oldest_ns, oldest_op = self._fields
-            self._map[:SIZE] = _LAYOUT.pack(MAGIC, self.pid, rank, now, completed, changed, in_flight, oldest_ns,
+            (rank, now, oldest_op), (completed, in_flight, oldest_ns) = self._poll, self._state
+            self._map[:SIZE] = _LAYOUT.pack(MAGIC, self.pid, rank, now, completed, self._changed, in_flight, oldest_ns,
                                             oldest_op, self._last_op, *self._raised)
 
     def close(self) -> None:

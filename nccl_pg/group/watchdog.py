@@ -283,8 +283,7 @@ class Watchdog:
             raised = getattr(sys, "last_value", None)  # the uncaught exception this process ends on, if any
             if raised is not None and self._progress_file is not None:  # first: the groups' aborts come next
                 at = frames.raised_at(raised)
-                self._progress_file.raised(f"{type(raised).__name__}: {raised}".splitlines()[0],
-                                           at.where if at is not None else "")
+                self._progress_file.raised(frames.raised_line(raised), at.where if at is not None else "")
             self._close_pipe(for_good=True)
             if self._stacks is not None:
                 self._stacks.close()

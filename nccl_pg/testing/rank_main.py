@@ -96,14 +96,14 @@ _ABORTED_HERE = re.compile(r"communicator aborted on rank \d+$")
 def _own_doing(exc: DistError) -> bool:
     """A distributed error this rank caused rather than suffered: a NaN in
     its own input, or an abort it requested before anything else failed."""
-    first = str(exc).splitlines()[0] if str(exc) else ""
+    first = frames.raised_line(exc)
     return isinstance(exc, NanError) or (_ABORTED_HERE.search(first) is not None and "lost the connection" not in first)
 
 
 def failure(exc: BaseException) -> tuple[str, Failure]:
     kind = "skip" if is_skip(exc) else "comm_error" if isinstance(exc, DistError) and not _own_doing(exc) else \
         "error"
-    summary = str(exc) if kind == "skip" else f"{type(exc).__name__}: {exc}".splitlines()[0]
+    summary = str(exc) if kind == "skip" else frames.raised_line(exc)
     tb = exc.__traceback__
     while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) == ENTRY:
         tb = tb.tb_next  # the harness's frames that called the test's code
