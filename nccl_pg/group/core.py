@@ -428,7 +428,7 @@ class GroupCore:
         with self._lock:
             if self._state is not GroupState.OPEN or self._error_handled:
                 return  # the consequence of this process's own abort or destroy, or of a failure already seen
-        self._failure_dump.own(error, self._global_rank_of(self._rank))
+        self._failure_dump.first(error, self._global_rank_of(self._rank), self.diag, self.uid)
 
     def work_finished(self, work: Work, error: BaseException | None, p2p: bool) -> None:
         # A NaN found by the async check fails the Work but is no communication failure: the operation ran,

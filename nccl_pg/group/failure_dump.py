@@ -24,33 +24,19 @@ QUIET = 30.0
 class FailureDump:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._dumped = self._signalled = False
-        self._quiet = False  # another dump of this process came within QUIET before ours
-
-    def own(self, error: BaseException, rank: int) -> None:
-        """This rank's dump for ``error`` (global rank ``rank``), once: before
-        the failed Work's waiters wake, so that a process ending on the error
-        leaves it."""
-        with self._lock:
-            if self._dumped:
-                return
-            self._dumped = True
-        if not env.DUMP_ON_TIMEOUT.get() or "debug dump:" in str(error):  # a timeout has written its dump
-            return
-        self._quiet = dump.written_within(QUIET)
-        watchdog.get().write_dump(str(error), rank)
+        self._done = False
 
     def first(self, error: BaseException, rank: int, view: GroupView, uid: int) -> None:
-        """The group's first failure, in its error handling: this rank's dump
-        (``own``), then the signal asking the other ranks of ``view`` (group
-        ``uid``) for theirs, once, and not within the quiet period. The signal
-        goes after the waiters woke, as the error handling does: sooner, it
-        reaches a culprit still unwinding its own exception, whose dump would
-        then show it in the harness's code instead of where it raised."""
-        self.own(error, rank)
+        """Dump for ``error`` on global rank ``rank`` of group ``view``
+        (number ``uid``), unless this group dumped for a failure already."""
         with self._lock:
-            if self._signalled:
+            if self._done:
                 return
-            self._signalled = True
-        if env.DUMP_ON_TIMEOUT.get() and "debug dump:" not in str(error) and not self._quiet:
-            watchdog.get().diagnosis.request_dumps(view, f"failure on group {uid}: {error}")
+            self._done = True
+        if not env.DUMP_ON_TIMEOUT.get() or "debug dump:" in str(error):  # a timeout has written its dump
+            return
+        dog = watchdog.get()
+        quiet = dump.written_within(QUIET)
+        dog.write_dump(str(error), rank)
+        if not quiet:
+            dog.diagnosis.request_dumps(view, f"failure on group {uid}: {error}")
