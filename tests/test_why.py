@@ -361,7 +361,7 @@ def test_why_with_the_store_given(job, tmp_path):
     by_env = subprocess.run(run, env={**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(record["port"]),
                                       "WORLD_SIZE": "4"}, capture_output=True, text=True, timeout=30)
     for res in (by_option, by_env):
-        assert res.returncode == 1, res
+        assert res.returncode == 1, res.stdout + res.stderr
         assert json.loads(res.stdout)["verdicts"][0]["ranks"] == [1], res.stdout
     wrong = subprocess.run([*run, "--store", f"127.0.0.1:{record['port']}", "--timeout", "1"],
                            env={**env, "NCCL_PG_STORE_SECRET": "not the secret"}, capture_output=True, text=True,
@@ -465,3 +465,37 @@ def test_reports_are_untrusted_input():
     assert sorted(r for r, k in inq.ranks.items() if k.answered) == [2]
     assert inq.silent == [0, 1] and inq.ranks[2].at() == "x.py:3 in f"
     assert sum("not a report (or over 4096 bytes)" in n for n in inq.notes) == 2, inq.notes
+
+
+@pytest.mark.timeout(30)
+def test_the_report_that_completes_the_count_names_the_world():
+    """Three processes report; the first counts its report but has not yet named the world size when the other two
+    have counted theirs (it was descheduled between its two requests). The inquirer, woken by "all in", still
+    learns the world size and reads all three reports (before: it found no size and read none, and `why` said
+    "no problem: 0 process(es) answered" about a hung job)."""
+    server = TCPStoreServer("127.0.0.1", 0).start()
+    try:
+        store = TCPStore("127.0.0.1", server.port, timeout=10)
+
+        def reporters() -> None:
+            store2 = TCPStore("127.0.0.1", server.port, timeout=10)
+            store2.wait([incidents.signal_key(1)], 10)
+            for r in range(3):
+                store2.set(incidents.report_key(1, r), json.dumps({
+                    "rank": r, "ranks": [r], "world": 3, "pid": 7 + r, "host": "h",
+                    "where": {"file": "x.py", "line": 3, "func": "f"},
+                    "threads": [{"name": "MainThread", "main": True, "frames": [["x.py", 3, "f", "pass"]]}]}))
+            store2.add(incidents.reports_count_key(1), 1)  # the first, paused before it names the world
+            incidents.count_report(store2, 1, 1, 3)
+            incidents.count_report(store2, 1, 1, 3)
+            store2.close()
+
+        t = threading.Thread(target=reporters)
+        t.start()
+        inq = inquiry.inquire(store, "test", 5.0)
+        t.join(10)
+        store.close()
+    finally:
+        server.stop()
+    assert inq.world == 3 and sorted(r for r, k in inq.ranks.items() if k.answered == "store") == [0, 1, 2], \
+        (inq.world, inq.notes)

@@ -172,11 +172,7 @@ class Channel:
         ranks = sorted({v.global_rank(v.rank) for v in views})
         world = max(max(v.global_ranks(), default=-1) + 1 for v in views)
         self.store.set(incidents.report_key(gen, ranks[0]), raw)
-        n = self.store.add(incidents.reports_count_key(gen), len(ranks))
-        if n == len(ranks):
-            self.store.set(incidents.reports_world_key(gen), str(world))
-        if n >= world:
-            self.store.set(incidents.reports_all_key(gen), b"1")
+        incidents.count_report(self.store, gen, len(ranks), world)
 
     # --- incident work ----------------------------------------------------------------------
 

@@ -70,8 +70,21 @@ def reports_all_key(gen: int) -> str:
 
 
 def reports_world_key(gen: int) -> str:
-    """The world size, as the first process to report saw it."""
+    """The world size, as the first process to report saw it (and the last, with ``reports_all_key``)."""
     return f"{NS}/{gen}/report/world"
+
+
+def count_report(store: Store, gen: int, ranks: int, world: int) -> None:
+    """Count a report covering ``ranks`` global ranks of a job of ``world``
+    toward incident ``gen``. The first to count names the world size (for
+    an inquirer that reads a partial count at its deadline); the one that
+    completes the count names it again in the request that says all are in,
+    since the first may not have named it yet by then."""
+    n = store.add(reports_count_key(gen), ranks)
+    done = n >= world
+    if n == ranks or done:
+        keys = [reports_world_key(gen), *([reports_all_key(gen)] if done else [])]
+        store.multi_set(keys, [str(world).encode(), b"1"][:len(keys)])
 
 
 @dataclass
