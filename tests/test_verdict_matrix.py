@@ -102,3 +102,29 @@ def test_every_tool_names_the_class_and_its_culprits_alike(kind: str, tmp_path: 
         agree = (got and got <= expected) if tool in PARTIAL.get(kind, ()) else got == expected
         assert agree, f"{tool} said {sorted(got)}, not {sorted(expected)}:\n{seen[tool]}\n---\n" \
                       f"{seen.get('_stderr', '')[-4000:]}"
+
+
+# (its dump's reason, how it ended) -> why it failed as a victim ("": it did not, or is not known to have).
+VICTIMS = {
+    "own exception, dumped at another's failure": (
+        "signalled: failure on group 0: all_reduce #2 failed: lost the connection to rank 1",
+        "raised ValueError: rank 1 broke", ""),
+    "own NaN, dumped at another's timeout": ("signalled: timeout of all_reduce #2", "raised NanError: NaN in input", ""),
+    "its own timeout": ("timeout: all_reduce #2 ran for 8.0 s", "raised DistBackendError: timeout: ...",
+                        "its operation timed out"),
+    "dumped at another's timeout, exited": ("signalled: timeout of all_reduce #2 of group 0", "exited with code 1",
+                                            "its operation timed out"),
+    "its group aborted, still running": ("group 0 aborted by rank 2", "", "its group was aborted"),
+    "no dump reason": ("", "raised DistError: store closed", ""),
+}
+
+
+@pytest.mark.parametrize("case", list(VICTIMS))
+def test_a_rank_that_raised_its_own_exception_is_no_victim(case: str) -> None:
+    """A rank's dump reason makes it a victim (it failed because of another), unless it ended raising an exception
+    that is not a distributed error: a rank that raised on its own and dumped at the others' request while it
+    unwound is the culprit (before, `trace` called such a rank stuck in user code "and then raised", at random)."""
+    from nccl_pg.diagnostics.classify import victim_of
+
+    reason, gone, expected = VICTIMS[case]
+    assert victim_of(reason, gone) == expected

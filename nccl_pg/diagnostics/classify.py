@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import DistBackendError, DistError, DistNetworkError, DistStoreError
 from .verdicts import Verdict, collective, group_desc
 
 
@@ -46,9 +47,19 @@ class Facts:
 STALLS = ("stuck_in_user_code", "never_joined", "slow_link", "stuck_in_c", "p2p_deadlock")
 
 
-def victim_of(reason: str) -> str:
+# The errors a rank suffers from its peers or its communicator (torch's have the same names); any other exception
+# it ended on (a NanError, a ValueError of its own code) it caused.
+_SUFFERED = {c.__name__ for c in (DistError, DistBackendError, DistNetworkError, DistStoreError)}
+
+
+def victim_of(reason: str, gone: str = "") -> str:
     """Why a rank failed, when its dump's reason says it failed because of another (its operation timed out,
-    failed, or its group was aborted), in words; "" otherwise."""
+    failed, or its group was aborted), in words; "" otherwise, and for a rank that ended (``gone``) raising an
+    exception of its own: a dump it wrote at another's request, while it unwound that exception, says why the
+    others failed, not why it did."""
+    raised = re.match(r"raised (\w+)", gone)
+    if raised is not None and raised.group(1) not in _SUFFERED:
+        return ""
     head = reason[:160]
     return "its operation timed out" if "timeout" in head else "its group was aborted" if "abort" in head else \
         "its operation failed" if " failed" in head else ""

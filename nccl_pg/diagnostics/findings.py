@@ -38,7 +38,7 @@ def facts(inq: Inquiry) -> dict[int, Facts]:
             t = (inq.answers.get(r) or {}).get("time")
             age = f", written {time.time() - t:.1f} s ago," if isinstance(t, (int, float)) else ""
             stale = f"its debug dump{age} has it" + (f" at {k.at()}" if k.at() else " without a stack")
-        victim = victim_of(str((inq.answers.get(r) or {}).get("reason") or ""))
+        victim = victim_of(str((inq.answers.get(r) or {}).get("reason") or ""), k.gone)
         out[r] = Facts(k.who(), k.answered, k.at(), k.gone, "", stale, victim)
     return out
 

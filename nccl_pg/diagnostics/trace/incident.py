@@ -105,7 +105,7 @@ def facts(inc: Incident, dumps: Mapping[int, Dump], stacks_only: Mapping[int, Du
         if e is not None and not e.stopped:  # a rank the launcher stopped did not end on its own
             f.gone, f.last_op = e.how, e.last_op
             f.where = e.where or f.where
-            f.victim = victim_of(str(d.data.get("reason") or "") if d is not None else "")
+            f.victim = victim_of(str(d.data.get("reason") or "") if d is not None else "", e.how)
         if r in inc.stale:
             f.stale = f"its dump is {inc.stale[r]:.1f} s older than the newest of this job's"
         out[r] = f
