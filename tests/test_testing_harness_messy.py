@@ -20,8 +20,9 @@ import pytest
 from harness.procs import clean_env
 
 import nccl_pg as dist
+from nccl_pg.diagnostics import jobs_folder
 from nccl_pg.process_tree import alive
-from nccl_pg.testing import RanksFailed, run_ranks
+from nccl_pg.testing import RanksFailed, rank_main, run_ranks
 
 HERE = Path(__file__).resolve()
 
@@ -134,10 +135,29 @@ def raise_after_a_collective(rank: int, world_size: int) -> None:
     dist.all_reduce(x)
 
 
+def _dump_while_unwinding(folder: Path, rank: int, like: int) -> None:
+    """``rank``'s dump as it is when another's failure signal reaches it after its test function raised (its
+    exception unwound into the harness: its stack shows only the harness's entry, <string>:1), made from rank
+    ``like``'s: its operations up to the one it completed last, its pid from the run's endings."""
+    d = pickle.loads((folder / f"nccl_pg_trace_rank_{like}").read_bytes())
+    ending = jobs_folder.read_endings(str(folder))[d["job"]][rank]
+    done = d["pg_status"]["0"]["last_completed_collective"]
+    d.update(rank=rank, pid=ending.pid, time=d["time"] + 0.01,
+             reason=f"signalled: failure on group 0: all_reduce #{done + 1} failed: lost the connection to rank {rank}",
+             entries=[e for e in d["entries"] if e["collective_seq_id"] <= done],
+             pg_status={"0": {**d["pg_status"]["0"], "last_enqueued_collective": done}},
+             groups=[{**g, "rank": rank, "issued": done, "pending": []} for g in d["groups"]],
+             threads={"MainThread (1)": ['  File "<string>", line 1, in <module>\n',
+                                         f'  File "{rank_main.__file__}", line 202, in main\n']})
+    (folder / f"nccl_pg_trace_rank_{rank}").write_bytes(pickle.dumps(d))
+
+
 @pytest.mark.timeout(90)
 def test_trace_on_a_failed_runs_folder_places_a_raised_rank_and_reads_old_dumps_as_old(tmp_path: Path) -> None:
     """A run where rank 1 raises: `nccl-pg trace` on the folder it leaves names its exception at the line it raised
-    (from how the harness says each rank ended), not at the harness's entry (<string>:1). Made older than the rest
+    (from how the harness says each rank ended), not at the harness's entry (<string>:1), also when rank 1 dumped
+    at the others' failure signal after its exception unwound (a race: made to happen when the run did not show
+    it), and places it there in the report's text too. Made older than the rest
     (as a rank that dumped at another's first failure and went on), the others' dumps read as where they were: their
     all_reduce in flight is a note, not the first collective that did not complete."""
     with pytest.raises(RanksFailed) as caught:
@@ -149,6 +169,13 @@ def test_trace_on_a_failed_runs_folder_places_a_raised_rank_and_reads_old_dumps_
              rf"{_line_of('# <- rank 1 raises here')} in raise_after_a_collective"
     assert re.search(raised, res.stdout), res.stdout
     assert "<string>" not in res.stdout, res.stdout
+    if not (tmp_path / "nccl_pg_trace_rank_1").exists():  # the race the run may have lost: made to happen
+        _dump_while_unwinding(tmp_path, rank=1, like=0)
+    res = subprocess.run([sys.executable, "-m", "nccl_pg.cli.main", "trace", str(tmp_path)], capture_output=True,
+                         text=True, timeout=60, env=clean_env())
+    assert re.search(raised, res.stdout) and "<string>" not in res.stdout, res.stdout
+    assert re.search(rf"rank 1 \(host \S+, pid \d+\) is in no operation: it is at {re.escape(str(HERE))}:\d+ in "
+                     "raise_after_a_collective, where it raised the exception it ended on", res.stdout), res.stdout
     for r in (0, 2):  # their dumps, 10 s older than rank 1's
         path = tmp_path / f"nccl_pg_trace_rank_{r}"
         d = pickle.loads(path.read_bytes())

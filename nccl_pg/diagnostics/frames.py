@@ -40,6 +40,7 @@ _SITE_SHAPE = re.compile(r"[/\\](site|dist)-packages[/\\]")
 
 _PY_FRAME = re.compile(r'\s*File "(?P<file>.*)", line (?P<line>\d+), in (?P<func>.*)')
 _C_FRAME = re.compile(r'\s*File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)')
+_WHERE = re.compile(r"(?P<file>.+):(?P<line>\d+) in (?P<func>.+)")
 _C_THREAD = re.compile(r"(?P<current>Current thread|Thread) (?P<ident>0x[0-9a-fA-F]+)(?P<rest>.*)"
                        r"\(most recent call first\):\s*")
 _C_LONE = re.compile(r"Stack \(most recent call first\):\s*")
@@ -60,6 +61,12 @@ class Frame:
     def where(self) -> str:
         """``file:line in function``."""
         return f"{self.file}:{self.line} in {self.function}"
+
+    @classmethod
+    def of_where(cls, text: str) -> Frame | None:
+        """The frame a ``where`` names ("train.py:12 in step"); None if ``text`` is not one."""
+        m = _WHERE.fullmatch(text)
+        return cls(m["file"], int(m["line"]), m["func"]) if m else None
 
     def as_dict(self) -> dict[str, Any]:
         return {"file": self.file, "line": self.line, "function": self.function, "code": self.code}

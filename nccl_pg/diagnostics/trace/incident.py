@@ -15,7 +15,9 @@ knows of each rank besides its recorder.
 - How each rank ended, when the launcher or the test harness wrote it
   (``jobs_folder.read_endings``): a rank that left no dump is named dead
   with its exit status and the collective it was in, and the ranks that
-  failed waiting for it are not blamed.
+  failed waiting for it are not blamed; a rank that ended raising an
+  exception is placed where it raised it (``locate``), whatever stack a
+  dump it wrote earlier shows.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 
 from .. import jobs_folder
 from ..classify import Facts, victim_of
+from ..frames import Frame
 from ..verdicts import who
 from .loading import Dump, Folder
 from .whereabouts import locate
@@ -79,6 +82,9 @@ def pick(folder: Folder, job: str | None = None) -> Incident:
     times = {r: d.time for r, d in folder.dumps.items() if d.time is not None}
     if inc.job is not None:
         inc.endings = jobs_folder.read_endings(folder.directory).get(inc.job, {})
+    for r, ending in inc.endings.items():
+        if r in folder.dumps and ending.how.startswith("raised ") and not ending.stopped:
+            folder.dumps[r].raised_at = Frame.of_where(ending.where)
     if times:
         inc.newest = max(times.values())
         for r, t in times.items():

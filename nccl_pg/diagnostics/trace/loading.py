@@ -20,7 +20,7 @@ from typing import Any
 
 from .. import dump as _dump
 from .. import stacks, untrusted
-from ..frames import Thread
+from ..frames import Frame, Thread
 from ..untrusted import NotADump
 from . import layout
 
@@ -43,6 +43,7 @@ class Dump:
     c_stacks_path: str | None = None
     notes: list[str] = field(default_factory=list)
     job: str | None = None  # the job it belongs to (NCCL_PG_JOB_ID; none in torch's dumps)
+    raised_at: Frame | None = None  # where it raised the exception it ended on (its ending: newer than its dump)
 
     @property
     def time(self) -> float | None:

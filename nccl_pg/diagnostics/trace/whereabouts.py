@@ -37,7 +37,12 @@ def locate(d: Dump, group: str | None = None) -> dict[str, Any]:
     "source", "text"} or None, with "source" saying how it is known:
     "python" (its threads' stacks when it dumped), "c" (faulthandler's
     stacks), or "issue" (the stack where it issued its newest operation:
-    where it was, not where it is)."""
+    where it was, not where it is). A rank that ended raising an exception
+    is where it raised it: that is newer than any stack in its dump (a dump
+    written at another's request while it unwound shows only its entry)."""
+    if d.raised_at is not None:
+        return {**d.raised_at.as_dict(), "thread": "MainThread", "source": "python",
+                "text": f"at {d.raised_at.where}, where it raised the exception it ended on"}
     ident, name = _thread_hint(d, group)
     for threads in (d.threads, d.c_threads):
         t = pick(threads, ident, name)
