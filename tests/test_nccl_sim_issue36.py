@@ -23,7 +23,9 @@ from simnccl import ncclsim
 
 import nccl_pg as dist
 from nccl_pg import CollConfig, DistBackendError
+from nccl_pg.comm.base import Event
 from nccl_pg.group.core import GroupState
+from nccl_pg.group.replays import ReplayWatch
 
 pytestmark = [pytest.mark.simnccl, pytest.mark.timeout(90)]
 REPLAY_TIMEOUT = 1.5
@@ -95,6 +97,41 @@ def test_a_hanging_replay_is_named_within_its_timeout(tmp_path: Any) -> None:
     assert "ALLREDUCE (collective 1 of 2 this group captured into CUDA graph capture" in out[0]["reason"], out[0]
     assert f"past its timeout of {REPLAY_TIMEOUT:.3f} s" in out[0]["reason"]
     assert out[1]["captures_after_del"] == 0  # the graph's destruction freed its watch (a CUDA user object)
+
+
+class _Marker(Event):
+    """An event whose completion the test sets (what the watch queries of a replay's record nodes)."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self, timeout: float | None = None) -> bool:
+        return self.done
+
+    def elapsed_ms(self, end: Event) -> float:
+        return 0.0
+
+
+@pytest.mark.parametrize("late_start", [False, True], ids=["reached-at-first-poll", "reached-after-it"])
+def test_the_replay_is_named_in_the_collective_it_waits_in(late_start: bool) -> None:
+    """Two captured collectives; the replay reaches the first and hangs there. The watch names the first, never the
+    second that waits behind it, also when the first poll came before the replay reached the first collective (its
+    start completing later restarts its clock; the second's clock ran from that first poll): on a loaded machine the
+    simulated replay above was named at "collective 2 of 2"."""
+    watch = ReplayWatch()
+    marks = [(_Marker(), _Marker()) for _ in range(2)]
+    for start, end in marks:
+        watch.captured(7, "ALLREDUCE", start, end, 1.0, lambda: None)
+    marks[0][0].done = not late_start
+    assert watch.poll(0.0) == []
+    marks[0][0].done = True
+    assert watch.poll(0.5) == []
+    stuck = watch.poll(1.2) + watch.poll(1.6)
+    assert [(s.place, s.of) for s in stuck] == [(1, 2)], stuck
+    assert stuck[0].elapsed == pytest.approx(1.2 if not late_start else 1.1)
 
 
 def _handles(r: Rank, stage: str, who: list[int]) -> list[str]:

@@ -17,7 +17,9 @@ On each watchdog poll, per graph this group captured into:
   it is in flight since the first poll that saw it so, or since its ``start``
   newly completed (a later replay reached it: progress). In flight past the
   group's timeout, it is named (group, collective, its place among the
-  group's collectives in the graph, the capture) and the group's error
+  group's collectives in the graph, the capture): the first collective the
+  replay reached and did not finish (those after it wait behind it; with
+  none reached, the first not finished), and the group's error
   handling applies, as to a timed-out operation. Replays launched back to back
   faster than they complete count as one stretch, as an eager operation counts
   from its issue.
@@ -113,6 +115,7 @@ class ReplayWatch:
                         self._graphs.pop(g.capture, None)
                 continue
             g.busy = False
+            waiting: list[_Entry] = []
             for e in g.entries:
                 if e.end.query():
                     e.since, e.started, e.reported = None, False, False
@@ -122,9 +125,13 @@ class ReplayWatch:
                 if e.since is None or (started and not e.started):
                     e.since, e.reported = now, False
                 e.started = started
-                if not e.reported and now - e.since > e.timeout:
-                    e.reported = True
-                    out.append(Stuck(e.op, e.place, len(g.entries), g.capture, now - e.since, e.timeout))
+                waiting.append(e)
+            # The replay waits in the first collective it reached and did not finish; those after it wait behind
+            # it. With none reached (a later launch re-armed every start), in the first not finished.
+            at = next((w for w in waiting if w.started), waiting[0]) if waiting else None
+            if at is not None and at.since is not None and not at.reported and now - at.since > at.timeout:
+                at.reported = True
+                out.append(Stuck(at.op, at.place, len(g.entries), g.capture, now - at.since, at.timeout))
         return out
 
     def captures(self) -> int:
