@@ -93,3 +93,37 @@ def test_torch_jobs_on_nccl_pg_do_not_abort_at_exit():
             if p.returncode:
                 errors.append(err[-2000:])
     assert codes == [0] * len(codes), (codes, errors[:2])
+
+
+@pytest.mark.timeout(30)
+def test_an_incident_waits_for_the_job_before_it(job_server):
+    """A store's incident work runs one job at a time. A job arriving while a quick one runs (this process's dump
+    request for a failure of another of its groups) runs once it ends, within its wait; only a job still running
+    past that wait (a store that does not answer) refuses it. Before, an incident was refused at once, and a timeout
+    in a process with two groups, the other failing at that moment, said "store unreachable" and named nobody."""
+    import threading
+    import time
+
+    from nccl_pg.diagnostics.channel import Channel
+    from nccl_pg.store import TCPStore
+
+    with TCPStore("127.0.0.1", job_server.port, timeout=10) as store:
+        ch = Channel(store, lambda: [], lambda reason, rank: None, lambda: False, lambda c: True)
+        release, ran = threading.Event(), []
+        assert ch.run(lambda: (release.wait(10), ran.append("first")))
+        assert not ch.run(lambda: ran.append("refused"))  # no wait: refused while the first runs
+        threading.Timer(0.3, release.set).start()
+        t0 = time.monotonic()
+        assert ch.run(lambda: ran.append("second"), wait=5.0)
+        assert 0.2 < time.monotonic() - t0 < 5.0
+        release.clear()
+        assert ch.run(lambda: release.wait(10), wait=5.0)
+        t0 = time.monotonic()
+        assert not ch.run(lambda: ran.append("late"), wait=0.3)  # the job before it outlasts the wait
+        assert 0.3 <= time.monotonic() - t0 < 3.0
+        release.set()
+        deadline = time.monotonic() + 5
+        while ran != ["first", "second"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ran == ["first", "second"]
+        ch.close()

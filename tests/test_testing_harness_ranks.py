@@ -220,7 +220,7 @@ def test_timeout_error_carries_structured_culprits() -> None:
     errors = run_threads(fn, 3, timeout=20, op_timeout=2)
     for err in (errors[0], errors[2]):
         assert err.culprits == (Culprit(1, "never joined all_reduce #2 of group 0", socket.gethostname(),
-                                        os.getpid(), kind="stuck_in_user_code"),)
+                                        os.getpid(), kind="stuck_in_user_code"),), str(err)
         assert f"verdict: stuck in user code: rank 1 ({socket.gethostname()}, pid {os.getpid()}) never joined " \
                "all_reduce #2 of group 0" in str(err)
 

@@ -176,14 +176,20 @@ class Channel:
 
     # --- incident work ----------------------------------------------------------------------
 
-    def run(self, job: Callable[[], None]) -> bool:
+    def run(self, job: Callable[[], None], wait: float = 0.0) -> bool:
         """Run ``job`` on this store's incident thread (one per store, kept
         while it is used: no thread or connection per incident). False, and
-        not run, while an earlier job has not finished: the store has not
-        answered it yet."""
+        not run, while an earlier job has not finished within ``wait``
+        seconds: the store has not answered it yet. (An incident waits: the
+        job before it is often this process's quick dump request for a
+        failure of another of its groups.)"""
+        deadline = time.monotonic() + wait
         with self._lock:
-            if self._job is not None:
-                return False
+            while self._job is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._jobs.wait(left)
             self._job = job
             if self._runner is None or not self._runner.is_alive():
                 self._runner = threading.Thread(target=self._run_jobs, name="nccl_pg-incident", daemon=True)
@@ -210,6 +216,7 @@ class Channel:
                 log.exception("nccl_pg: incident work on %r failed", self.store)
             with self._lock:
                 self._job = job = None  # type: ignore[assignment]
+                self._jobs.notify_all()  # a job waiting to run
 
     # --- raising ----------------------------------------------------------------------------
 

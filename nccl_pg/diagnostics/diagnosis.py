@@ -421,7 +421,7 @@ class Diagnosis:
         # This rank's dump first, as it is now: a peer answering the signal may end meanwhile, and this rank
         # with its failure (error handling), before the others' answers are in.
         path = ch.dump_once([c.key for c in inc.claims.values()], requests[0].text) if self._dumps() else None
-        if not ch.run(inc.run):  # the store has not answered an earlier incident yet
+        if not ch.run(inc.run, inc.start + inc.budget - time.monotonic()):  # the store has not answered an earlier job
             inc.stuck = True
             inc.out.update(done=True)
         out = inc.out
