@@ -115,12 +115,12 @@ def test_an_incident_waits_for_the_job_before_it(job_server):
         threading.Timer(0.3, release.set).start()
         t0 = time.monotonic()
         assert ch.run(lambda: ran.append("second"), wait=5.0)
-        assert 0.2 < time.monotonic() - t0 < 5.0
+        assert 0.2 < time.monotonic() - t0 < 10.0
         release.clear()
         assert ch.run(lambda: release.wait(10), wait=5.0)
         t0 = time.monotonic()
         assert not ch.run(lambda: ran.append("late"), wait=0.3)  # the job before it outlasts the wait
-        assert 0.3 <= time.monotonic() - t0 < 3.0
+        assert 0.3 <= time.monotonic() - t0 < 10.0
         release.set()
         deadline = time.monotonic() + 5
         while ran != ["first", "second"] and time.monotonic() < deadline:
