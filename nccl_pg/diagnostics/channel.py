@@ -181,8 +181,9 @@ class Channel:
         while it is used: no thread or connection per incident). False, and
         not run, while an earlier job has not finished within ``wait``
         seconds: the store has not answered it yet. (An incident waits: the
-        job before it is often this process's quick dump request for a
-        failure of another of its groups.)"""
+        job before it is often about to end, the previous incident's after
+        it published its verdict, or this process's dump request for
+        another of its groups' failure.)"""
         deadline = time.monotonic() + wait
         with self._lock:
             while self._job is not None:
