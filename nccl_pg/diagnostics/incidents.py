@@ -81,10 +81,10 @@ def count_report(store: Store, gen: int, ranks: int, world: int) -> None:
     completes the count names it again in the request that says all are in,
     since the first may not have named it yet by then."""
     n = store.add(reports_count_key(gen), ranks)
-    done = n >= world
-    if n == ranks or done:
-        keys = [reports_world_key(gen), *([reports_all_key(gen)] if done else [])]
-        store.multi_set(keys, [str(world).encode(), b"1"][:len(keys)])
+    if n >= world:
+        store.multi_set([reports_world_key(gen), reports_all_key(gen)], [str(world), b"1"])
+    elif n == ranks:
+        store.set(reports_world_key(gen), str(world))
 
 
 @dataclass

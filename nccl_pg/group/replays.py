@@ -114,18 +114,17 @@ class ReplayWatch:
                     with self._lock:
                         self._graphs.pop(g.capture, None)
                 continue
-            g.busy = False
             waiting: list[_Entry] = []
             for e in g.entries:
                 if e.end.query():
                     e.since, e.started, e.reported = None, False, False
                     continue
-                g.busy = True
                 started = e.start.query()
                 if e.since is None or (started and not e.started):
                     e.since, e.reported = now, False
                 e.started = started
                 waiting.append(e)
+            g.busy = bool(waiting)
             # The replay waits in the first collective it reached and did not finish; those after it wait behind
             # it. With none reached (a later launch re-armed every start), in the first not finished.
             at = next((w for w in waiting if w.started), waiting[0]) if waiting else None
