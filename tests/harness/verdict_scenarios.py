@@ -76,8 +76,16 @@ def scenario(rank: int, world_size: int, kind: str, folder: str) -> None:
     if kind == "p2p_deadlock":  # both receive first
         _wait_then_ready(dist.irecv(np.zeros(4, np.float32), src=1 - rank), folder)
         return
-    if kind == "mismatch":
-        dist.all_reduce(np.ones(5 if rank == 1 else 4, np.float32))  # rank 1's count differs
+    if kind == "mismatch":  # rank 1's count differs; it issues last, so every rank has issued it before any fails
+        if rank != 1:  # (else a rank still behind when the first fails is, in that moment, one that never joined)
+            _wait_then_ready(dist.all_reduce(np.ones(4, np.float32), async_op=True), folder)
+            return
+        others = [pathlib.Path(folder) / f"ready.{r}" for r in range(world_size) if r != 1]
+        deadline = time.monotonic() + 60
+        while not all(p.exists() for p in others):
+            assert time.monotonic() < deadline, "the other ranks never issued their all_reduce"
+            time.sleep(0.01)
+        dist.all_reduce(np.ones(5, np.float32))
         return
     if rank == 1:
         if kind == "exception":
