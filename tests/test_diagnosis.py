@@ -10,13 +10,17 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 from harness import diagnosis_scenarios as S
 from harness.procs import World
 
+from nccl_pg import DistBackendError, HashStore, Options, ProcessGroupHost
+from nccl_pg.diagnostics import diagnosis
 from nccl_pg.store import TCPStoreServer
 
 T = 1.0  # the group timeout of these worlds
@@ -84,7 +88,7 @@ def job_server_process() -> Iterator[tuple[subprocess.Popen, int]]:
 @pytest.mark.timeout(60)
 def test_timeout_with_the_store_frozen(tmp_path, job_server_process):
     """Issue 14 item 7: the store is frozen (SIGSTOP) when rank 0's all_reduce times out: the error comes at
-    about T + the budget (not T + the store's timeout) and says the progress could not be read."""
+    about T + the store's patience (not T + the store's timeout) and says the progress could not be read."""
     proc, port = job_server_process
     with World(2, S.timeout_store_frozen, tmp_path,
                  args={"job_port": port, "timeout": T, "store_timeout": 5.0}) as w:
@@ -96,8 +100,9 @@ def test_timeout_with_the_store_frozen(tmp_path, job_server_process):
         w.set("exit")
         res = w.results(timeout=30)[0]["op"]
     assert not res["ok"] and res["backend"], res
-    assert "timeout" in res["msg"] and f"could not read the other ranks' progress from the store within {BUDGET:.2f} s" \
-        in res["msg"], res["msg"]
+    patience = max(BUDGET, diagnosis.PATIENCE_MIN)
+    assert "timeout" in res["msg"] and \
+        f"could not read the other ranks' progress from the store within {patience:.2f} s" in res["msg"], res["msg"]
     assert T <= res["t1"] - res["t0"] < T + BOUND, res
 
 
@@ -182,3 +187,45 @@ def test_torch_store_wait_blocks_only_its_thread():
     t.join(10)
     assert not t.is_alive()
     assert took < 1.0, f"set() waited {took:.2f} s behind another thread's wait"
+
+
+@pytest.mark.timeout(30)
+def test_a_slow_store_is_not_called_unreachable(monkeypatch, tmp_path):
+    """The store takes 0.45 s to answer the timed-out rank's claim, longer than the 0.3 s budget of a 1 s timeout
+    (a loaded machine, a long-lived process of many threads): the error still names the peer that never sent; the
+    store's patience (diagnosis.PATIENCE_MIN) is not the budget. Before, the error said "store unreachable: ...
+    within 0.30 s" and named nobody (twice in fresh-clone runs, thread ranks on an in-process store)."""
+    monkeypatch.setenv("NCCL_PG_DEBUG_INFO_TEMP_FILE", str(tmp_path / "trace_"))
+    assert diagnosis.budget(T) < 0.45 < diagnosis.PATIENCE_MIN
+
+    class SlowClaims(HashStore):
+        def add(self, key: str, amount: int) -> int:
+            if "/claim/" in key:
+                time.sleep(0.45)
+            return super().add(key, amount)
+
+    store = SlowClaims(timeout=10)
+    pgs: dict[int, ProcessGroupHost] = {}
+
+    def make(rank: int) -> None:
+        pgs[rank] = ProcessGroupHost(store, rank, 2, Options(timeout=T))
+        pgs[rank].barrier().wait()  # (each rank's communicator made)
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    try:
+        work = pgs[0].recv(np.zeros(2), 1)
+        t0 = time.monotonic()
+        with pytest.raises(DistBackendError) as caught:
+            work.wait()
+        took = time.monotonic() - t0
+    finally:
+        for pg in pgs.values():
+            pg.abort()
+    msg = str(caught.value)
+    assert "unreachable" not in msg and "rank 1" in msg, msg
+    assert [(c.rank, c.kind) for c in caught.value.culprits] == [(1, "p2p_deadlock")], msg
+    assert took < T + BOUND + 0.45, took

@@ -17,7 +17,8 @@ signal, waits at most ``budget(timeout)`` for the members' answers (a wait
 the server answers as soon as they are all in), names who answered with what
 and who did not answer, and publishes that verdict; the others read the
 verdict instead of everyone's answers. A store that does not answer costs
-the error about the budget, and the error says it could not read progress.
+the error its patience (the budget, at least ``PATIENCE_MIN``), and the error
+says it could not read progress.
 One thread per process (``Diagnosis``) turns timed-out operations into
 errors, batching those that time out together: one incident, one dump per
 rank. Each store's incident work runs on at most one thread at a time, so a
@@ -44,7 +45,7 @@ from .group_view import GroupView
 from .incidents import NS, all_key, answer_key, count_key, present, signal_key
 from .progress import Answer
 
-__all__ = ["PARK", "Diagnosis", "Timeout", "all_key", "answer_key", "budget", "count_key", "signal_key"]
+__all__ = ["PARK", "Diagnosis", "Timeout", "all_key", "answer_key", "budget", "count_key", "longest", "signal_key"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,11 @@ log = logging.getLogger(__name__)
 # so that the error follows the timeout closely whatever it is; at least 0.3 s, so that a short timeout on a
 # busy machine (store answers in a tenth of a second or more) still gets its explanation.
 BUDGET_SHARE, BUDGET_MIN, BUDGET_CAP = 0.1, 0.3, 2.0
+# How long the store gets to answer an incident's first request (from when it is sent: this rank's own dump comes
+# first) before the error calls it unreachable: the budget, and at least this long. One round trip, but one that a
+# loaded machine, or a long-lived process of many threads (its GIL, its garbage collector), can delay past a short
+# budget; a healthy store called unreachable names no culprit. Under the goal of an error within T + 1 s.
+PATIENCE_MIN = 0.6
 # After the answers: reading them (and finding the silent ranks when some are) gets this much more, at least.
 FINISH_MIN = 0.2
 # Operations of a group that time out within this long after its last diagnosis here are explained by it:
@@ -92,6 +98,13 @@ def _finish_time(b: float) -> float:
     return max(b, FINISH_MIN)
 
 
+def longest(timeout: float) -> float:
+    """The longest the store work of an operation's diagnosis can take (``_Incident.deadline``, the store
+    answering at the end of its patience): how long a caller waiting for its explanation may wait."""
+    b = budget(timeout)
+    return max(b, PATIENCE_MIN) + b + _finish_time(b) + C_STACKS_WAIT + 0.05
+
+
 @dataclass
 class Timeout:
     """A timed-out operation, as the group hands it over: ``finish(why,
@@ -118,7 +131,7 @@ class _Outcome:
     diagnosis thread, which may give up on it)."""
 
     cond: threading.Condition = field(default_factory=threading.Condition)
-    answered: bool = False  # the store answered at least once
+    answered_at: float | None = None  # when the store first answered (time.monotonic())
     done: bool = False
     error: BaseException | None = None
     gen: int | None = None
@@ -159,6 +172,7 @@ class _Incident:
         self.channel, self.dump = channel, dump
         self.stuck = False  # not run: the store's incident thread is still busy with an earlier one
         self.budget = max(budget(r.timeout) for r in requests)
+        self.patience = max(self.budget, PATIENCE_MIN)
         self.start = time.monotonic()
         self.claims: dict[tuple[str, str], _Claim] = {}
         for r in sorted(requests, key=lambda r: r.seq):
@@ -170,16 +184,31 @@ class _Incident:
                                             r.peers, r.what)
         self.out = _Outcome()
 
+    def begin(self) -> None:
+        """The store's time starts (this rank's dump, written before, is not the store's)."""
+        self.start = time.monotonic()
+
     @property
-    def hard_deadline(self) -> float:
-        return self.start + self.budget + _finish_time(self.budget) + C_STACKS_WAIT + 0.05
+    def collected_by(self) -> float:
+        """When the answers (or the verdicts) must be read: the budget and the time to read them, from the
+        store's first answer."""
+        at = self.out.answered_at
+        return (self.start + self.patience if at is None else at) + self.budget + _finish_time(self.budget)
+
+    @property
+    def deadline(self) -> float:
+        """Until when the diagnosis thread waits for the store work: the store's first answer within the
+        patience; then until the answers are read, and silent ranks of this host have given their stacks."""
+        if self.out.answered_at is None:
+            return self.start + self.patience
+        return self.collected_by + C_STACKS_WAIT + 0.05
 
     def run(self) -> None:
         out, store = self.out, self.channel.store
         try:
             counts = {c.key: store.add(c.key, 1) for c in self.claims.values()}
             won = {k for k, n in counts.items() if n == 1}
-            out.update(answered=True, won=won)
+            out.update(answered_at=time.monotonic(), won=won)
             if won:
                 self._raise_and_collect([c for c in self.claims.values() if c.key in won])
             lost = [k for k in counts if k not in won]
@@ -209,7 +238,7 @@ class _Incident:
             store.wait(awaited, self.budget)
             found = list(keys)
         except Exception:  # someone did not answer in time (or the store failed: the search says)
-            found = present(store, list(keys), t0 + self.budget + _finish_time(self.budget))
+            found = present(store, list(keys), self.collected_by)
         waited = min(time.monotonic() - t0, self.budget)
         answers: dict[tuple[str, int], Answer] = {}
         if found:
@@ -222,7 +251,7 @@ class _Incident:
         out.update(answers=answers, silent=silent, waited=waited, old=old)  # enough to explain, if time runs out
         views = {c.view.ident: c.view for c in won}
         quiet = {(i, p): views[i].global_rank(p) for i, ps in silent.items() for p in ps}
-        if quiet and time.monotonic() + C_STACKS_WAIT < self.hard_deadline:
+        if quiet and time.monotonic() + C_STACKS_WAIT < self.deadline:
             out.update(c_stacks=_local_stacks(quiet))
         verdicts = {c.key: (gen, *self._explain(c, c.seq)) for c in won}
         out.update(verdicts=verdicts)
@@ -232,10 +261,9 @@ class _Incident:
         """What silent ranks answered to the latest earlier incident seen here."""
         store = self.channel.store
         old: dict[tuple[str, int], Answer] = {}
-        deadline = self.start + self.budget + _finish_time(self.budget)
         for g in self.channel.earlier(gen):
             todo = {answer_key(g, i, p): (i, p) for i, p in silent if (i, p) not in old}
-            found = present(store, list(todo), deadline)
+            found = present(store, list(todo), self.collected_by)
             if found:
                 for k, raw in zip(found, store.multi_get(found), strict=True):
                     a = Answer.decode(raw)
@@ -249,7 +277,7 @@ class _Incident:
         try:
             store.wait(keys, self.budget + _finish_time(self.budget))
         except Exception:
-            keys = present(store, keys, self.hard_deadline)
+            keys = present(store, keys, self.deadline)
         got = {}
         if keys:
             for k, raw in zip(keys, store.multi_get(keys), strict=True):
@@ -281,13 +309,13 @@ class _Incident:
         late = self.budget + _finish_time(self.budget)
         with out.cond:
             assert c is not None, "an incident explains only the kinds of operations it claimed"
-            if not out.answered:
+            if out.answered_at is None:
                 if self.stuck:
                     return ("store unreachable: could not read the other ranks' progress from the store: it has not "
                             "answered an "
                             "earlier diagnosis either (unreachable or overloaded)"), ()
                 return (f"store unreachable: could not read the other ranks' progress from the store within "
-                        f"{self.budget:.2f} s: "
+                        f"{self.patience:.2f} s: "
                         "the store did not answer (unreachable or overloaded)"), ()
             if c.key in out.won:
                 if c.view.ident in out.silent:
@@ -421,14 +449,15 @@ class Diagnosis:
         # This rank's dump first, as it is now: a peer answering the signal may end meanwhile, and this rank
         # with its failure (error handling), before the others' answers are in.
         path = ch.dump_once([c.key for c in inc.claims.values()], requests[0].text) if self._dumps() else None
-        if not ch.run(inc.run, inc.start + inc.budget - time.monotonic()):  # the store has not answered an earlier job
+        inc.begin()
+        if not ch.run(inc.run, inc.patience):  # the store has not answered an earlier job
             inc.stuck = True
             inc.out.update(done=True)
         out = inc.out
         with out.cond:
             while not out.done:
                 now = time.monotonic()
-                limit = inc.hard_deadline if out.answered else inc.start + inc.budget
+                limit = inc.deadline
                 if now >= limit:
                     break
                 out.cond.wait(limit - now)

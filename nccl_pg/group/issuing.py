@@ -201,8 +201,7 @@ class Issuing(GroupCore):
         self.diagnose_timeout(diagnosis.Timeout(self.diag, seq, peers, self._timeout, time.monotonic(),
                                                 verdicts.collective(op_type.value, seq, self.group_name), text,
                                                 finish))
-        b = diagnosis.budget(self._timeout)
-        done.wait(2 * b + diagnosis.FINISH_MIN + _DIAGNOSIS_GRACE)
+        done.wait(diagnosis.longest(self._timeout) + _DIAGNOSIS_GRACE)
         err = DistBackendError(said[0] if said else f"{text}; the other ranks could not be asked where they are")
         if blamed:
             err.culprits = blamed[0]
