@@ -28,8 +28,8 @@ DIR = pathlib.Path(os.environ["TEST_DIR"])
 MODE, CULPRIT = os.environ["MODE"], int(os.environ.get("CULPRIT", "1"))
 
 
-def ready():
-    name = f"ready.{os.environ['JOB_NAME']}.{dist.get_rank()}"
+def ready(rank=None):
+    name = f"ready.{os.environ['JOB_NAME']}.{dist.get_rank() if rank is None else rank}"
     (DIR / f".{name}").write_text(str(os.getpid()))
     (DIR / f".{name}").rename(DIR / name)
 
@@ -58,6 +58,18 @@ if MODE == "kill":
     dist.all_reduce(x)
 elif MODE == "mismatch":
     dist.all_reduce(np.ones(5 if rank == 1 else 4, np.float32))  # MISMATCH HERE
+elif MODE == "mismatch-linger":  # ranks 1 and 2 still alive, their group gone, when rank 0 ends the job
+    try:
+        dist.all_reduce(np.ones(5 if rank == 1 else 4, np.float32))
+    except dist.DistBackendError:
+        if dist.is_initialized():  # (error handling may have destroyed it)
+            dist.destroy_process_group()
+        if rank == 0:
+            while not all((DIR / f"ready.{os.environ['JOB_NAME']}.{r}").exists() for r in (1, 2)):
+                time.sleep(0.01)
+            raise
+        ready(rank)
+        time.sleep(1000)
 else:
     if rank == CULPRIT:
         eval_step()
@@ -235,3 +247,20 @@ def test_what_the_launcher_knew_of_a_killed_rank_and_of_a_mismatch(runs) -> None
     res = trace(m.job_folder())
     assert [v for v in _verdicts(res.stdout) if v[0] == "collective mismatch"] == [("collective mismatch", 1)], \
         res.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_mismatch_is_named_while_the_other_ranks_are_still_alive(runs) -> None:
+    """The mismatch again, rank 0 ending the job while ranks 1 and 2 are still alive, their group destroyed (no
+    listener: nobody is asked). Their C-level stacks say where they are; their dumps, written at the failure, still
+    join the analysis: the verdict names rank 1. Before, a live rank's C-level stack kept its dump out, and the
+    autopsy said the ranks "exited with code 1 before they answered" (seen when ranks were looked at while they
+    unwound the mismatch, in a fresh-clone run)."""
+    r = runs("linger", "mismatch-linger", "--autopsy-time", "3")
+    code, err = r.finish()
+    assert code == 1, err
+    pids = {k: int((r.folder / f"ready.linger.{k}").read_text()) for k in (1, 2)}
+    assert "no rank can be asked" in err, err
+    assert re.search(rf"nccl-pg run:   collective mismatch: rank 1 \(\S+, pid {pids[1]}\): all_reduce #2 on group '0' "
+                     r"\(default_pg\): input sizes differ between ranks", err), err
+    assert not re.search(r"nccl-pg run:   (dead|no answer|stuck)", err), err

@@ -55,7 +55,7 @@ class Rank:
     stack: list[frames.Frame] = field(default_factory=list)  # the focus thread's frames, outermost first
     cut: list[str] = field(default_factory=list)
     c_stack_path: str | None = None
-    dump_path: str | None = None  # answered only through a debug dump written before it was asked
+    dump_path: str | None = None  # its debug dump in the analysis, written before it was asked
     dump_reason: str = ""
     gone: str = ""  # how it ended, when it did ("exited with code 1")
 
@@ -237,15 +237,19 @@ def inquire(store: Store, reason: str, timeout: float, cap: int = CAP, world: in
     for r in silent:
         if r in ended:
             ranks[r].gone = ended[r]
-        path = dump_of(r) if dump_of is not None and ranks[r].answered is None else None
+        # Without asking, the dumps are the flight recorders there are: a live rank's C-level stack says where it
+        # is now, but carries none (a rank still unwinding its failure when looked at has both).
+        path = dump_of(r) if dump_of is not None and (ranks[r].answered is None or not ask) else None
         old = _from_dump(path, r, notes) if path else None
-        if old is not None:
-            answers[r] = old
-            k = ranks[r]
-            k.answered, k.dump_path, k.host, k.pid = "dump", path, old["host"], old["pid"] or k.pid
+        if old is None:
+            continue
+        answers[r] = old
+        k = ranks[r]
+        k.dump_path, k.dump_reason = path, old["reason"]
+        if k.answered is None:
+            k.answered, k.host, k.pid = "dump", old["host"], old["pid"] or k.pid
             k.stack = [frames.Frame(*f) for f in old["threads"][0]["frames"]] if old["threads"] else []
             k.where = _where(k.stack)
-            k.dump_reason = old["reason"]
     keep = dumps_dir is not None
     folder = dumps_dir or tempfile.mkdtemp(prefix="nccl_pg_why_")
     try:
