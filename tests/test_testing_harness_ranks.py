@@ -201,19 +201,22 @@ def test_rank_spinning_in_c_with_the_gil_held_is_named_with_its_line(tmp_path: P
 def test_timeout_error_carries_structured_culprits() -> None:
     """``DistBackendError.culprits``, set by the timeout's diagnosis: rank 1
     holds back; ranks 0 and 2 catch the timeout and return what it says
-    (then release rank 1). It survives pickling (it crosses processes)."""
-    caught = threading.Event()
+    (then, both caught, release rank 1: released at the first, it ended and
+    destroyed its group while the other's timeout was still being explained,
+    which then failed on the lost connection instead). It survives pickling
+    (it crosses processes)."""
+    caught = threading.Semaphore(0)
 
     def fn(rank: int, world_size: int) -> object:
         x = np.ones(2)
         dist.all_reduce(x)
         if rank == 1:
-            assert caught.wait(30)
+            assert caught.acquire(timeout=30) and caught.acquire(timeout=30)
             return None
         try:
             dist.all_reduce(x)
         except DistBackendError as exc:
-            caught.set()
+            caught.release()
             return pickle.loads(pickle.dumps(exc))
         raise AssertionError("the all_reduce without rank 1 completed")
 
