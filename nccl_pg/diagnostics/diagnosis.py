@@ -94,15 +94,26 @@ def budget(timeout: float) -> float:
     return min(BUDGET_CAP, max(BUDGET_MIN, BUDGET_SHARE * timeout))
 
 
-def _finish_time(b: float) -> float:
-    return max(b, FINISH_MIN)
+def _patience(b: float) -> float:
+    """How long the store gets to answer an incident of budget ``b`` at all."""
+    return max(b, PATIENCE_MIN)
+
+
+def _collect_time(b: float) -> float:
+    """From the store's first answer: the budget for the others' answers, and the time to read them."""
+    return b + max(b, FINISH_MIN)
+
+
+def _work_time(b: float) -> float:
+    """From the store's first answer to the end of the store work: collecting, then silent ranks' C stacks."""
+    return _collect_time(b) + C_STACKS_WAIT + 0.05
 
 
 def longest(timeout: float) -> float:
     """The longest the store work of an operation's diagnosis can take (``_Incident.deadline``, the store
     answering at the end of its patience): how long a caller waiting for its explanation may wait."""
     b = budget(timeout)
-    return max(b, PATIENCE_MIN) + b + _finish_time(b) + C_STACKS_WAIT + 0.05
+    return _patience(b) + _work_time(b)
 
 
 @dataclass
@@ -172,7 +183,7 @@ class _Incident:
         self.channel, self.dump = channel, dump
         self.stuck = False  # not run: the store's incident thread is still busy with an earlier one
         self.budget = max(budget(r.timeout) for r in requests)
-        self.patience = max(self.budget, PATIENCE_MIN)
+        self.patience = _patience(self.budget)
         self.start = time.monotonic()
         self.claims: dict[tuple[str, str], _Claim] = {}
         for r in sorted(requests, key=lambda r: r.seq):
@@ -193,15 +204,14 @@ class _Incident:
         """When the answers (or the verdicts) must be read: the budget and the time to read them, from the
         store's first answer."""
         at = self.out.answered_at
-        return (self.start + self.patience if at is None else at) + self.budget + _finish_time(self.budget)
+        return (self.start + self.patience if at is None else at) + _collect_time(self.budget)
 
     @property
     def deadline(self) -> float:
         """Until when the diagnosis thread waits for the store work: the store's first answer within the
         patience; then until the answers are read, and silent ranks of this host have given their stacks."""
-        if self.out.answered_at is None:
-            return self.start + self.patience
-        return self.collected_by + C_STACKS_WAIT + 0.05
+        at = self.out.answered_at
+        return self.start + self.patience if at is None else at + _work_time(self.budget)
 
     def run(self) -> None:
         out, store = self.out, self.channel.store
@@ -275,7 +285,7 @@ class _Incident:
         store = self.channel.store
         keys = [f"{k}/verdict" for k in lost]
         try:
-            store.wait(keys, self.budget + _finish_time(self.budget))
+            store.wait(keys, _collect_time(self.budget))
         except Exception:
             keys = present(store, keys, self.deadline)
         got = {}
@@ -306,7 +316,7 @@ class _Incident:
     def why(self, r: Timeout) -> tuple[str, tuple[Culprit, ...]]:
         """``r``'s explanation from what was gathered, and the ranks it blames."""
         out, c = self.out, self.claims.get(r.key)
-        late = self.budget + _finish_time(self.budget)
+        late = _collect_time(self.budget)
         with out.cond:
             assert c is not None, "an incident explains only the kinds of operations it claimed"
             if out.answered_at is None:
