@@ -225,6 +225,8 @@ def test_a_slow_store_is_not_called_unreachable(monkeypatch, tmp_path):
     finally:
         for pg in pgs.values():
             pg.abort()
+        for pg in pgs.values():
+            pg.shutdown()  # (not left to the garbage collector: its stream threads would outlive the test)
     msg = str(caught.value)
     assert "unreachable" not in msg and "rank 1" in msg, msg
     assert [(c.rank, c.kind) for c in caught.value.culprits] == [(1, "p2p_deadlock")], msg

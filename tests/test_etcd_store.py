@@ -217,6 +217,7 @@ class DroppingProxy:
                 self.dropped += 1
 
     def close(self) -> None:
+        self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (a close alone does not, on Linux)
         self.listener.close()
 
 

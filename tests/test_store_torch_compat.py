@@ -52,17 +52,20 @@ def impl(request: pytest.FixtureRequest) -> Any:
                            DistNetworkError=td.DistNetworkError, QueueEmptyError=td.QueueEmptyError)
 
 
-def make(impl: Any, kind: str, tmp_path: Path, request: pytest.FixtureRequest | None = None) -> Any:
+def make(impl: Any, kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Any:
+    """A store of ``kind``; ours are closed when the test ends (a TCPStore master's server thread and
+    sockets would outlive it in the worker process; torch's stores have no close)."""
     if kind == "etcd":
-        assert request is not None
-        return ours.EtcdStore(request.getfixturevalue("etcd_cluster").url, fresh_job(), timeout=T)
-    if kind == "tcp":
-        return impl.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=T)
-    if kind == "hash":
+        store = ours.EtcdStore(request.getfixturevalue("etcd_cluster").url, fresh_job(), timeout=T)
+    elif kind == "hash":
         return impl.HashStore()
-    if kind == "file":
+    elif kind == "file":
         return impl.FileStore(str(tmp_path / "store"), 1)
-    return impl.PrefixStore("pre", impl.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=T))
+    else:
+        store = impl.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=T)
+    if impl.name == "nccl_pg":
+        request.addfinalizer(store.close)
+    return store if kind != "prefix" else impl.PrefixStore("pre", store)
 
 
 def free_port() -> int:
@@ -155,11 +158,11 @@ def test_clone(impl: Any, kind: str, tmp_path: Path, request: pytest.FixtureRequ
     assert a.get("back") == b"1"
 
 
-def test_has_extended_api(impl: Any, tmp_path: Path) -> None:
+def test_has_extended_api(impl: Any, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     class Bare(impl.Store):  # type: ignore[name-defined,misc]
         pass
 
-    assert make(impl, "tcp", tmp_path).has_extended_api()
+    assert make(impl, "tcp", tmp_path, request).has_extended_api()
     assert impl.HashStore().has_extended_api()
     assert not Bare().has_extended_api()
     assert not impl.PrefixStore("p", Bare()).has_extended_api()  # passed through
@@ -321,8 +324,8 @@ def test_get_and_wait_timeouts(impl: Any, kind: str, tmp_path: Path, request: py
     store.wait(["good_key"])
 
 
-def test_barrier(impl: Any) -> None:
-    store = make(impl, "tcp", Path("."))
+def test_barrier(impl: Any, request: pytest.FixtureRequest) -> None:
+    store = make(impl, "tcp", Path("."), request)
     store.barrier("alone", 1)
     others = [store.clone() for _ in range(2)]
     threads = [threading.Thread(target=s.barrier, args=("three", 3, timedelta(seconds=20))) for s in others]

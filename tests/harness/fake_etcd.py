@@ -35,7 +35,10 @@ class FakeMember:
         threading.Thread(target=self._serve, daemon=True).start()
 
     def close(self) -> None:
+        if self._closed.is_set():
+            return
         self._closed.set()
+        self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (a close alone does not, on Linux)
         self.listener.close()
 
     def __enter__(self) -> FakeMember:

@@ -167,6 +167,7 @@ class Net:
     def close(self) -> None:
         self.closed = True
         try:
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (a close alone does not, on Linux)
             self.listener.close()
         except OSError:
             pass
