@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from harness.threads import on_threads
+from harness.threads import destroy_all, on_threads
 
 from nccl_pg import DistBackendError, ReduceOp
 from nccl_pg.comm.base import CommConfig
@@ -54,9 +54,7 @@ def made() -> Iterator[list[Any]]:
     (a communicator left alive keeps its stream threads and sockets in the worker process)."""
     out: list[Any] = []
     yield out
-    for c in out:
-        if isinstance(c, HostCommunicator):
-            c.destroy()
+    destroy_all([c for c in out if isinstance(c, HostCommunicator)])
 
 
 def _comms(store: Store, made: list[Any], n: int, name: str = "c") -> list[HostCommunicator]:
