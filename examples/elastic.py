@@ -133,8 +133,6 @@ def main(argv: list[str] | None = None) -> int:
     state = xp.zeros(WIDTH, dtype=xp.int64)
     previous = state.copy()  # the state one step back: a step not every rank finished is done again
     step = rec.step
-    if rec.needs_state:
-        elastic.broadcast_state([state], src=rec.source)
     killer = job.member in victims
     while step < args.steps:
         if killer and step == args.kill_step:
@@ -144,8 +142,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"member {job.member}: hanging at step {step}", flush=True)
             while True:
                 time.sleep(60)
-        time.sleep(args.step_time)
         try:
+            # After a start or recovery that needs it, the state comes from a member that has it (else nothing
+            # happens): inside the try, since a death or a newer configuration can break the transfer too.
+            job.broadcast_state([state])
+            time.sleep(args.step_time)
             items = xp.arange(dist.get_rank(), BATCH, dist.get_world_size(), dtype=xp.int64)
             total = contributions(xp, step, items)
             # Waited for on the CPU, so that a failed step fails here, before its result is used: on NCCL a
@@ -164,8 +165,6 @@ def main(argv: list[str] | None = None) -> int:
                 state, step = previous, rec.step
             elif rec.step != step:
                 raise RuntimeError(f"the members agreed on step {rec.step}; this one is at {step}") from exc
-            if rec.needs_state:
-                elastic.broadcast_state([state], src=rec.source)
             previous = state.copy()
     host_state = state.get() if xp is not np else state
     print(f"final {checksum(host_state)}", flush=True)

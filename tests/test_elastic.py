@@ -62,21 +62,22 @@ def test_the_worked_example_survives_two_sigkills_at_once(tmp_path):
     ranks, deaths during a recovery: tests/test_elastic_recovery.py.)"""
     p = run(tmp_path, "--nproc", "4", "--elastic", EXAMPLE, "--kill-ranks", "1,2", "--kill-step", "20",
             "--step-time", "0.15")
-    assert p.returncode == 0, p.stdout + p.stderr
+    out = p.stdout + p.stderr  # the launcher's lines (who died, who replaced whom) are on stderr
+    assert p.returncode == 0, out
     finals = lines(p.stdout, r"final ([0-9a-f]+)")
-    assert set(finals) == {"member0", "member3", "member4", "member5"}, p.stdout
-    assert set(finals.values()) == {reference()}, p.stdout
+    assert set(finals) == {"member0", "member3", "member4", "member5"}, out
+    assert set(finals.values()) == {reference()}, out
     assert lines(p.stdout, "member (\\d+): SIGKILL at step 20") == {"member1": "1", "member2": "2"}
     sizes = [(int(u), int(n)) for u, n in re.findall(r"\[(?:rank\d+\|)?member0\]: membership: uuid (\d+): world size (\d+)",
                                                       p.stdout)]
-    assert sizes[0] == (0, 4) and sizes[-1][1] == 4 and (2 in {n for _, n in sizes}), p.stdout  # 4, 2, ..., 4
+    assert sizes[0] == (0, 4) and sizes[-1][1] == 4 and (2 in {n for _, n in sizes}), out  # 4, 2, ..., 4
     assert re.search(r"membership: uuid \d+: world size 4, rank 3 \(joined", p.stdout)
     assert "starting member 4 in its place" in p.stderr and "starting member 5 in its place" in p.stderr
     # Each line says the member's rank when it was printed (as its watchdog last wrote it): at the end, the four
     # members are ranks 0..3, the replacements among them.
     labels = re.findall(r"^\[rank(\d+)\|member(\d+)\]: final ", p.stdout, re.M)
-    assert sorted(labels) == sorted(set(labels)) and {r for r, _ in labels} == {"0", "1", "2", "3"}, p.stdout
-    assert {m for _, m in labels} == {"0", "3", "4", "5"}, p.stdout
+    assert sorted(labels) == sorted(set(labels)) and {r for r, _ in labels} == {"0", "1", "2", "3"}, out
+    assert {m for _, m in labels} == {"0", "3", "4", "5"}, out
 
 
 def test_without_elastic_the_same_kill_ends_the_job(tmp_path):

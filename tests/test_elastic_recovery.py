@@ -2,7 +2,8 @@
 SIGKILLed at the same step (rank 0, the coordinator, among them), a death
 during a recovery (a member after its handle went into the next
 configuration; a replacement inside the grow that takes it in), a hung rank
-(named by the others' timeout, its stack taken, stopped, replaced). Real
+(named by the others' timeout, its stack taken, stopped, replaced), a newer
+configuration written while the state is sent to a replacement. Real
 processes and signals, the launcher's store, examples/elastic.py (with the
 faults of tests/harness/elastic_faults.py put inside the recovery).
 
@@ -33,6 +34,7 @@ CASES = {
     "two at once, rank 0 among them": (4, ["--kill-ranks", "0,1"], "", 2),
     "a member dies after its handle went in": (4, ["--kill-ranks", "2"], "offered:3", 2),
     "a hung rank": (4, ["--hang-rank", "2"], "", 1),
+    "a newer configuration while the state is sent": (4, ["--kill-ranks", "2"], "transfer:4", 1),
 }
 if os.environ.get("ELASTIC_MATRIX"):
     CASES.update({

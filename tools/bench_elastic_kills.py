@@ -71,8 +71,6 @@ def nccl_pg_rank(args: argparse.Namespace) -> int:
         stamp("spawned", at=started(os.getppid()))  # the guard the launcher started for it
     rec = job.start("host", timeout=60)
     state = np.zeros(WIDTH, dtype=np.int64)
-    if rec.needs_state:
-        elastic.broadcast_state([state], src=rec.source)
     step, victim = rec.step, job.member in args.victims
     while True:
         if victim and step == args.kill_step:
@@ -80,16 +78,14 @@ def nccl_pg_rank(args: argparse.Namespace) -> int:
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(args.step_time)
         try:
+            job.broadcast_state([state])  # after a start or recovery that needs it (docs/ELASTIC.md)
             total = np.full(WIDTH, step + 1, dtype=np.int64)
             dist.all_reduce(total, async_op=True).wait(120)
             state = (state * 3 + total) % (2**31 - 1)
             step += 1
             stamp("done", step=step, size=dist.get_world_size())
         except dist.DistBackendError as exc:
-            rec = job.recover(step, exc)
-            step = rec.step
-            if rec.needs_state:
-                elastic.broadcast_state([state], src=rec.source)
+            step = job.recover(step, exc).step
 
 
 def torchft_replica(args: argparse.Namespace) -> int:

@@ -6,10 +6,11 @@ ranks die or hang, and to take replacements and new nodes in
     rec = job.start("host")                   # the original ranks: init; a replacement: comes in
     while step < steps:
         try:
+            job.broadcast_state(arrays)       # after a start or recovery that needs it; else nothing
             ...collectives of one step...; step += 1
         except nccl_pg.DistBackendError as exc:
             rec = job.recover(step, exc)      # raises DistBackendError when no attempt works in time
-            ...roll back to rec.step; if rec.needs_state: broadcast_state(arrays, src=rec.source)
+            ...roll back to rec.step (the next step's job.broadcast_state(arrays) sends the state if needed)
 
 The pieces: the membership records in the job's store (records.py), the
 recovery's attempts (recovery.py), the watch that revokes a group when a
@@ -17,7 +18,7 @@ newer record appears (watch.py).
 """
 
 from .records import LATEST_KEY, NAMESPACE, Config, Records, config_key, slot_key
-from .recovery import Change, Elastic, Recovery, broadcast_state
+from .recovery import Change, Elastic, Recovery
 
-__all__ = ["LATEST_KEY", "NAMESPACE", "Change", "Config", "Elastic", "Records", "Recovery", "broadcast_state",
-           "config_key", "slot_key"]
+__all__ = ["LATEST_KEY", "NAMESPACE", "Change", "Config", "Elastic", "Records", "Recovery", "config_key",
+           "slot_key"]

@@ -26,6 +26,7 @@ and the lowest rank that has it.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections import Counter
@@ -36,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from .. import env
-from ..distributed import _get_default_group, broadcast, init_process_group, is_initialized
+from ..distributed import _get_default_group, init_process_group, is_initialized
 from ..distributed.world import current_world
 from ..errors import DistBackendError, DistStoreError
 from ..group.options import Options
@@ -69,8 +70,8 @@ class Change:
 class Recovery:
     """What a start or a recovery ended with: the step every member agreed
     on; whether anyone needs the state (``needs_state``: every rank then
-    calls ``broadcast_state(arrays, src=source)``, ``source`` being the
-    lowest rank that has it); whether this process must take it
+    calls ``Elastic.broadcast_state(arrays)``, which sends it from
+    ``source``, the lowest rank that has it); whether this process must take it
     (``fresh``: a replacement, or a member left out while it was away,
     whose own state is stale); the membership changes on the way."""
 
@@ -124,6 +125,7 @@ class Elastic:
         self._seen = -1  # the newest configuration it looked at (those before it are behind it)
         self._rounds: Counter[int] = Counter()  # attempts that waited for a configuration's slots in vain
         self._fresh = join_uuid is not None  # no state of its own (a replacement) or a stale one (left out)
+        self._transfer: Recovery | None = None  # the recovery whose state is still to be sent (broadcast_state)
 
     @classmethod
     def from_env(cls, timeout: Timeout = 300.0, on_change: Callable[[Change], None] | None = None,
@@ -217,6 +219,31 @@ class Elastic:
             self._report_stuck(pg, error)
         return self._recover(None if self._fresh else step, deadline)
 
+    def broadcast_state(self, arrays: Sequence[Any]) -> bool:
+        """After a start or recovery that needs the state (``needs_state``):
+        send every array, in order, from the rank that has it
+        (``Recovery.source``) to the others, in place; every member calls it
+        with its state at the agreed step. Returns True once sent; False
+        (nothing to do) when no recovery since the last transfer needs it, so
+        a loop may call it at the top of every step. Raises DistBackendError
+        when the transfer fails (a member died, a newer configuration was
+        written meanwhile): call ``recover`` then, as for a failed step; a
+        process whose state had not come counts as stale there, so it is sent
+        again."""
+        rec = self._transfer
+        if rec is None:
+            return False
+        # Waited for on the CPU: the state counts as sent only once it arrived, on a device stream too.
+        pg = _get_default_group()
+        works = [pg.broadcast(a, rec.source) for a in arrays]
+        for work in works:
+            if work is None:  # issued into a caller's coalescing block: it would arrive only at the block's end
+                raise RuntimeError("Elastic.broadcast_state: called inside a coalescing block; call it outside")
+            work.wait(math.inf)
+        self._transfer = None
+        self._fresh = False
+        return True
+
     def close(self) -> None:
         """The loop is done: end the record watch, and let processes still
         coming in (a replacement started late) learn that the job finished
@@ -237,6 +264,7 @@ class Elastic:
     def _recover(self, step: int | None, deadline: float) -> Recovery:
         if self._watch is not None:
             self._watch.disarm()
+        self._transfer = None
         changes: list[Change] = []
         attempt = 0
         while True:
@@ -260,7 +288,9 @@ class Elastic:
                 if pg is not None:
                     pg.revoke()
                 continue
-            self._fresh = False
+            # Stale until the state came: a transfer that fails leaves it stale for the next recovery.
+            self._fresh = rec.fresh
+            self._transfer = rec if rec.needs_state else None
             self._arm()
             return rec
 
@@ -401,10 +431,3 @@ def _store_of(url: str, timeout: float) -> Store:
     from ..store.rendezvous import etcd_store_of  # noqa: PLC0415 - only jobs on etcd load its client
 
     return etcd_store_of(url, timeout)
-
-
-def broadcast_state(arrays: Sequence[Any], group: ProcessGroup | None = None, src: int = 0) -> None:
-    """Send every array from rank ``src`` (``Recovery.source``: a rank that
-    has the state) to the others, in order."""
-    for a in arrays:
-        broadcast(a, src=src, group=group)

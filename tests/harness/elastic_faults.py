@@ -9,7 +9,11 @@ it under `nccl-pg run --elastic` (tests/test_elastic_recovery.py):
   a configuration's slot (inside its first recovery or start): a death
   during a recovery, after the others may have seen it come;
 - ``grow:M``: member M SIGKILLs itself 50 ms into its first reconfigure (a
-  replacement: inside the grow that takes it in).
+  replacement: inside the grow that takes it in);
+- ``transfer:M``: member M (a replacement) writes a newer configuration (its
+  own members again, as any change would) just before the state is sent to
+  it, and waits until its record watch revoked its group: the transfer
+  fails, and the recovery after it must send the state again.
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import elastic as example  # noqa: E402  (examples/elastic.py)
 
+from nccl_pg import TCPStore, env  # noqa: E402
 from nccl_pg.elastic import records, recovery  # noqa: E402
 
 
@@ -51,6 +57,24 @@ def _install(faults: list[tuple[str, int]]) -> None:
             return reconfigure(*args, **kwargs)
 
         recovery.reconfigure = reconfigure_then_die  # type: ignore[assignment]
+    if "transfer" in kinds:
+        send = recovery.Elastic.broadcast_state
+        first = [True]
+
+        def change_then_send(self, arrays):  # type: ignore[no-untyped-def]
+            if first[0]:  # a replacement's first call: the state is to come to it
+                first[0] = False
+                store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                 timeout=10, secret=env.STORE_SECRET.get())
+                new = records.Records(store).write_next(lambda c: c.members, "test: a change as the state is sent")
+                store.close()
+                print(f"member {me}: wrote configuration {new.uuid} before the state came", flush=True)
+                limit = time.monotonic() + 10
+                while self.watch is not None and not self.watch.fired and time.monotonic() < limit:
+                    time.sleep(0.01)
+            return send(self, arrays)
+
+        recovery.Elastic.broadcast_state = change_then_send  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":
