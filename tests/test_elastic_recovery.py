@@ -74,6 +74,10 @@ def test_recovery(tmp_path, case):
     assert len(got) == n and set(got.values()) == {reference(steps)}, out  # back at n ranks, all on the reference
     assert "finished before this process got in" not in p.stdout, out
     assert len(re.findall(r"starting member \d+ in its place", p.stderr)) == replacements, out
+    if fault.startswith("transfer:"):  # its transfer (its first collective) failed; the checksum: a later one came
+        member = fault.partition(":")[2]
+        assert re.search(rf"member {member}: wrote configuration \d+ before the state came", p.stdout), out
+        assert re.search(rf"member {member}: recovering from: ", p.stderr), out
     if "--hang-rank" in fault_args:
         hung = fault_args[fault_args.index("--hang-rank") + 1]
         m = re.search(rf"member {hung} \(pid \d+\) is stuck: .*its stack at \S*elastic\.py:\d+: (\S+);", p.stderr)

@@ -233,7 +233,8 @@ class Elastic:
         rec = self._transfer
         if rec is None:
             return False
-        # Waited for on the CPU: the state counts as sent only once it arrived, on a device stream too.
+        # Waited for on the CPU (no limit of its own: the group's op timeout ends it), so that the state counts as
+        # sent only once it arrived, on a device stream too.
         pg = _get_default_group()
         works = [pg.broadcast(a, rec.source) for a in arrays]
         for work in works:

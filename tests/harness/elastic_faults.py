@@ -72,6 +72,8 @@ def _install(faults: list[tuple[str, int]]) -> None:
                 limit = time.monotonic() + 10
                 while self.watch is not None and not self.watch.fired and time.monotonic() < limit:
                     time.sleep(0.01)
+                if self.watch is None or not self.watch.fired:  # the case would not be the one asked for
+                    raise RuntimeError(f"member {me}: its record watch did not revoke the group within 10 s")
             return send(self, arrays)
 
         recovery.Elastic.broadcast_state = change_then_send  # type: ignore[method-assign]
