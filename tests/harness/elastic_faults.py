@@ -13,7 +13,8 @@ it under `nccl-pg run --elastic` (tests/test_elastic_recovery.py):
 - ``transfer:M``: member M (a replacement) writes a newer configuration (its
   own members again, as any change would) just before the state is sent to
   it, and waits until its record watch revoked its group: the transfer
-  fails, and the recovery after it must send the state again.
+  fails (what it left in the arrays is scribbled over), and the recovery
+  after it must send the state again.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import elastic as example  # noqa: E402  (examples/elastic.py)
 
-from nccl_pg import TCPStore, env  # noqa: E402
+from nccl_pg import DistBackendError  # noqa: E402
 from nccl_pg.elastic import records, recovery  # noqa: E402
+from nccl_pg.membership import job_store  # noqa: E402
 
 
 def _die(why: str) -> None:
@@ -64,16 +66,22 @@ def _install(faults: list[tuple[str, int]]) -> None:
         def change_then_send(self, arrays):  # type: ignore[no-untyped-def]
             if first[0]:  # a replacement's first call: the state is to come to it
                 first[0] = False
-                store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                 timeout=10, secret=env.STORE_SECRET.get())
-                new = records.Records(store).write_next(lambda c: c.members, "test: a change as the state is sent")
-                store.close()
+                new = records.Records(job_store()).write_next(lambda c: c.members,
+                                                             "test: a change as the state is sent")
                 print(f"member {me}: wrote configuration {new.uuid} before the state came", flush=True)
                 limit = time.monotonic() + 10
                 while self.watch is not None and not self.watch.fired and time.monotonic() < limit:
                     time.sleep(0.01)
                 if self.watch is None or not self.watch.fired:  # the case would not be the one asked for
                     raise RuntimeError(f"member {me}: its record watch did not revoke the group within 10 s")
+                try:
+                    return send(self, arrays)
+                except DistBackendError:
+                    # What a failed transfer left in the arrays is undefined (the host backend may have written
+                    # all of it, NCCL part): scribbled over, so that only a transfer sent again can give the state.
+                    for a in arrays:
+                        a[...] = -1
+                    raise
             return send(self, arrays)
 
         recovery.Elastic.broadcast_state = change_then_send  # type: ignore[method-assign]
